@@ -1,0 +1,104 @@
+// sdpa: exact scaled dot-product attention on the CPU.
+//
+//   out = softmax(q kᵀ · scale + bias) v          (softmax over keys, row by row)
+//
+// Shapes (rank 2, 3 or 4; the same rank for every tensor of one call):
+//   q       (B, Hq,  Nq, Dk)      rank 3 drops B, rank 2 drops B and H (a single head)
+//   k       (B, Hkv, Nk, Dk)      Hq % Hkv == 0; query head h reads kv head h / (Hq / Hkv)
+//   v       (B, Hkv, Nk, Dv)
+//   mask    broadcasts to (B, Hq, Nq, Nk) by NumPy rules (rank <= rank of q)
+//   out     (B, Hq,  Nq, Dv)
+//   weights (B, Hq,  Nq, Nk)      optional: softmax probabilities, for inspection
+//   lse     (B, Hq,  Nq)          optional: log-sum-exp of each row's biased, scaled scores
+//
+// A row with no allowed key (everything masked, or Nk == 0) gives out = 0, weights = 0 and
+// lse = -inf: never NaN. See docs/ARCHITECTURE.md for the layers behind this header.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace sdpa {
+
+// Every invalid argument is reported by throwing Error before anything is written.
+// The message names the argument and the shapes involved.
+class Error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+enum class DType : uint8_t {
+  kBool,     // 1 byte per element, 0 = blocked, anything else = attend (masks only)
+  kFloat32,
+  kFloat64,
+};
+const char* dtype_name(DType dtype);
+int64_t dtype_size(DType dtype);
+
+// A non-owning view of a strided tensor. Strides count elements (not bytes) and may be zero
+// or negative. Preconditions the caller promises:
+//   - q, k, v and out have stride 1 in their last dim (the kernels load rows with SIMD);
+//     mask, weights and lse may have any strides.
+//   - out, weights and lse do not overlap each other or any input.
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int rank = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+  int64_t strides[4] = {0, 0, 0, 0};
+
+  // A C-order (row-major, contiguous) view.
+  static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape);
+  int64_t numel() const;
+  std::string shape_string() const;  // "(2, 3, 4)"
+};
+
+enum class Causal : uint8_t {
+  kNone,
+  kBottomRight,  // query i sees keys j <= i + (Nk - Nq): the last query sees every key
+                 // (FlashAttention's convention; what a KV cache needs)
+  kTopLeft,      // query i sees keys j <= i (PyTorch's is_causal)
+};
+
+// Sliding-window (local) attention: query i sees keys j with
+//   i' - left <= j <= i' + right,   i' = i + (Nk - Nq)   (aligned bottom-right, as causal)
+// A negative bound is unbounded. The default {-1, -1} is no window.
+struct Window {
+  int64_t left = -1;
+  int64_t right = -1;
+};
+
+enum class Backend : uint8_t {
+  kAuto,       // the fastest exact kernel for the inputs' dtype
+  kReference,  // materialises the score matrix in float64: simple, slow, the oracle
+  kNaive,      // the same materialising algorithm in the inputs' own precision: the
+               // yardstick for tolerances ("error of a naive implementation")
+};
+
+struct Options {
+  std::optional<double> scale;  // default 1 / sqrt(Dk); must be finite
+  Causal causal = Causal::kNone;
+  Window window;
+  Backend backend = Backend::kAuto;
+};
+
+struct Inputs {
+  TensorView q = {}, k = {}, v = {};
+  std::optional<TensorView> mask = std::nullopt;  // kBool, or floating point of q's dtype (added to scores)
+};
+
+struct Outputs {
+  TensorView out = {};  // q's dtype
+  std::optional<TensorView> weights = std::nullopt;  // q's dtype
+  std::optional<TensorView> lse = std::nullopt;  // q's dtype
+};
+
+// Computes attention. q, k, v share one dtype (float32 or float64) and compute in it;
+// the kReference backend computes in float64 whatever the dtype.
+// Throws Error on invalid arguments, before writing anything.
+void attention(const Inputs& inputs, const Outputs& outputs, const Options& options = {});
+
+}  // namespace sdpa

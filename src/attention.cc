@@ -1,0 +1,22 @@
+// The entry point: validate once, then hand the Problem to the chosen kernel.
+#include "problem.h"
+#include "reference.h"
+
+namespace sdpa {
+
+void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
+  const internal::Problem p = internal::make_problem(inputs, outputs, options);
+  const bool f64 = p.dtype == DType::kFloat64;
+  switch (options.backend) {
+    case Backend::kReference:
+      internal::materialized_attention<double>(p);
+      return;
+    case Backend::kNaive:
+    case Backend::kAuto:
+      f64 ? internal::materialized_attention<double>(p) : internal::materialized_attention<float>(p);
+      return;
+  }
+  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(options.backend)));
+}
+
+}  // namespace sdpa

@@ -1,0 +1,241 @@
+// Argument validation: every check of the public API lives here, before any write.
+#include "problem.h"
+
+#include <cmath>
+#include <sstream>
+#include <string>
+
+namespace sdpa {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBool: return "bool";
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+  }
+  return "unknown";
+}
+
+int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBool: return 1;
+    case DType::kFloat32: return 4;
+    case DType::kFloat64: return 8;
+  }
+  return 0;
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {
+  if (shape.size() < 1 || shape.size() > 4) throw Error("TensorView::contiguous: rank must be 1..4");
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = static_cast<int>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) t.shape[i++] = s;
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= shape[d];
+  return n;
+}
+
+std::string TensorView::shape_string() const {
+  std::string s = "(";
+  for (int d = 0; d < rank; ++d) {
+    if (d) s += ", ";
+    s += std::to_string(shape[d]);
+  }
+  return s + (rank == 1 ? ",)" : ")");
+}
+
+namespace internal {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw Error(message); }
+
+std::string shape_string(const int64_t* shape, int rank) {
+  TensorView t;
+  t.rank = rank;
+  for (int d = 0; d < rank; ++d) t.shape[d] = shape[d];
+  return t.shape_string();
+}
+
+// Checks what every tensor needs: a supported rank, non-negative dims, data when non-empty.
+void check_basic(const char* name, const TensorView& t, int min_rank, int max_rank) {
+  if (t.rank < min_rank || t.rank > max_rank) {
+    fail(std::string(name) + " has rank " + std::to_string(t.rank) + " but must have rank " +
+         std::to_string(min_rank) + ".." + std::to_string(max_rank));
+  }
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] < 0) fail(std::string(name) + " has a negative dim: " + t.shape_string());
+  }
+  if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+}
+
+void check_unit_last_stride(const char* name, const TensorView& t) {
+  if (t.shape[t.rank - 1] > 1 && t.strides[t.rank - 1] != 1) {
+    fail(std::string(name) + " must have stride 1 in its last dim, but has stride " +
+         std::to_string(t.strides[t.rank - 1]) + " (shape " + t.shape_string() + ")");
+  }
+}
+
+void check_dtype(const char* name, const TensorView& t, DType expected) {
+  if (t.dtype != expected) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but q has dtype " + dtype_name(expected));
+  }
+}
+
+// Places a rank-r view in the first `dims` slots of a View4, padding on the left; the padded
+// slots and the slots after `dims` have extent 1, stride 0.
+View4 to_view4(const TensorView& t, int dims = 4) {
+  View4 v;
+  v.data = static_cast<char*>(t.data);
+  v.dtype = t.dtype;
+  const int pad = dims - t.rank;
+  for (int d = 0; d < t.rank; ++d) {
+    v.shape[pad + d] = t.shape[d];
+    v.strides[pad + d] = t.shape[d] == 1 ? 0 : t.strides[d];
+  }
+  return v;
+}
+
+// Requires t to have exactly the shape `expected` (of the same rank as q).
+void check_shape(const char* name, const TensorView& t, const int64_t* expected, int rank, const char* meaning) {
+  bool same = t.rank == rank;
+  for (int d = 0; same && d < rank; ++d) same = t.shape[d] == expected[d];
+  if (!same) {
+    fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape_string(expected, rank) +
+         " = " + meaning);
+  }
+}
+
+}  // namespace
+
+Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
+  const TensorView &q = in.q, &k = in.k, &v = in.v, &out = outs.out;
+  check_basic("q", q, 2, 4);
+  check_basic("k", k, 2, 4);
+  check_basic("v", v, 2, 4);
+  check_basic("out", out, 2, 4);
+  if (q.dtype != DType::kFloat32 && q.dtype != DType::kFloat64) {
+    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32 or float64");
+  }
+  check_dtype("k", k, q.dtype);
+  check_dtype("v", v, q.dtype);
+  check_dtype("out", out, q.dtype);
+  const int r = q.rank;
+  if (k.rank != r) fail("k has rank " + std::to_string(k.rank) + " but q has rank " + std::to_string(r));
+  if (v.rank != r) fail("v has rank " + std::to_string(v.rank) + " but q has rank " + std::to_string(r));
+
+  Problem p;
+  p.dtype = q.dtype;
+  p.Nq = q.shape[r - 2];
+  p.Dk = q.shape[r - 1];
+  p.Nk = k.shape[r - 2];
+  p.Dv = v.shape[r - 1];
+  if (r >= 3) {
+    p.Hq = q.shape[r - 3];
+    p.Hkv = k.shape[r - 3];
+  }
+  if (r == 4) {
+    p.B = q.shape[0];
+    if (k.shape[0] != p.B) fail("k has batch " + std::to_string(k.shape[0]) + " but q has batch " + std::to_string(p.B));
+    if (v.shape[0] != p.B) fail("v has batch " + std::to_string(v.shape[0]) + " but q has batch " + std::to_string(p.B));
+  }
+  if (k.shape[r - 1] != p.Dk) {
+    fail("k has Dk=" + std::to_string(k.shape[r - 1]) + " but q has Dk=" + std::to_string(p.Dk) + " (q " +
+         q.shape_string() + ", k " + k.shape_string() + ")");
+  }
+  if (v.shape[r - 2] != p.Nk) {
+    fail("v has Nk=" + std::to_string(v.shape[r - 2]) + " but k has Nk=" + std::to_string(p.Nk) + " (k " +
+         k.shape_string() + ", v " + v.shape_string() + ")");
+  }
+  if (r >= 3) {
+    if (v.shape[r - 3] != p.Hkv) {
+      fail("v has " + std::to_string(v.shape[r - 3]) + " heads but k has " + std::to_string(p.Hkv) + " (k " +
+           k.shape_string() + ", v " + v.shape_string() + ")");
+    }
+    if (p.Hkv == 0 ? p.Hq != 0 : p.Hq % p.Hkv != 0) {
+      fail("q has Hq=" + std::to_string(p.Hq) + " heads, which is not a multiple of k's Hkv=" +
+           std::to_string(p.Hkv) + " (q " + q.shape_string() + ", k " + k.shape_string() + ")");
+    }
+    p.group = p.Hkv == 0 ? 1 : p.Hq / p.Hkv;
+  }
+  check_unit_last_stride("q", q);
+  check_unit_last_stride("k", k);
+  check_unit_last_stride("v", v);
+  check_unit_last_stride("out", out);
+
+  // Expected output shapes, in q's rank: (B, Hq, Nq, X) with the leading dims dropped.
+  const int64_t full_out[4] = {p.B, p.Hq, p.Nq, p.Dv};
+  const int64_t full_weights[4] = {p.B, p.Hq, p.Nq, p.Nk};
+  check_shape("out", out, full_out + (4 - r), r, r == 2 ? "(Nq, Dv)" : r == 3 ? "(Hq, Nq, Dv)" : "(B, Hq, Nq, Dv)");
+  p.q = to_view4(q);
+  p.k = to_view4(k);
+  p.v = to_view4(v);
+  p.out = to_view4(out);
+
+  if (outs.weights) {
+    const TensorView& w = *outs.weights;
+    check_basic("weights", w, 2, 4);
+    check_dtype("weights", w, q.dtype);
+    check_shape("weights", w, full_weights + (4 - r), r,
+                r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
+    p.weights = to_view4(w);
+  }
+  if (outs.lse) {
+    const TensorView& l = *outs.lse;
+    check_basic("lse", l, 1, 3);
+    check_dtype("lse", l, q.dtype);
+    check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
+    p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
+  }
+
+  if (in.mask) {
+    const TensorView& m = *in.mask;
+    check_basic("mask", m, 1, 4);
+    if (m.dtype != DType::kBool && m.dtype != q.dtype) {
+      fail(std::string("mask has dtype ") + dtype_name(m.dtype) + " but must be bool or q's dtype " +
+           dtype_name(q.dtype));
+    }
+    const char* target = r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)";
+    if (m.rank > r) {
+      fail("mask has shape " + m.shape_string() + ", more dims than the scores " +
+           shape_string(full_weights + (4 - r), r) + " = " + target);
+    }
+    View4 mv = to_view4(m);
+    for (int d = 0; d < 4; ++d) {
+      if (mv.shape[d] != full_weights[d] && mv.shape[d] != 1) {
+        fail("mask has shape " + m.shape_string() + ", which does not broadcast to the scores " +
+             shape_string(full_weights + (4 - r), r) + " = " + target);
+      }
+      mv.shape[d] = full_weights[d];  // broadcast dims already have stride 0
+    }
+    p.mask = mv;
+  }
+
+  if (opt.scale) {
+    if (!std::isfinite(*opt.scale)) fail("scale must be finite, got " + std::to_string(*opt.scale));
+    p.scale = *opt.scale;
+  } else {
+    // With Dk == 0 every score is an empty sum (0) whatever the scale; 1 avoids 1/sqrt(0).
+    p.scale = p.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(p.Dk)) : 1.0;
+  }
+  if (opt.causal != Causal::kNone && opt.causal != Causal::kBottomRight && opt.causal != Causal::kTopLeft) {
+    fail("causal has an unknown value " + std::to_string(static_cast<int>(opt.causal)));
+  }
+  p.causal = opt.causal;
+  p.window = opt.window;
+  return p;
+}
+
+}  // namespace internal
+}  // namespace sdpa

@@ -1,0 +1,91 @@
+// The validated, normalised description of one attention call, shared by every kernel.
+// make_problem() is the only place that checks arguments; kernels trust a Problem.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "sdpa/attention.h"
+
+namespace sdpa::internal {
+
+// A tensor view normalised to 4 dims (B, H, N, D). Dims that broadcast have stride 0.
+struct View4 {
+  char* data = nullptr;
+  DType dtype = DType::kFloat32;
+  int64_t shape[4] = {1, 1, 1, 1};
+  int64_t strides[4] = {0, 0, 0, 0};  // in elements
+
+  int64_t offset(int64_t b, int64_t h, int64_t n, int64_t d) const {
+    return b * strides[0] + h * strides[1] + n * strides[2] + d * strides[3];
+  }
+  template <typename T>
+  T* at(int64_t b, int64_t h, int64_t n, int64_t d = 0) const {
+    return reinterpret_cast<T*>(data) + offset(b, h, n, d);
+  }
+  // Reads one element of a floating-point view as T (slow path: branches on dtype).
+  template <typename T>
+  T load(int64_t b, int64_t h, int64_t n, int64_t d) const {
+    return dtype == DType::kFloat64 ? static_cast<T>(*at<double>(b, h, n, d))
+                                    : static_cast<T>(*at<float>(b, h, n, d));
+  }
+  template <typename T>
+  void store(int64_t b, int64_t h, int64_t n, int64_t d, T value) const {
+    if (dtype == DType::kFloat64) {
+      *at<double>(b, h, n, d) = static_cast<double>(value);
+    } else {
+      *at<float>(b, h, n, d) = static_cast<float>(value);
+    }
+  }
+};
+
+// Half-open range of key indices [begin, end) a query row may see.
+struct KeyRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  bool empty() const { return end <= begin; }
+};
+
+struct Problem {
+  int64_t B = 1, Hq = 1, Hkv = 1, Nq = 0, Nk = 0, Dk = 0, Dv = 0;
+  int64_t group = 1;  // Hq / Hkv: query heads per kv head
+  DType dtype = DType::kFloat32;
+  double scale = 1.0;
+  Causal causal = Causal::kNone;
+  Window window;
+
+  View4 q, k, v, out;
+  std::optional<View4> mask;     // broadcast to (B, Hq, Nq, Nk)
+  std::optional<View4> weights;  // (B, Hq, Nq, Nk)
+  std::optional<View4> lse;      // (B, Hq, Nq, 1)
+
+  // The keys that causal and window allow for query row i (the mask may block more).
+  KeyRange key_range(int64_t i) const {
+    const int64_t aligned = i + (Nk - Nq);  // i aligned bottom-right
+    int64_t begin = 0;
+    int64_t end = Nk;
+    if (causal == Causal::kBottomRight) end = std::min(end, aligned + 1);
+    if (causal == Causal::kTopLeft) end = std::min(end, i + 1);
+    if (window.right >= 0) end = std::min(end, aligned + window.right + 1);
+    if (window.left >= 0) begin = std::max(begin, aligned - window.left);
+    return {begin, std::max(begin, end)};
+  }
+
+  // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool.
+  template <typename T>
+  T mask_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (!mask) return T(0);
+    if (mask->dtype == DType::kBool) {
+      return *mask->at<uint8_t>(b, h, i, j) ? T(0) : -std::numeric_limits<T>::infinity();
+    }
+    return mask->load<T>(b, h, i, j);
+  }
+};
+
+// Validates every argument and builds the Problem. Throws sdpa::Error naming the argument.
+Problem make_problem(const Inputs& inputs, const Outputs& outputs, const Options& options);
+
+}  // namespace sdpa::internal

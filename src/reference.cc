@@ -1,0 +1,58 @@
+#include "reference.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace sdpa::internal {
+
+template <typename Acc>
+void materialized_attention(const Problem& p) {
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  const Acc scale = static_cast<Acc>(p.scale);
+  std::vector<Acc> scores(static_cast<size_t>(p.Nk));
+  std::vector<Acc> out_row(static_cast<size_t>(p.Dv));
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      const int64_t kvh = h / p.group;
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        // 1. Scores s_j = (q_i · k_j) * scale + bias_ij, -inf outside causal/window.
+        const KeyRange range = p.key_range(i);
+        Acc row_max = neg_inf;
+        for (int64_t j = 0; j < p.Nk; ++j) {
+          Acc s = neg_inf;
+          if (j >= range.begin && j < range.end) {
+            Acc dot = 0;
+            for (int64_t d = 0; d < p.Dk; ++d) dot += p.q.load<Acc>(b, h, i, d) * p.k.load<Acc>(b, kvh, j, d);
+            s = dot * scale + p.mask_bias<Acc>(b, h, i, j);
+          }
+          scores[j] = s;
+          row_max = std::max(row_max, s);
+        }
+        // 2. Stable softmax: subtract the row max. A row with no allowed key stays all zero.
+        Acc sum = 0;
+        const bool any_allowed = row_max != neg_inf;
+        for (int64_t j = 0; j < p.Nk; ++j) {
+          scores[j] = any_allowed ? std::exp(scores[j] - row_max) : Acc(0);
+          sum += scores[j];
+        }
+        const Acc inv_sum = any_allowed ? Acc(1) / sum : Acc(0);
+        // 3. out_i = sum_j w_ij v_j.
+        for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = 0;
+        for (int64_t j = 0; j < p.Nk; ++j) {
+          const Acc w = scores[j] * inv_sum;
+          if (p.weights) p.weights->store(b, h, i, j, w);
+          if (w == 0) continue;
+          for (int64_t d = 0; d < p.Dv; ++d) out_row[d] += w * p.v.load<Acc>(b, kvh, j, d);
+        }
+        for (int64_t d = 0; d < p.Dv; ++d) p.out.store(b, h, i, d, out_row[d]);
+        if (p.lse) p.lse->store(b, h, i, 0, any_allowed ? row_max + std::log(sum) : neg_inf);
+      }
+    }
+  }
+}
+
+template void materialized_attention<float>(const Problem& p);
+template void materialized_attention<double>(const Problem& p);
+
+}  // namespace sdpa::internal
