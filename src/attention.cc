@@ -1,4 +1,5 @@
 // The entry point: validate once, then hand the Problem to the chosen kernel.
+#include "flash/flash.h"
 #include "problem.h"
 #include "reference.h"
 
@@ -11,8 +12,11 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
     case Backend::kReference:
       internal::materialized_attention<double>(p);
       return;
-    case Backend::kNaive:
     case Backend::kAuto:
+    case Backend::kFlash:
+      internal::flash_attention(p);
+      return;
+    case Backend::kNaive:
       f64 ? internal::materialized_attention<double>(p) : internal::materialized_attention<float>(p);
       return;
   }

@@ -72,7 +72,9 @@ struct Window {
 };
 
 enum class Backend : uint8_t {
-  kAuto,       // the fastest exact kernel for the inputs' dtype
+  kAuto,       // the fastest exact kernel for the inputs' dtype (today: kFlash)
+  kFlash,      // fused tiled kernel: online softmax, SIMD (runtime dispatch), threads;
+               // extra memory O(threads × tile), independent of Nq and Nk
   kReference,  // materialises the score matrix in float64: simple, slow, the oracle
   kNaive,      // the same materialising algorithm in the inputs' own precision: the
                // yardstick for tolerances ("error of a naive implementation")
@@ -100,5 +102,10 @@ struct Outputs {
 // the kReference backend computes in float64 whatever the dtype.
 // Throws Error on invalid arguments, before writing anything.
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options = {});
+
+// Threads used by the kernels: n > 0 fixes the count, 0 restores OpenMP's default
+// (OMP_NUM_THREADS, else the number of cores). Results do not depend on it, bit for bit.
+void set_num_threads(int n);
+int num_threads();
 
 }  // namespace sdpa

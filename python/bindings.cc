@@ -1,0 +1,80 @@
+// sdpa._core: a thin bridge from NumPy arrays to sdpa::attention. All conversion and dtype
+// policy lives in sdpa/__init__.py; here arrays are only wrapped as TensorViews (no copies).
+// sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include "sdpa/attention.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Array = nb::ndarray<nb::device::cpu>;
+
+sdpa::TensorView to_view(const Array& a, const char* name) {
+  sdpa::TensorView t;
+  const nb::dlpack::dtype dt = a.dtype();
+  if (dt == nb::dtype<float>()) {
+    t.dtype = sdpa::DType::kFloat32;
+  } else if (dt == nb::dtype<double>()) {
+    t.dtype = sdpa::DType::kFloat64;
+  } else if (dt == nb::dtype<bool>()) {
+    t.dtype = sdpa::DType::kBool;
+  } else {
+    throw nb::type_error((std::string(name) + " must be float32, float64 or bool").c_str());
+  }
+  if (a.ndim() > 4) throw nb::value_error((std::string(name) + " has more than 4 dims").c_str());
+  t.data = a.data();
+  t.rank = static_cast<int>(a.ndim());
+  for (int d = 0; d < t.rank; ++d) {
+    t.shape[d] = static_cast<int64_t>(a.shape(d));
+    t.strides[d] = a.stride(d);
+  }
+  return t;
+}
+
+sdpa::Causal parse_causal(const std::string& name) {
+  if (name == "none") return sdpa::Causal::kNone;
+  if (name == "bottom_right") return sdpa::Causal::kBottomRight;
+  if (name == "top_left") return sdpa::Causal::kTopLeft;
+  throw nb::value_error(("causal must be False, True, 'bottom_right' or 'top_left', got '" + name + "'").c_str());
+}
+
+sdpa::Backend parse_backend(const std::string& name) {
+  if (name == "auto") return sdpa::Backend::kAuto;
+  if (name == "flash") return sdpa::Backend::kFlash;
+  if (name == "reference") return sdpa::Backend::kReference;
+  if (name == "naive") return sdpa::Backend::kNaive;
+  throw nb::value_error(("backend must be 'auto', 'flash', 'reference' or 'naive', got '" + name + "'").c_str());
+}
+
+void attention(const Array& q, const Array& k, const Array& v, const std::optional<Array>& mask, const Array& out,
+               const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
+               const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend) {
+  sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
+  if (mask) in.mask = to_view(*mask, "mask");
+  sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
+  if (weights) outs.weights = to_view(*weights, "weights");
+  if (lse) outs.lse = to_view(*lse, "lse");
+  sdpa::Options opt;
+  opt.scale = scale;
+  opt.causal = parse_causal(causal);
+  opt.window = {window_left, window_right};
+  opt.backend = parse_backend(backend);
+  nb::gil_scoped_release release;
+  sdpa::attention(in, outs, opt);
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "sdpa native core; use the functions of the sdpa package instead.";
+  m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
+        nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
+  m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
+  m.def("num_threads", &sdpa::num_threads);
+}

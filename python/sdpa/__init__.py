@@ -1,0 +1,166 @@
+"""sdpa: exact scaled dot-product attention on the CPU.
+
+    out = softmax(q @ k.T * scale + mask) @ v
+
+See ``sdpa.attention`` for shapes and options.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import _core
+
+__all__ = ["attention", "set_num_threads", "num_threads"]
+__version__ = "0.1.0"
+
+_CAUSAL = {False: "none", None: "none", "none": "none", True: "bottom_right",
+           "bottom_right": "bottom_right", "top_left": "top_left"}
+
+
+def _check_kind(name, a):
+    if a.dtype.kind not in "biuf":
+        raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers "
+                        "(float32, float64, or integer/bool promoted to float64)")
+    if not 2 <= a.ndim <= 4:
+        raise ValueError(f"{name} has shape {a.shape}, but must have 2, 3 or 4 dims "
+                         "(N, D), (H, N, D) or (B, H, N, D)")
+
+
+def _compute_dtype(*arrays):
+    # float32 (and float16) inputs compute in float32; anything with float64 or integers in float64.
+    if all(a.dtype in (np.float32, np.float16) for a in arrays):
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)
+
+
+def _prepared(a, dtype):
+    """a as `dtype`, aligned, with unit stride in its last dim (the kernel's only layout need).
+
+    Other strides (transposes, slices, broadcast zeros) are passed through without a copy."""
+    a = np.asarray(a, dtype=dtype)
+    if not a.flags.aligned or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _prepared_mask(mask, dtype):
+    mask = np.asarray(mask)
+    if mask.dtype == np.bool_:
+        return mask
+    if mask.dtype.kind == "f":
+        return np.asarray(mask, dtype=dtype)
+    raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
+                    "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
+
+
+def _window_bounds(window):
+    if window is None:
+        return -1, -1
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
+    bounds = []
+    for name, x in (("left", left), ("right", right)):
+        if x is None:
+            x = -1
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise ValueError(f"window {name} must be an integer (-1 = unbounded), got {x!r}")
+        bounds.append(int(x) if x >= 0 else -1)
+    return bounds[0], bounds[1]
+
+
+def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
+              return_weights=False, return_lse=False, backend="auto"):
+    """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
+
+    Shapes (all of one call have the same number of dims, 2, 3 or 4)::
+
+        q        (B, Hq,  Nq, Dk)     or (Hq, Nq, Dk), or (Nq, Dk) for a single head
+        k        (B, Hkv, Nk, Dk)     Hq must be a multiple of Hkv (grouped-query attention:
+        v        (B, Hkv, Nk, Dv)     query head h reads kv head h // (Hq // Hkv))
+        mask     broadcastable to (B, Hq, Nq, Nk), NumPy rules, at most as many dims as q
+        returns  out      (B, Hq, Nq, Dv)
+                 weights  (B, Hq, Nq, Nk)   if return_weights
+                 lse      (B, Hq, Nq)       if return_lse: log-sum-exp of each row's scores
+
+    Args:
+        q, k, v: arrays or array-likes (nested lists work). float32 inputs compute and return
+            float32 (float32 accumulation); float64, integer or bool inputs compute and return
+            float64. Complex or object arrays raise TypeError.
+        mask: bool (True = attend, False = block) or floating point, added to the scaled
+            scores (-inf blocks). Blocking happens before the softmax, never after.
+        causal: False; True or "bottom_right"; or "top_left". With Nq=2, Nk=4 (x = attend)::
+
+                bottom_right (True)      top_left
+                  k0 k1 k2 k3             k0 k1 k2 k3
+              q0   x  x  x  .         q0   x  .  .  .
+              q1   x  x  x  x         q1   x  x  .  .
+
+            "bottom_right" lets query i see keys j <= i + (Nk - Nq), so the last query sees
+            every key (the KV-cache convention of FlashAttention); "top_left" lets query i see
+            keys j <= i (PyTorch's is_causal). They agree when Nq == Nk. Combines with mask.
+        scale: multiplies q·k; default 1 / sqrt(Dk).
+        window: (left, right) sliding window; query i sees keys j with
+            i' - left <= j <= i' + right, where i' = i + (Nk - Nq). -1 or None is unbounded.
+        return_weights, return_lse: also return the attention weights and/or the lse.
+        backend: "auto" (the fastest exact kernel: today "flash"), "flash" (fused tiled SIMD
+            kernel, O(N) memory), "reference" (float64, materialises the scores; the oracle
+            of the tests) or "naive" (the reference's algorithm in the inputs' precision).
+
+    Returns:
+        out, or a tuple (out, weights), (out, lse) or (out, weights, lse).
+
+    A query row with no allowed key (fully masked, or Nk == 0) gives an output row of zeros,
+    weights of zeros and lse = -inf; never NaN. Results are bitwise reproducible.
+
+    Raises:
+        TypeError: complex, object or string inputs; a mask that is neither bool nor float.
+        ValueError: shapes that do not fit together, a mask that does not broadcast, an
+            unknown causal mode or backend, a non-finite scale. Messages name the argument.
+    """
+    arrays = [np.asarray(x) for x in (q, k, v)]
+    for name, a in zip("qkv", arrays):
+        _check_kind(name, a)
+    dtype = _compute_dtype(*arrays)
+    q, k, v = (_prepared(a, dtype) for a in arrays)
+    if mask is not None:
+        mask = _prepared_mask(mask, dtype)
+
+    try:
+        causal_code = _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}") from None
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be 'auto', 'flash', 'reference' or 'naive', got {backend!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number, got {scale!r}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+    left, right = _window_bounds(window)
+
+    lead = q.shape[:-1]  # (…, Hq, Nq)
+    out = np.empty(lead + (v.shape[-1],), dtype)
+    weights = np.empty(lead + (k.shape[-2],), dtype) if return_weights else None
+    lse = np.empty(lead, dtype) if return_lse else None
+    _core.attention(q, k, v, mask, out, weights, lse, scale, causal_code, left, right, backend)
+
+    extra = tuple(x for x in (weights, lse) if x is not None)
+    return (out,) + extra if extra else out
+
+
+def set_num_threads(n):
+    """Sets the threads sdpa's kernels use; 0 restores OpenMP's default (OMP_NUM_THREADS,
+    else all cores). Outputs are bitwise identical whatever the count."""
+    _core.set_num_threads(int(n))
+
+
+def num_threads():
+    """The number of threads sdpa's kernels use."""
+    return _core.num_threads()

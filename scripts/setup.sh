@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds everything and runs `sdpa demo`. Safe to run again.
+#   scripts/setup.sh            set up, build, demo
+#   scripts/setup.sh --no-demo  set up and build only (what scripts/test.sh uses)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# 1. Debian packages: compilers, CMake, Highway (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP.
+packages=(build-essential cmake ninja-build python3-venv libhwy-dev libcli11-dev libgtest-dev
+          libbenchmark-dev libomp-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
+fi
+
+# 2. The Python environment .venv with the package installed (and the sdpa CLI on its PATH).
+python="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-dev.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .
+
+# 3. The C++ build: library, CLI, tests, benchmarks.
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build
+
+if [ "${1:-}" != "--no-demo" ]; then
+  .venv/bin/sdpa demo
+fi

@@ -1,0 +1,30 @@
+// Compiles flash-inl.h once per SIMD target and dispatches to the best one at run time.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "flash/flash.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "flash/flash-inl.h"
+#include "flash/flash.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace sdpa::internal::HWY_NAMESPACE {
+void FlashF32(const Problem& p) { Flash<float>(p); }
+void FlashF64(const Problem& p) { Flash<double>(p); }
+}  // namespace sdpa::internal::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace sdpa::internal {
+HWY_EXPORT(FlashF32);
+HWY_EXPORT(FlashF64);
+
+void flash_attention(const Problem& p) {
+  if (p.dtype == DType::kFloat64) {
+    HWY_DYNAMIC_DISPATCH(FlashF64)(p);
+  } else {
+    HWY_DYNAMIC_DISPATCH(FlashF32)(p);
+  }
+}
+}  // namespace sdpa::internal
+#endif

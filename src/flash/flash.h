@@ -1,0 +1,12 @@
+// The fused, tiled, multi-threaded SIMD kernel (FlashAttention-2 forward). Dispatches once
+// to the best SIMD target of this CPU (Highway), then runs flash-inl.h's code for it.
+#pragma once
+
+#include "problem.h"
+
+namespace sdpa::internal {
+
+// Writes out (and lse, weights when requested) for a validated problem, in p.dtype.
+void flash_attention(const Problem& p);
+
+}  // namespace sdpa::internal

@@ -1,0 +1,144 @@
+// The target-independent half of the fused kernel: how the work is cut into blocks and key
+// chunks, and the scalar bookkeeping at a block's start and end. Everything here depends
+// only on the problem (and the SIMD width), never on the thread count: that is what makes
+// the output bitwise identical for any number of threads.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "problem.h"
+#include "threads.h"
+
+namespace sdpa::internal {
+
+// Keys per tile: a score tile is kTileKeys × Mq (8 KiB for f32 AVX2 with Mq=16), so with
+// the value rows it reads, it stays in L1 between the two products.
+inline constexpr int64_t kTileKeys = 128;
+// Key splitting for few blocks (decode): aim at this many work units, chunks of at least
+// kMinChunkKeys keys, so each unit amortises its merge.
+inline constexpr int64_t kTargetUnits = 16;
+inline constexpr int64_t kMinChunkKeys = 8 * kTileKeys;
+
+inline int64_t tile_start(int64_t j) { return j / kTileKeys * kTileKeys; }
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Rows [r0, r0 + rows) of kv head kvh's "group rows" r = i·group + g (query row i of query
+// head kvh·group + g): one block, one lane per row.
+struct BlockRows {
+  int64_t b = 0, kvh = 0, r0 = 0, rows = 0;
+};
+
+// One lane's query head, row and allowed keys [begin, end).
+struct LaneRow {
+  int64_t h = 0, i = 0, begin = 0, end = 0;
+};
+
+// Over a block's lanes: the union [begin, end) of their key ranges (the tiles to visit) and
+// their intersection [max_begin, min_end) (tiles inside it need no per-element masking).
+struct LaneSpan {
+  int64_t begin = 0, end = 0, max_begin = 0, min_end = 0;
+};
+
+inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k0, int64_t k1, LaneRow* lanes) {
+  LaneSpan span{std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(),
+                std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()};
+  for (int64_t l = 0; l < blk.rows; ++l) {
+    const int64_t r = blk.r0 + l;
+    const int64_t i = r / p.group;
+    const KeyRange kr = p.key_range(i);
+    const int64_t begin = std::max(kr.begin, k0);
+    const int64_t end = std::max(begin, std::min(kr.end, k1));
+    lanes[l] = {blk.kvh * p.group + r % p.group, i, begin, end};
+    if (begin < end) {
+      span.begin = std::min(span.begin, begin);
+      span.end = std::max(span.end, end);
+    }
+    span.max_begin = std::max(span.max_begin, begin);
+    span.min_end = std::min(span.min_end, end);
+  }
+  if (span.begin >= span.end) span.begin = span.end = 0;  // no lane sees any key
+  return span;
+}
+
+struct Plan {
+  int64_t qv = 1;           // vectors of query rows per block
+  int64_t mq = 1;           // rows per block = qv · lanes
+  int64_t rows_per_head = 0, blocks_per_head = 0, blocks = 0;
+  int64_t Hkv = 1;
+  int64_t chunks = 1, chunk_keys = 1;  // keys split into `chunks` pieces of chunk_keys
+  int threads = 1;
+
+  int64_t units() const { return blocks * chunks; }
+  bool needs_merge() const { return chunks > 1; }
+  BlockRows block(int64_t bi) const {
+    const int64_t per_batch = Hkv * blocks_per_head;
+    const int64_t r0 = (bi % blocks_per_head) * mq;
+    return {bi / per_batch, (bi % per_batch) / blocks_per_head, r0, std::min(mq, rows_per_head - r0)};
+  }
+};
+
+inline Plan make_plan(const Problem& p, int64_t lanes) {
+  Plan plan;
+  plan.Hkv = p.Hkv;
+  plan.rows_per_head = p.Nq * p.group;
+  plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
+  plan.mq = plan.qv * lanes;
+  plan.blocks_per_head = ceil_div(plan.rows_per_head, plan.mq);
+  plan.blocks = p.B * p.Hkv * plan.blocks_per_head;
+  plan.chunk_keys = std::max<int64_t>(p.Nk, 1);
+  if (plan.blocks > 0 && plan.blocks < kTargetUnits && p.Nk >= 2 * kMinChunkKeys) {
+    const int64_t want = ceil_div(kTargetUnits, plan.blocks);
+    plan.chunk_keys = std::max(kMinChunkKeys, ceil_div(ceil_div(p.Nk, want), kTileKeys) * kTileKeys);
+    plan.chunks = ceil_div(p.Nk, plan.chunk_keys);
+  }
+  plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), plan.units())));
+  return plan;
+}
+
+// Merges a block's per-chunk results (ot, m, l), stored one after another, in chunk order:
+// rescale each chunk to the common max, then add. m is 0 and l is 0 where a chunk saw no key.
+template <typename T>
+void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* ot, T* m, T* l) {
+  const int64_t stride = (Dv + 2) * mq;
+  for (int64_t lane = 0; lane < mq; ++lane) {
+    T mmax = -std::numeric_limits<T>::infinity();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const T* pc = partial + c * stride;
+      if (pc[(Dv + 1) * mq + lane] > 0) mmax = std::max(mmax, pc[Dv * mq + lane]);
+    }
+    T sum = 0;
+    for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] = 0;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const T* pc = partial + c * stride;
+      const T lc = pc[(Dv + 1) * mq + lane];
+      if (!(lc > 0)) continue;
+      const T w = std::exp(pc[Dv * mq + lane] - mmax);
+      sum += lc * w;
+      for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] += pc[e * mq + lane] * w;
+    }
+    m[lane] = sum > 0 ? mmax : T(0);
+    l[lane] = sum;
+  }
+}
+
+// Normalises a block's output rows and writes out and lse. A lane with no allowed key
+// (l == 0) gets zeros and lse = -inf.
+template <typename T>
+void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
+                  const LaneRow* lanes) {
+  for (int64_t lane = 0; lane < blk.rows; ++lane) {
+    const LaneRow& r = lanes[lane];
+    const bool any = l[lane] > 0;
+    const T inv = any ? T(1) / l[lane] : T(0);
+    T* out = p.out.at<T>(blk.b, r.h, r.i);
+    for (int64_t e = 0; e < p.Dv; ++e) out[e] = ot[e * mq + lane] * inv;
+    if (p.lse) {
+      p.lse->store(blk.b, r.h, r.i, 0, any ? m[lane] + std::log(l[lane]) : -std::numeric_limits<T>::infinity());
+    }
+  }
+}
+
+}  // namespace sdpa::internal

@@ -1,0 +1,4 @@
+#pragma once
+namespace sdpa::internal {
+int num_threads();  // see sdpa::num_threads
+}
