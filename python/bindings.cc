@@ -12,9 +12,11 @@ namespace nb = nanobind;
 
 namespace {
 
-using Array = nb::ndarray<nb::device::cpu>;
+using Array = nb::ndarray<nb::device::cpu>;                 // outputs: written
+using ConstArray = nb::ndarray<nb::ro, nb::device::cpu>;   // inputs: read-only views welcome
 
-sdpa::TensorView to_view(const Array& a, const char* name) {
+template <typename A>
+sdpa::TensorView to_view(const A& a, const char* name) {
   sdpa::TensorView t;
   const nb::dlpack::dtype dt = a.dtype();
   if (dt == nb::dtype<float>()) {
@@ -27,7 +29,7 @@ sdpa::TensorView to_view(const Array& a, const char* name) {
     throw nb::type_error((std::string(name) + " must be float32, float64 or bool").c_str());
   }
   if (a.ndim() > 4) throw nb::value_error((std::string(name) + " has more than 4 dims").c_str());
-  t.data = a.data();
+  t.data = const_cast<void*>(static_cast<const void*>(a.data()));  // inputs are only read
   t.rank = static_cast<int>(a.ndim());
   for (int d = 0; d < t.rank; ++d) {
     t.shape[d] = static_cast<int64_t>(a.shape(d));
@@ -51,7 +53,8 @@ sdpa::Backend parse_backend(const std::string& name) {
   throw nb::value_error(("backend must be 'auto', 'flash', 'reference' or 'naive', got '" + name + "'").c_str());
 }
 
-void attention(const Array& q, const Array& k, const Array& v, const std::optional<Array>& mask, const Array& out,
+void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
+               const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
                const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};

@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "flash/decode-inl.h"
 #include "flash/flash_plan.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/contrib/math/math-inl.h"
@@ -36,14 +37,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 // Per-thread working memory for one block: O(Mq · (Dk + Dv + kTileKeys)), independent of N.
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq)
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector)
       : qt(hwy::AllocateAligned<T>(std::max<size_t>(1, p.Dk * mq))),
         st(hwy::AllocateAligned<T>(kTileKeys * mq)),
         ot(hwy::AllocateAligned<T>(std::max<size_t>(1, p.Dv * mq))),
         m(hwy::AllocateAligned<T>(mq)),
         l(hwy::AllocateAligned<T>(mq)),
+        decode_q(hwy::AllocateAligned<T>(kDecodeRows * (p.Dk + lanes_per_vector))),
+        decode_o(hwy::AllocateAligned<T>(kDecodeRows * (p.Dv + lanes_per_vector))),
         lanes(mq) {}
   hwy::AlignedFreeUniquePtr<T[]> qt, st, ot, m, l;
+  hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q and o
   std::vector<LaneRow> lanes;
 };
 
@@ -194,23 +198,25 @@ void RunBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, in
   }
 }
 
-// Weights for inspection, a second pass once the row's lse is known: w = exp(s - lse).
+// Weights for inspection, a second pass once each row's max m and sum l are known:
+// w = exp(s - m) / l. (exp(s - lse) would lose eps·|lse| of relative accuracy to lse's rounding.)
 template <size_t QV, class D, typename T = hn::TFromD<D>>
-void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* lse, Scratch<T>& s) {
+void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const T* l, Scratch<T>& s) {
   const size_t mq = QV * hn::Lanes(d);
   const LaneSpan span = describe_lanes(p, blk, 0, p.Nk, s.lanes.data());
   PackQueries(p, blk, s, mq);
-  for (int64_t l = 0; l < blk.rows; ++l) {
-    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, s.lanes[l].h, s.lanes[l].i, j, T(0));
+  for (int64_t lane = 0; lane < blk.rows; ++lane) {
+    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, s.lanes[lane].h, s.lanes[lane].i, j, T(0));
   }
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
     ScoreTile<QV>(d, p, blk, s, mq, j0, n, /*partial=*/true);
-    for (int64_t l = 0; l < blk.rows; ++l) {
-      if (lse[l] == -std::numeric_limits<T>::infinity()) continue;
+    for (int64_t lane = 0; lane < blk.rows; ++lane) {
+      if (!(l[lane] > 0)) continue;  // no allowed key: the row stays zero
+      const T inv = T(1) / l[lane];
       for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, s.lanes[l].h, s.lanes[l].i, j0 + j, std::exp(s.st[j * mq + l] - lse[l]));
+        p.weights->store(blk.b, s.lanes[lane].h, s.lanes[lane].i, j0 + j, std::exp(s.st[j * mq + lane] - m[lane]) * inv);
       }
     }
   }
@@ -226,7 +232,10 @@ void Flash(const Problem& p) {
   std::vector<T> partial(plan.needs_merge() ? plan.units() * (p.Dv + 2) * mq : 0);
 
   auto run = [&](Scratch<T>& s, const BlockRows& blk, int64_t k0, int64_t k1) {
-    if (plan.qv == 1) {
+    if (plan.decode) {
+      DecodeBlock(d, p, blk, k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data());
+    } else if (plan.qv == 1) {
       RunBlock<1>(d, p, blk, k0, k1, s);
     } else {
       RunBlock<2>(d, p, blk, k0, k1, s);
@@ -235,18 +244,21 @@ void Flash(const Problem& p) {
   auto finish = [&](Scratch<T>& s, const BlockRows& blk) {
     finish_block<T>(p, blk, s.ot.get(), s.m.get(), s.l.get(), mq, s.lanes.data());
     if (!p.weights) return;
-    std::vector<T> lse(mq);
-    for (size_t l = 0; l < mq; ++l) lse[l] = s.l[l] > 0 ? s.m[l] + std::log(s.l[l]) : -std::numeric_limits<T>::infinity();
-    if (plan.qv == 1) {
-      WriteWeights<1>(d, p, blk, lse.data(), s);
+    // WriteWeights overwrites the scratch, so it reads m and l from copies.
+    std::vector<T> m(s.m.get(), s.m.get() + mq), l(s.l.get(), s.l.get() + mq);
+    if (plan.decode) {
+      DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+                  s.ot.get(), m.data(), l.data(), s.lanes.data());
+    } else if (plan.qv == 1) {
+      WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
     } else {
-      WriteWeights<2>(d, p, blk, lse.data(), s);
+      WriteWeights<2>(d, p, blk, m.data(), l.data(), s);
     }
   };
 
 #pragma omp parallel num_threads(plan.threads)
   {
-    Scratch<T> s(p, mq);
+    Scratch<T> s(p, mq, N);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < plan.units(); ++u) {
       const BlockRows blk = plan.block(u / plan.chunks);

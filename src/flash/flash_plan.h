@@ -21,6 +21,8 @@ inline constexpr int64_t kTileKeys = 128;
 // kMinChunkKeys keys, so each unit amortises its merge.
 inline constexpr int64_t kTargetUnits = 16;
 inline constexpr int64_t kMinChunkKeys = 8 * kTileKeys;
+// Blocks of at most this many rows use the few-rows (decode) kernel, lanes along features.
+inline constexpr int64_t kDecodeMaxRows = 8;
 
 inline int64_t tile_start(int64_t j) { return j / kTileKeys * kTileKeys; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -64,6 +66,7 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
 }
 
 struct Plan {
+  bool decode = false;      // few rows per kv head: DecodeBlock instead of RunBlock
   int64_t qv = 1;           // vectors of query rows per block
   int64_t mq = 1;           // rows per block = qv · lanes
   int64_t rows_per_head = 0, blocks_per_head = 0, blocks = 0;
@@ -86,6 +89,7 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   plan.rows_per_head = p.Nq * p.group;
   plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
   plan.mq = plan.qv * lanes;
+  plan.decode = plan.rows_per_head <= kDecodeMaxRows;
   plan.blocks_per_head = ceil_div(plan.rows_per_head, plan.mq);
   plan.blocks = p.B * p.Hkv * plan.blocks_per_head;
   plan.chunk_keys = std::max<int64_t>(p.Nk, 1);

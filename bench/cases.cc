@@ -1,0 +1,102 @@
+#include "cases.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace sdpa::bench {
+
+double flop_count(const BenchCase& c) {
+  const double f = 4.0 * c.B * c.Hq * c.Nq * c.Nk * c.D;
+  return c.causal == Causal::kNone ? f : f / 2;
+}
+
+double kv_bytes(const BenchCase& c) { return 2.0 * c.B * c.Hkv * c.Nk * c.D * dtype_size(c.dtype); }
+
+bool is_decode(const BenchCase& c) { return c.Nq * (c.Hq / std::max<int64_t>(c.Hkv, 1)) <= 16; }
+
+std::vector<BenchCase> default_cases() {
+  const auto prefill = [](std::string name, int64_t N, int64_t D, Causal causal = Causal::kNone,
+                          MaskKind mask = MaskKind::kNone, int64_t Hkv = 8) {
+    return BenchCase{std::move(name), 1, 8, Hkv, N, N, D, mask, causal, DType::kFloat32};
+  };
+  return {
+      prefill("prefill d64", 2048, 64),
+      prefill("prefill d128", 2048, 128),
+      prefill("prefill d64 causal", 2048, 64, Causal::kBottomRight),
+      prefill("prefill d128 causal", 2048, 128, Causal::kBottomRight),
+      prefill("prefill d64 bool mask", 2048, 64, Causal::kNone, MaskKind::kBool),
+      prefill("prefill d64 additive mask", 2048, 64, Causal::kNone, MaskKind::kAdditive),
+      prefill("prefill d64 gqa 8:2", 2048, 64, Causal::kNone, MaskKind::kNone, 2),
+      BenchCase{"decode gqa 32:8 d128", 1, 32, 8, 1, 32768, 128},
+      BenchCase{"decode mha 8 d64 (4 tokens)", 1, 8, 8, 4, 16384, 64},
+  };
+}
+
+CaseData::CaseData(const BenchCase& c) : c_(c) {
+  const int64_t es = dtype_size(c.dtype);
+  q_.resize(c.B * c.Hq * c.Nq * c.D * es);
+  k_.resize(c.B * c.Hkv * c.Nk * c.D * es);
+  v_.resize(k_.size());
+  out_.resize(q_.size());
+  std::minstd_rand rng(42);  // fast: gigabytes of inputs for the decode cases
+  std::uniform_real_distribution<double> normal(-1.7, 1.7);  // unit variance, like randn
+  for (auto* buf : {&q_, &k_, &v_}) {
+    const size_t n = buf->size() / es;
+    for (size_t i = 0; i < n; ++i) {
+      if (c.dtype == DType::kFloat32) {
+        reinterpret_cast<float*>(buf->data())[i] = static_cast<float>(normal(rng));
+      } else {
+        reinterpret_cast<double*>(buf->data())[i] = normal(rng);
+      }
+    }
+  }
+  if (c.mask == MaskKind::kBool) {
+    mask_.resize(c.Nq * c.Nk);
+    for (auto& m : mask_) m = (rng() % 8) != 0;  // 1 in 8 keys blocked
+  } else if (c.mask == MaskKind::kAdditive) {
+    mask_.resize(c.Nq * c.Nk * es);
+    const size_t n = c.Nq * c.Nk;
+    for (size_t i = 0; i < n; ++i) {
+      const double bias = rng() % 8 ? 0.1 * normal(rng) : -std::numeric_limits<double>::infinity();
+      if (c.dtype == DType::kFloat32) {
+        reinterpret_cast<float*>(mask_.data())[i] = static_cast<float>(bias);
+      } else {
+        reinterpret_cast<double*>(mask_.data())[i] = bias;
+      }
+    }
+  }
+}
+
+void CaseData::run(Backend backend) {
+  Inputs in;
+  in.q = TensorView::contiguous(q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  in.k = TensorView::contiguous(k_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  in.v = TensorView::contiguous(v_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  if (c_.mask != MaskKind::kNone) {
+    in.mask = TensorView::contiguous(mask_.data(), c_.mask == MaskKind::kBool ? DType::kBool : c_.dtype,
+                                     {c_.Nq, c_.Nk});
+  }
+  Outputs outs;
+  outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  Options opt;
+  opt.causal = c_.causal;
+  opt.backend = backend;
+  attention(in, outs, opt);
+}
+
+double median_seconds(CaseData& data, int reps, Backend backend) {
+  data.run(backend);  // warm-up: page faults, caches, thread pool
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    data.run(backend);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+}  // namespace sdpa::bench

@@ -1,0 +1,46 @@
+// One table of benchmark cases drives `sdpa bench` and the Google Benchmark program
+// (bench_attention), so both measure the same shapes with the same flop formula.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sdpa/attention.h"
+
+namespace sdpa::bench {
+
+enum class MaskKind { kNone, kBool, kAdditive };
+
+struct BenchCase {
+  std::string name;
+  int64_t B = 1, Hq = 1, Hkv = 1, Nq = 1, Nk = 1, D = 64;
+  MaskKind mask = MaskKind::kNone;  // a full (Nq, Nk) mask broadcast over batch and heads
+  Causal causal = Causal::kNone;
+  DType dtype = DType::kFloat32;
+};
+
+// 4·B·Hq·Nq·Nk·D (two products of 2·Nq·Nk·D flops per head), halved for causal.
+double flop_count(const BenchCase& c);
+// Bytes of K and V, which a decode step (small Nq) must stream from memory.
+double kv_bytes(const BenchCase& c);
+bool is_decode(const BenchCase& c);  // Nq·(Hq/Hkv) small: bandwidth, not flops, is the measure
+
+// The default table: prefill (D 64/128, causal, masks, GQA) and decode cases.
+std::vector<BenchCase> default_cases();
+
+// Random inputs for a case, owned; `run` calls sdpa::attention once with the given backend.
+class CaseData {
+ public:
+  explicit CaseData(const BenchCase& c);
+  void run(Backend backend = Backend::kAuto);
+
+ private:
+  BenchCase c_;
+  std::vector<char> q_, k_, v_, out_, mask_;
+};
+
+// Median wall time (seconds) of `reps` runs after one warm-up.
+double median_seconds(CaseData& data, int reps, Backend backend = Backend::kAuto);
+
+}  // namespace sdpa::bench

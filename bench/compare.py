@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""sdpa against NumPy float32 attention and PyTorch's scaled_dot_product_attention, in one
+process, on the same threads. GFLOP/s = 4·B·Hq·Nq·Nk·D / time (halved for causal).
+
+    .venv/bin/python bench/compare.py [--threads 2] [--reps 5]
+
+torch is optional (pip install torch --index-url https://download.pytorch.org/whl/cpu); without
+it its column says "n/a"."""
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--reps", type=int, default=5)
+    return ap.parse_args()
+
+
+args = parse()
+# Thread pools read these at import: set them before numpy/torch load.
+for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(args.threads)
+
+import numpy as np  # noqa: E402
+
+import sdpa  # noqa: E402
+
+try:
+    import torch  # noqa: E402
+    import torch.nn.functional as F  # noqa: E402
+    torch.set_num_threads(args.threads)
+except ImportError:
+    torch = None
+
+sdpa.set_num_threads(args.threads)
+
+
+def numpy_attention(q, k, v, causal):
+    """The straightforward float32 NumPy version: materialised scores, stable softmax."""
+    s = (q @ np.swapaxes(k, -1, -2)) * np.float32(1 / np.sqrt(q.shape[-1]))
+    if causal:
+        nq, nk = s.shape[-2:]
+        s = np.where(np.tril(np.ones((nq, nk), bool), nk - nq), s, np.float32(-np.inf))
+    s = np.exp(s - s.max(-1, keepdims=True))
+    return (s / s.sum(-1, keepdims=True)) @ v
+
+
+def median_time(fn, reps):
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+CASES = [  # B, Hq, Hkv, Nq, Nk, D, causal
+    (1, 8, 8, 2048, 2048, 64, False),
+    (1, 8, 8, 2048, 2048, 128, False),
+    (1, 8, 8, 2048, 2048, 64, True),
+    (1, 8, 8, 4096, 4096, 64, False),
+    (1, 32, 8, 1, 32768, 128, False),
+]
+
+
+def main():
+    rng = np.random.default_rng(0)
+    print(f"threads={args.threads}  sdpa {sdpa.__version__}  numpy {np.__version__}  "
+          f"torch {torch.__version__ if torch else 'not installed'}")
+    print("GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal)")
+    head = f"{'case':34} {'sdpa':>9} {'numpy':>9} {'torch':>9} {'sdpa/numpy':>11} {'sdpa/torch':>11}"
+    print(head)
+    for B, Hq, Hkv, Nq, Nk, D, causal in CASES:
+        q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32)
+        k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
+        v = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
+        flops = 4 * B * Hq * Nq * Nk * D / (2 if causal else 1)
+        t_sdpa = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
+        rep = Hq // Hkv
+        kr, vr = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        t_np = median_time(lambda: numpy_attention(q, kr, vr, causal), args.reps)
+        t_torch = None
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(x) for x in (q, kr, vr))
+            # torch's is_causal is top-left; for Nq == Nk both alignments agree.
+            t_torch = median_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal), args.reps)
+        name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
+        g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
+        r = lambda t: f"{t / t_sdpa:10.2f}x" if t else f"{'n/a':>11}"
+        print(f"{name:34} {g(t_sdpa)} {g(t_np)} {g(t_torch)} {r(t_np)} {r(t_torch)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+// `sdpa bench`: the shared case table (bench/cases.h) timed on this machine, next to what the
+// machine can do, measured in the same run: the FMA peak and the memory read bandwidth.
+#include <CLI/CLI.hpp>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "cases.h"
+#include "commands.h"
+#include "machine.h"
+#include "sdpa/attention.h"
+
+namespace sdpa_cli {
+namespace {
+
+const char* mask_name(sdpa::bench::MaskKind m) {
+  switch (m) {
+    case sdpa::bench::MaskKind::kNone: return "none";
+    case sdpa::bench::MaskKind::kBool: return "bool";
+    case sdpa::bench::MaskKind::kAdditive: return "additive";
+  }
+  return "?";
+}
+
+const char* causal_name(sdpa::Causal c) {
+  switch (c) {
+    case sdpa::Causal::kNone: return "none";
+    case sdpa::Causal::kBottomRight: return "bottom_right";
+    case sdpa::Causal::kTopLeft: return "top_left";
+  }
+  return "?";
+}
+
+struct Row {
+  sdpa::bench::BenchCase c;
+  double seconds, gflops, kv_gbs;
+};
+
+}  // namespace
+
+CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
+  CLI::App* cmd = app.add_subcommand("bench", "Time the benchmark table: GFLOP/s, share of peak, bandwidth");
+  cmd->add_option("--threads", options.threads, "Threads (default: OpenMP's, i.e. all cores)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--reps", options.reps, "Timed runs per case; the median is reported")->check(CLI::PositiveNumber);
+  cmd->add_option("--filter", options.filter, "Only cases whose name contains this text");
+  cmd->add_flag("--json", options.json, "Print JSON instead of a table");
+  return cmd;
+}
+
+void bench_command(const BenchOptions& options) {
+  if (options.threads > 0) sdpa::set_num_threads(options.threads);
+  const int threads = sdpa::num_threads();
+  std::vector<sdpa::bench::BenchCase> cases;
+  for (const auto& c : sdpa::bench::default_cases()) {
+    if (c.name.find(options.filter) != std::string::npos) cases.push_back(c);
+  }
+  if (cases.empty()) throw std::runtime_error("--filter '" + options.filter + "' matches no case");
+
+  // Progress on stderr: one line rewritten in place on a terminal, plain lines to a log.
+  const bool tty = isatty(STDERR_FILENO);
+  const auto progress = [tty](const std::string& text) {
+    if (tty) {
+      std::cerr << "\r\033[K" << text << std::flush;
+    } else if (!text.empty()) {
+      std::cerr << text << '\n';
+    }
+  };
+  progress("measuring the machine (FMA peak, read bandwidth)...");
+  const double peak = sdpa::bench::measure_fma_peak_gflops(threads);
+  const double bandwidth = sdpa::bench::measure_read_bandwidth_gbs(threads);
+  std::vector<Row> rows;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    progress("[" + std::to_string(i + 1) + "/" + std::to_string(cases.size()) + "] " + c.name + "...");
+    sdpa::bench::CaseData data(c);
+    const double t = sdpa::bench::median_seconds(data, options.reps);
+    rows.push_back({c, t, sdpa::bench::flop_count(c) / t / 1e9, sdpa::bench::kv_bytes(c) / t / 1e9});
+  }
+  progress("");
+
+  const std::string target = sdpa::bench::simd_target();
+  if (options.json) {
+    std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"fma_peak_gflops\": %.2f, \"read_bandwidth_gbs\": %.2f,\n",
+                threads, target.c_str(), peak, bandwidth);
+    std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D, halved for causal\",\n \"cases\": [\n");
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& r = rows[i];
+      std::printf(
+          "  {\"name\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
+          "\"mask\": \"%s\", \"causal\": \"%s\", \"median_ms\": %.4f, \"gflops\": %.2f, \"peak_share\": %.4f, "
+          "\"kv_gbs\": %.2f, \"bandwidth_share\": %.4f}%s\n",
+          r.c.name.c_str(), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv, (long long)r.c.Nq,
+          (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), r.seconds * 1e3,
+          r.gflops, r.gflops / peak, r.kv_gbs, r.kv_gbs / bandwidth, i + 1 < rows.size() ? "," : "");
+    }
+    std::printf(" ]}\n");
+    return;
+  }
+  std::printf("sdpa bench: %d threads, SIMD target %s, float32, median of %d runs\n", threads, target.c_str(),
+              options.reps);
+  std::printf("machine (measured now, %d threads): FMA peak %.1f GFLOP/s, read bandwidth %.1f GB/s\n", threads,
+              peak, bandwidth);
+  std::printf("GFLOP/s = 4*B*Hq*Nq*Nk*D / median time, halved for causal; KV GB/s = bytes of K and V / time\n\n");
+  std::printf("%-28s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "B", "Hq", "Hkv", "Nq",
+              "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
+  for (const auto& r : rows) {
+    const bool decode = sdpa::bench::is_decode(r.c);
+    std::printf("%-28s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.3f %8.1f %5.1f%% ", r.c.name.c_str(),
+                (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv, (long long)r.c.Nq, (long long)r.c.Nk,
+                (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), r.seconds * 1e3, r.gflops,
+                100 * r.gflops / peak);
+    if (decode) {
+      std::printf("%8.1f %4.0f%%\n", r.kv_gbs, 100 * r.kv_gbs / bandwidth);
+    } else {
+      std::printf("%8s %5s\n", "-", "-");
+    }
+  }
+}
+
+}  // namespace sdpa_cli

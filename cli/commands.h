@@ -1,0 +1,47 @@
+// The subcommands of the `sdpa` tool. Each one has an add_*_command that declares it and its
+// options on the app (binding them to an options struct that main owns), and a *_command
+// that does the work after parsing. Errors are thrown (std::exception); main reports them.
+#pragma once
+
+#include <iosfwd>
+#include <optional>
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace sdpa_cli {
+
+// `sdpa demo`: seed 000's toy attention head, computed and printed step by step.
+CLI::App* add_demo_command(CLI::App& app);
+void demo_command(std::ostream& out);
+
+// `sdpa run`: attention on .npy files.
+struct RunOptions {
+  std::string q, k, v;
+  std::string mask;  // empty: no mask
+  std::string causal = "none";
+  std::string window;  // "L,R"; empty: no window
+  std::optional<double> scale;
+  std::string out;
+  std::string weights;  // empty: not written
+  std::string lse;      // empty: not written
+};
+CLI::App* add_run_command(CLI::App& app, RunOptions& options);
+void run_command(const RunOptions& options);
+
+// `sdpa bench`: the benchmark table (bench/cases.h) against the machine's measured peak.
+struct BenchOptions {
+  int threads = 0;  // 0: OpenMP's default
+  int reps = 5;
+  std::string filter;
+  bool json = false;
+};
+CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);
+void bench_command(const BenchOptions& options);
+
+// Room for later subcommands (`sdpa inspect`): add a pair of functions here and one line
+// each in main.cc.
+
+}  // namespace sdpa_cli

@@ -1,0 +1,330 @@
+// .npy reading and writing; see npy.h for what is supported and why.
+#include "npy.h"
+
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <stdexcept>
+#include <string_view>
+#include <system_error>
+
+namespace sdpa_cli {
+
+// Elements are copied as raw bytes, and the files we accept are little-endian.
+static_assert(std::endian::native == std::endian::little, "npy.cc assumes a little-endian host");
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr char kMagic[6] = {'\x93', 'N', 'U', 'M', 'P', 'Y'};
+constexpr size_t kPreludeSize = sizeof(kMagic) + 2;  // magic + major + minor version bytes
+// A real header for rank <= 4 is under 200 bytes; the cap keeps a corrupt length from
+// making us allocate gigabytes. (NumPy itself refuses headers over 10000 bytes by default.)
+constexpr uint32_t kMaxHeaderSize = 1 << 16;
+constexpr int kMaxRank = 4;
+
+[[noreturn]] void fail(const fs::path& path, const std::string& what) {
+  throw std::runtime_error(path.string() + ": " + what);
+}
+
+const char* descr_of(sdpa::DType dtype) {
+  switch (dtype) {
+    case sdpa::DType::kFloat32: return "<f4";
+    case sdpa::DType::kFloat64: return "<f8";
+    case sdpa::DType::kBool: return "|b1";
+  }
+  throw std::logic_error("npy: unknown dtype");
+}
+
+// What the header dict says.
+struct Header {
+  std::string descr;
+  bool fortran_order = false;
+  std::vector<int64_t> shape;
+};
+
+// Parses the header dict: a Python literal with the keys 'descr' (a string), 'fortran_order'
+// (True/False) and 'shape' (a tuple of ints), in any order, each exactly once. Only that much
+// of Python's syntax is understood. Throws std::runtime_error with a short reason.
+class HeaderParser {
+ public:
+  explicit HeaderParser(std::string_view text) : s_(text) {}
+
+  Header parse() {
+    Header h;
+    bool seen_descr = false, seen_order = false, seen_shape = false;
+    expect('{');
+    while (peek() != '}') {
+      const std::string key = parse_string();
+      expect(':');
+      if (key == "descr" && !seen_descr) {
+        h.descr = parse_string();
+        seen_descr = true;
+      } else if (key == "fortran_order" && !seen_order) {
+        h.fortran_order = parse_bool();
+        seen_order = true;
+      } else if (key == "shape" && !seen_shape) {
+        h.shape = parse_shape();
+        seen_shape = true;
+      } else {
+        throw std::runtime_error("unexpected or repeated key '" + key + "'");
+      }
+      if (peek() != ',') break;  // a trailing comma before '}' is allowed, as in Python
+      ++pos_;
+    }
+    expect('}');
+    if (peek() != '\0') throw std::runtime_error("text after the closing '}'");
+    if (!seen_descr) throw std::runtime_error("no 'descr' key");
+    if (!seen_order) throw std::runtime_error("no 'fortran_order' key");
+    if (!seen_shape) throw std::runtime_error("no 'shape' key");
+    return h;
+  }
+
+ private:
+  // The next non-blank character, or '\0' at the end (NUL never occurs in a valid header).
+  char peek() {
+    while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
+    return pos_ < s_.size() ? s_[pos_] : '\0';
+  }
+
+  void expect(char c) {
+    if (peek() != c) throw std::runtime_error(std::string("expected '") + c + "' at offset " + std::to_string(pos_));
+    ++pos_;
+  }
+
+  std::string parse_string() {
+    const char quote = peek();
+    if (quote != '\'' && quote != '"')
+      throw std::runtime_error("expected a quoted string at offset " + std::to_string(pos_));
+    const size_t end = s_.find(quote, pos_ + 1);
+    if (end == std::string_view::npos) throw std::runtime_error("unterminated string");
+    std::string value(s_.substr(pos_ + 1, end - pos_ - 1));
+    if (value.find('\\') != std::string::npos) throw std::runtime_error("escapes in strings are not supported");
+    pos_ = end + 1;
+    return value;
+  }
+
+  bool parse_bool() {
+    peek();
+    if (s_.substr(pos_, 4) == "True") {
+      pos_ += 4;
+      return true;
+    }
+    if (s_.substr(pos_, 5) == "False") {
+      pos_ += 5;
+      return false;
+    }
+    throw std::runtime_error("'fortran_order' must be True or False");
+  }
+
+  // "()" , "(3,)", "(2, 3)" or "(2, 3,)". "(3)" is the int 3 in Python, not a tuple: refused.
+  std::vector<int64_t> parse_shape() {
+    std::vector<int64_t> shape;
+    bool trailing_comma = false;
+    expect('(');
+    while (peek() != ')') {
+      shape.push_back(parse_dim());
+      trailing_comma = false;
+      if (peek() != ',') break;
+      ++pos_;
+      trailing_comma = true;
+    }
+    expect(')');
+    if (shape.size() == 1 && !trailing_comma) throw std::runtime_error("'shape' must be a tuple, like (3,)");
+    return shape;
+  }
+
+  int64_t parse_dim() {
+    if (peek() < '0' || peek() > '9') throw std::runtime_error("expected a non-negative integer in 'shape'");
+    int64_t value = 0;
+    for (; pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9'; ++pos_) {
+      if (value > (std::numeric_limits<int64_t>::max() - 9) / 10) throw std::runtime_error("a dimension is too large");
+      value = value * 10 + (s_[pos_] - '0');
+    }
+    if (pos_ < s_.size() && s_[pos_] == 'L') ++pos_;  // files written under Python 2 say "3L"
+    return value;
+  }
+
+  std::string_view s_;
+  size_t pos_ = 0;
+};
+
+// The header text as it may appear in a message: printable ASCII only, and not too long.
+std::string quoted_excerpt(std::string_view text) {
+  std::string out = "\"";
+  for (size_t i = 0; i < text.size() && i < 100; ++i) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    out += (c >= 0x20 && c < 0x7f) ? static_cast<char>(c) : '?';
+  }
+  return out + (text.size() > 100 ? "...\"" : "\"");
+}
+
+sdpa::DType dtype_from_descr(const fs::path& path, const std::string& descr) {
+  if (descr == "<f4") return sdpa::DType::kFloat32;
+  if (descr == "<f8") return sdpa::DType::kFloat64;
+  if (descr == "|b1") return sdpa::DType::kBool;
+  if (!descr.empty() && descr[0] == '>') {
+    fail(path,
+         "big-endian data ('" + descr + "') is not supported; convert with arr.astype(arr.dtype.newbyteorder('<'))");
+  }
+  fail(path, "unsupported dtype '" + descr + "' (supported: '<f4' float32, '<f8' float64, '|b1' bool)");
+}
+
+// Reads exactly n bytes or fails: the size checks before the reads make a failure here rare
+// (the file changed under us, or an I/O error).
+void read_exactly(std::ifstream& in, const fs::path& path, void* dst, size_t n) {
+  if (n > 0 && !in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n))) fail(path, "read error");
+}
+
+}  // namespace
+
+NpyArray NpyArray::zeros(sdpa::DType dtype, std::vector<int64_t> shape) {
+  NpyArray a;
+  a.dtype = dtype;
+  a.shape = std::move(shape);
+  a.data.assign(static_cast<size_t>(a.numel() * sdpa::dtype_size(dtype)), std::byte{0});
+  return a;
+}
+
+int64_t NpyArray::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string NpyArray::shape_string() const {
+  std::string s = "(";
+  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+sdpa::TensorView NpyArray::view() {
+  if (shape.size() > static_cast<size_t>(kMaxRank)) throw std::logic_error("NpyArray::view: rank > 4");
+  sdpa::TensorView t;
+  t.data = data.empty() ? nullptr : data.data();
+  t.dtype = dtype;
+  t.rank = static_cast<int>(shape.size());
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    t.shape[d] = shape[static_cast<size_t>(d)];
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+NpyArray read_npy(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (status.type() == fs::file_type::not_found) fail(path, "no such file");
+  if (ec) fail(path, "cannot access: " + ec.message());
+  if (!fs::is_regular_file(status)) fail(path, "not a regular file");
+  const uintmax_t file_size = fs::file_size(path, ec);
+  if (ec) fail(path, "cannot get its size: " + ec.message());
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, "cannot open: " + std::generic_category().message(errno));
+
+  // Prelude: magic and version.
+  unsigned char prelude[kPreludeSize];
+  if (file_size < kPreludeSize) fail(path, "not a .npy file (only " + std::to_string(file_size) + " bytes)");
+  read_exactly(in, path, prelude, kPreludeSize);
+  if (std::memcmp(prelude, kMagic, sizeof(kMagic)) != 0) fail(path, "not a .npy file (bad magic bytes)");
+  const int major = prelude[6], minor = prelude[7];
+  size_t len_bytes = 0;
+  if (major == 1 && minor == 0) len_bytes = 2;
+  if (major == 2 && minor == 0) len_bytes = 4;
+  if (len_bytes == 0) {
+    fail(path, "unsupported .npy format version " + std::to_string(major) + "." + std::to_string(minor) +
+                   " (1.0 and 2.0 are read)");
+  }
+
+  // Header length (little-endian) and text.
+  if (file_size < kPreludeSize + len_bytes) fail(path, "truncated header length");
+  unsigned char len_le[4] = {0, 0, 0, 0};
+  read_exactly(in, path, len_le, len_bytes);
+  const uint32_t header_size = len_le[0] | (len_le[1] << 8) | (len_le[2] << 16) | (uint32_t{len_le[3]} << 24);
+  if (header_size > kMaxHeaderSize) fail(path, "implausible header length " + std::to_string(header_size));
+  const uintmax_t data_offset = kPreludeSize + len_bytes + header_size;
+  if (file_size < data_offset) {
+    fail(path, "truncated header: it should be " + std::to_string(header_size) + " bytes but the file ends first");
+  }
+  std::string text(header_size, '\0');
+  read_exactly(in, path, text.data(), header_size);
+  if (text.find('\0') != std::string::npos) fail(path, "malformed header (NUL byte): " + quoted_excerpt(text));
+  Header header;
+  try {
+    header = HeaderParser(text).parse();
+  } catch (const std::runtime_error& e) {
+    fail(path, std::string("malformed header (") + e.what() + "): " + quoted_excerpt(text));
+  }
+
+  // What the header describes.
+  NpyArray a;
+  a.dtype = dtype_from_descr(path, header.descr);
+  if (header.fortran_order) fail(path, "Fortran-order arrays are not supported; save np.ascontiguousarray(arr)");
+  if (header.shape.size() > static_cast<size_t>(kMaxRank)) {
+    fail(path, "rank " + std::to_string(header.shape.size()) + " is not supported (at most 4)");
+  }
+  a.shape = header.shape;
+
+  // The data must be exactly numel * itemsize bytes. Compare in uintmax_t, guarding overflow.
+  uintmax_t expected = static_cast<uintmax_t>(sdpa::dtype_size(a.dtype));
+  for (int64_t d : a.shape) {
+    if (d != 0 && expected > std::numeric_limits<uintmax_t>::max() / static_cast<uintmax_t>(d)) {
+      fail(path, "shape " + a.shape_string() + " is too large");
+    }
+    expected *= static_cast<uintmax_t>(d);
+  }
+  const uintmax_t available = file_size - data_offset;
+  if (available < expected) {
+    fail(path, "truncated data: shape " + a.shape_string() + " of " + header.descr + " needs " +
+                   std::to_string(expected) + " bytes but only " + std::to_string(available) + " follow the header");
+  }
+  if (available > expected) {
+    fail(path, std::to_string(available - expected) + " unexpected bytes after the data of shape " + a.shape_string());
+  }
+  a.data.resize(static_cast<size_t>(expected));
+  read_exactly(in, path, a.data.data(), a.data.size());
+  return a;
+}
+
+std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape) {
+  // Key order and spacing as NumPy writes them, so our files look like NumPy's.
+  std::string dict = std::string("{'descr': '") + descr_of(dtype) + "', 'fortran_order': False, 'shape': (";
+  for (size_t d = 0; d < shape.size(); ++d) dict += (d ? ", " : "") + std::to_string(shape[d]);
+  return dict + (shape.size() == 1 ? ",), }" : "), }");
+}
+
+void write_npy(const fs::path& path, const NpyArray& array) {
+  if (array.data.size() != static_cast<size_t>(array.numel() * sdpa::dtype_size(array.dtype))) {
+    throw std::logic_error("write_npy: data size does not match shape " + array.shape_string());
+  }
+  // Pad with spaces so that the data starts at a multiple of 64 bytes, as NumPy does.
+  std::string header = npy_header_dict(array.dtype, array.shape);
+  const size_t unpadded = kPreludeSize + 2 + header.size() + 1;
+  header.append((64 - unpadded % 64) % 64, ' ');
+  header += '\n';
+  if (header.size() > 0xffff) fail(path, "header too long for format version 1.0");
+  const unsigned char len_le[2] = {static_cast<unsigned char>(header.size() & 0xff),
+                                   static_cast<unsigned char>(header.size() >> 8)};
+
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) fail(path, "cannot open for writing: " + std::generic_category().message(errno));
+  out.write(kMagic, sizeof(kMagic));
+  out.put('\x01').put('\x00');
+  out.write(reinterpret_cast<const char*>(len_le), 2);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  out.write(reinterpret_cast<const char*>(array.data.data()), static_cast<std::streamsize>(array.data.size()));
+  out.close();
+  if (!out) {
+    // No half-written file left behind; but never remove a device or pipe (say /dev/full).
+    std::error_code ignored;
+    if (fs::is_regular_file(path, ignored)) fs::remove(path, ignored);
+    fail(path, "write error");
+  }
+}
+
+}  // namespace sdpa_cli

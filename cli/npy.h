@@ -1,0 +1,61 @@
+// A small reader and writer for NumPy's .npy files, enough for the sdpa command-line tool.
+//
+// The format (numpy.lib.format): the magic "\x93NUMPY", a major and a minor version byte, the
+// header length (2 bytes little-endian in version 1.0, 4 bytes in 2.0), then an ASCII header
+// that is a Python dict literal such as
+//     {'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }
+// padded with spaces and ended by '\n', then the raw elements.
+//
+// Supported: versions 1.0 and 2.0 read, 1.0 written; dtypes '<f4', '<f8' and '|b1' (bool);
+// C order only; rank 0..4. Anything else is refused with a std::runtime_error whose message
+// starts with the file name and says what is wrong.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "sdpa/attention.h"
+
+namespace sdpa_cli {
+
+// An owning, C-order array. `data` holds numel() * dtype_size(dtype) bytes.
+struct NpyArray {
+  sdpa::DType dtype = sdpa::DType::kFloat64;
+  std::vector<int64_t> shape;  // empty for a 0-d (scalar) array
+  // Bytes from operator new, so aligned for double (16 bytes on the platforms we build for).
+  std::vector<std::byte> data;
+
+  // A zero-filled array of the given dtype and shape.
+  static NpyArray zeros(sdpa::DType dtype, std::vector<int64_t> shape);
+
+  int64_t numel() const;
+  std::string shape_string() const;  // "(2, 3)", "(4,)", "()" like NumPy
+
+  // The array seen as T (float, double, or uint8_t for bool); T must match dtype.
+  template <class T>
+  T* values() {
+    return reinterpret_cast<T*>(data.data());
+  }
+  template <class T>
+  const T* values() const {
+    return reinterpret_cast<const T*>(data.data());
+  }
+
+  // A C-order view for the sdpa API; rank must be at most 4 (which read_npy guarantees).
+  sdpa::TensorView view();
+};
+
+// Reads a .npy file. Throws std::runtime_error("<path>: <what is wrong>") on any problem.
+NpyArray read_npy(const std::filesystem::path& path);
+
+// Writes `array` as a version 1.0 .npy file; throws std::runtime_error naming the file on
+// failure, after removing whatever it had written.
+void write_npy(const std::filesystem::path& path, const NpyArray& array);
+
+// The header dict text for an array (without padding): exposed for tests.
+std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape);
+
+}  // namespace sdpa_cli

@@ -1,0 +1,258 @@
+// Tests of the .npy reader and writer: round trips, the exact bytes written, headers as other
+// writers (NumPy 2.0 format, Python 2) produce them, and one test per kind of bad file.
+#include "npy.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace sdpa_cli {
+namespace {
+
+namespace fs = std::filesystem;
+using sdpa::DType;
+
+class NpyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::path(::testing::TempDir()) / (std::string("npy_test_") + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  fs::path file(const std::string& name, const std::string& bytes) const {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    return p;
+  }
+
+  // The message of the error read_npy throws for `p`; it must start with the file name.
+  static std::string read_error(const fs::path& p) {
+    try {
+      read_npy(p);
+    } catch (const std::runtime_error& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind(p.string() + ": ", 0), 0u) << message;
+      return message;
+    }
+    ADD_FAILURE() << "reading " << p << " did not throw";
+    return "";
+  }
+
+  fs::path dir_;
+};
+
+// A .npy file with the given header text (padding and '\n' added) and data bytes.
+std::string npy_bytes(const std::string& dict, const std::string& data = "", int major = 1) {
+  const std::string header = dict + "      \n";
+  std::string s = std::string("\x93NUMPY", 6) + static_cast<char>(major) + '\0';
+  const size_t n = header.size();
+  s += static_cast<char>(n & 0xff);
+  s += static_cast<char>((n >> 8) & 0xff);
+  if (major == 2) s += std::string(2, '\0');  // 4-byte length in version 2.0
+  return s + header + data;
+}
+
+template <class T>
+std::string bytes_of(const std::vector<T>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
+}
+
+// Fills an array with values that differ from element to element (and from zero).
+NpyArray sample(DType dtype, std::vector<int64_t> shape) {
+  NpyArray a = NpyArray::zeros(dtype, std::move(shape));
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    if (dtype == DType::kFloat32) a.values<float>()[i] = 0.5f + static_cast<float>(i) * 1.25f;
+    if (dtype == DType::kFloat64) a.values<double>()[i] = -1.0 / (3.0 + static_cast<double>(i));
+    if (dtype == DType::kBool) a.values<uint8_t>()[i] = (i % 3) != 1;
+  }
+  return a;
+}
+
+TEST_F(NpyTest, RoundTripsEveryDtypeAndRank) {
+  const std::vector<std::vector<int64_t>> shapes = {{}, {5}, {2, 3}, {2, 1, 3}, {2, 3, 1, 2}, {0, 3}, {4, 0, 2, 1}};
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBool}) {
+    for (const auto& shape : shapes) {
+      const NpyArray a = sample(dtype, shape);
+      const fs::path p = dir_ / "a.npy";
+      write_npy(p, a);
+      const NpyArray b = read_npy(p);
+      SCOPED_TRACE(std::string(sdpa::dtype_name(dtype)) + " " + a.shape_string());
+      EXPECT_EQ(b.dtype, dtype);
+      EXPECT_EQ(b.shape, shape);
+      EXPECT_EQ(b.data, a.data);
+    }
+  }
+}
+
+TEST_F(NpyTest, WritesVersion1WithNumPyHeaderAndAlignedData) {
+  const NpyArray a = sample(DType::kFloat64, {1, 2});
+  const fs::path p = dir_ / "a.npy";
+  write_npy(p, a);
+  std::ifstream in(p, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(bytes.size(), 128u + 16u);  // 128 bytes of prelude and header, then 2 doubles
+  EXPECT_EQ(bytes.substr(0, 8), std::string("\x93NUMPY\x01\x00", 8));
+  EXPECT_EQ(static_cast<unsigned char>(bytes[8]) | (static_cast<unsigned char>(bytes[9]) << 8), 128 - 10);
+  const std::string dict = "{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2), }";
+  EXPECT_EQ(bytes.substr(10, dict.size()), dict);
+  EXPECT_EQ(bytes.substr(10 + dict.size(), 128 - 11 - dict.size()), std::string(128 - 11 - dict.size(), ' '));
+  EXPECT_EQ(bytes[127], '\n');
+  EXPECT_EQ(bytes.substr(128), std::string(reinterpret_cast<const char*>(a.data.data()), 16));
+}
+
+TEST_F(NpyTest, HeaderDictSpellsShapesLikePython) {
+  EXPECT_EQ(npy_header_dict(DType::kBool, {}), "{'descr': '|b1', 'fortran_order': False, 'shape': (), }");
+  EXPECT_EQ(npy_header_dict(DType::kFloat32, {7}), "{'descr': '<f4', 'fortran_order': False, 'shape': (7,), }");
+}
+
+TEST_F(NpyTest, ReadsVersion2Header) {
+  const std::vector<float> values = {1.5f, -2.0f, 3.25f};
+  const fs::path p =
+      file("v2.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 1), }", bytes_of(values), 2));
+  const NpyArray a = read_npy(p);
+  EXPECT_EQ(a.dtype, DType::kFloat32);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{3, 1}));
+  EXPECT_EQ(a.values<float>()[2], 3.25f);
+}
+
+TEST_F(NpyTest, ReadsOtherSpellingsOfTheHeader) {
+  const std::string data = bytes_of(std::vector<double>{1, 2, 3, 4, 5, 6});
+  // Keys in another order, double quotes, no trailing comma or spaces.
+  NpyArray a = read_npy(file("a.npy", npy_bytes("{\"shape\":(2,3),\"fortran_order\":False,\"descr\":\"<f8\"}", data)));
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  // Python 2's long integers.
+  a = read_npy(file("b.npy", npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (2L, 3L), }", data)));
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(a.values<double>()[5], 6.0);
+}
+
+TEST_F(NpyTest, ErrorNotAFile) {
+  EXPECT_NE(read_error(dir_ / "missing.npy").find("no such file"), std::string::npos);
+  EXPECT_NE(read_error(dir_).find("not a regular file"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorBadMagic) {
+  EXPECT_NE(read_error(file("a.npy", "PK\x03\x04 this is a zip file")).find("bad magic"), std::string::npos);
+  EXPECT_NE(read_error(file("b.npy", "\x93NUM")).find("not a .npy file"), std::string::npos);
+  EXPECT_NE(read_error(file("c.npy", "")).find("not a .npy file"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorUnsupportedVersion) {
+  std::string bytes = npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (), }", std::string(8, '\0'), 2);
+  bytes[6] = '\x03';
+  EXPECT_NE(read_error(file("a.npy", bytes)).find("version 3.0"), std::string::npos);
+  bytes[6] = '\x01';
+  bytes[7] = '\x01';
+  EXPECT_NE(read_error(file("b.npy", bytes)).find("version 1.1"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorTruncatedHeader) {
+  const std::string bytes = npy_bytes("{'descr': '<f8', 'fortran_order': False, 'shape': (), }");
+  EXPECT_NE(read_error(file("a.npy", bytes.substr(0, 9))).find("truncated header length"), std::string::npos);
+  EXPECT_NE(read_error(file("b.npy", bytes.substr(0, 40))).find("truncated header"), std::string::npos);
+  std::string huge = bytes;
+  huge[8] = huge[9] = '\xff';
+  huge[6] = '\x02';
+  huge.insert(10, "\xff\x7f");  // a version 2.0 length of about 2 GiB
+  EXPECT_NE(read_error(file("c.npy", huge)).find("implausible header length"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorTruncatedOrTrailingData) {
+  const std::string dict = "{'descr': '<f8', 'fortran_order': False, 'shape': (2, 2), }";
+  const std::string data = bytes_of(std::vector<double>{1, 2, 3, 4});
+  const std::string truncated = read_error(file("a.npy", npy_bytes(dict, data.substr(0, 31))));
+  EXPECT_NE(truncated.find("truncated data"), std::string::npos) << truncated;
+  EXPECT_NE(truncated.find("needs 32 bytes but only 31"), std::string::npos) << truncated;
+  EXPECT_NE(read_error(file("b.npy", npy_bytes(dict, data + "x"))).find("1 unexpected bytes"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorFortranOrder) {
+  const std::string dict = "{'descr': '<f8', 'fortran_order': True, 'shape': (2, 2), }";
+  const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(32, '\0'))));
+  EXPECT_NE(message.find("Fortran-order"), std::string::npos) << message;
+}
+
+TEST_F(NpyTest, ErrorBigEndian) {
+  const std::string dict = "{'descr': '>f8', 'fortran_order': False, 'shape': (2,), }";
+  const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(16, '\0'))));
+  EXPECT_NE(message.find("big-endian"), std::string::npos) << message;
+}
+
+TEST_F(NpyTest, ErrorUnsupportedDtype) {
+  for (const char* descr : {"<i4", "<f2", "<c16", "|u1", "<U3"}) {
+    const std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (1,), }";
+    const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(16, '\0'))));
+    EXPECT_NE(message.find(std::string("unsupported dtype '") + descr + "'"), std::string::npos) << message;
+  }
+}
+
+TEST_F(NpyTest, ErrorRankAboveFour) {
+  const std::string dict = "{'descr': '|b1', 'fortran_order': False, 'shape': (1, 1, 1, 1, 2), }";
+  const std::string message = read_error(file("a.npy", npy_bytes(dict, "\x01\x00")));
+  EXPECT_NE(message.find("rank 5"), std::string::npos) << message;
+}
+
+TEST_F(NpyTest, ErrorShapeTooLarge) {
+  const std::string dict = "{'descr': '<f8', 'fortran_order': False, 'shape': (4294967296, 4294967296), }";
+  EXPECT_NE(read_error(file("a.npy", npy_bytes(dict))).find("too large"), std::string::npos);
+  const std::string digits = "{'descr': '<f8', 'fortran_order': False, 'shape': (99999999999999999999,), }";
+  EXPECT_NE(read_error(file("b.npy", npy_bytes(digits))).find("too large"), std::string::npos);
+}
+
+TEST_F(NpyTest, ErrorHeaderGarbage) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"not a dict at all", "expected '{'"},
+      {"{'descr': '<f8', 'fortran_order': False}", "no 'shape' key"},
+      {"{'descr': '<f8', 'shape': (1,)}", "no 'fortran_order' key"},
+      {"{'fortran_order': False, 'shape': (1,)}", "no 'descr' key"},
+      {"{'descr': '<f8', 'descr': '<f8', 'fortran_order': False, 'shape': (1,)}", "repeated key 'descr'"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (1,), 'extra': 1}", "unexpected or repeated key 'extra'"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (1)}", "must be a tuple"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (-1,)}", "non-negative integer"},
+      {"{'descr': '<f8', 'fortran_order': false, 'shape': (1,)}", "True or False"},
+      {"{'descr': <f8, 'fortran_order': False, 'shape': (1,)}", "quoted string"},
+      {"{'descr': '<f8, 'fortran_order': False, 'shape': (1,)}", "expected '}'"},
+      {"{'descr' '<f8', 'fortran_order': False, 'shape': (1,)}", "expected ':'"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (1,)} junk", "text after the closing"},
+      {"{'descr': '<f8', 'fortran_order': False, 'shape': (1,)", "expected '}'"},
+      {"{'descr': '<f\\x38', 'fortran_order': False, 'shape': (1,)}", "escapes"},
+      {std::string("{'descr': '<f8',") + '\0' + " 'fortran_order': False, 'shape': (1,)}", "NUL byte"},
+  };
+  for (const auto& [dict, reason] : cases) {
+    const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(8, '\0'))));
+    EXPECT_NE(message.find("malformed header"), std::string::npos) << message;
+    EXPECT_NE(message.find(reason), std::string::npos) << "expected \"" << reason << "\" in: " << message;
+  }
+}
+
+TEST_F(NpyTest, WriteErrorNamesTheFile) {
+  const fs::path p = dir_ / "no" / "such" / "dir.npy";
+  try {
+    write_npy(p, sample(DType::kFloat32, {2}));
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(p.string() + ": cannot open for writing", 0), 0u) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(p));
+}
+
+TEST_F(NpyTest, ViewIsCOrder) {
+  NpyArray a = sample(DType::kFloat64, {2, 3, 4});
+  const sdpa::TensorView v = a.view();
+  EXPECT_EQ(v.rank, 3);
+  EXPECT_EQ(v.shape_string(), "(2, 3, 4)");
+  EXPECT_EQ(v.strides[0], 12);
+  EXPECT_EQ(v.strides[1], 4);
+  EXPECT_EQ(v.strides[2], 1);
+  EXPECT_EQ(v.data, a.data.data());
+}
+
+}  // namespace
+}  // namespace sdpa_cli

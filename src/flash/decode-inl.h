@@ -1,0 +1,217 @@
+// The few-rows kernel (decode: one or a few query rows per kv head against long K/V),
+// compiled per SIMD target; included by flash-inl.h. With few rows the lanes-are-queries
+// layout of RunBlock leaves most lanes idle and spends a broadcast per key and feature, so
+// here lanes run along the features instead:
+//   scores  s[r][j] = Σ_lanes q_r[d..d+N) · k_j[d..d+N)     (one horizontal sum per key)
+//   output  o_r[e..e+N) += p[r][j] · v_j[e..e+N)             (rows of V loaded once per key)
+// K and V rows are each read once per group of kDecodeRows rows: the kernel streams memory.
+// It produces the same (ot, m, l) as RunBlock, so finishing and chunk merging are shared.
+
+#if defined(SDPA_FLASH_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef SDPA_FLASH_DECODE_INL_H_
+#undef SDPA_FLASH_DECODE_INL_H_
+#else
+#define SDPA_FLASH_DECODE_INL_H_
+#endif
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+#include "flash/flash_plan.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace sdpa::internal::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+inline constexpr int64_t kDecodeRows = 4;  // rows sharing one pass over a K/V tile
+
+// s[r][j] for keys [j0, j0 + n): scaled dot products (q is pre-scaled), then causal/window
+// edges and the mask; the row is padded with -inf to whole vectors. Each score depends only on
+// (row, key), so the weights pass recomputes exactly the scores the forward pass saw.
+template <int64_t R, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes,
+                             const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, T* HWY_RESTRICT st) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t dk_full = p.Dk / N * N;
+  const T* k_head = p.k.at<T>(blk.b, blk.kvh, 0);
+  const int64_t ks = p.k.strides[2];
+  // 1. Scores, one key at a time for all R rows.
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kj = k_head + (j0 + j) * ks;
+    V acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
+    for (int64_t c = 0; c < dk_full; c += N) {
+      const V kv = hn::LoadU(d, kj + c);
+      for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
+      for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj[c];
+      st[r * kTileKeys + j] = dot;
+    }
+  }
+  // 2. Causal/window edges and the mask (scalar: per element, but only O(R·n)).
+  for (int64_t r = 0; r < R; ++r) {
+    T* row = st + r * kTileKeys;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j0 + j < lanes[r].begin || j0 + j >= lanes[r].end) row[j] = neg_inf;
+      if (p.mask) row[j] += p.mask_bias<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j);
+    }
+    for (int64_t j = n; j < (n + N - 1) / N * N; ++j) row[j] = neg_inf;  // whole vectors below
+  }
+}
+
+// o[r][0..C·N) = alpha[r] · o[r][..] + Σ_j p[r][j] · v_j[0..C·N): R×C accumulators; each
+// chunk of a value row is loaded once for all R rows.
+template <int64_t R, int64_t C, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T* HWY_RESTRICT v, int64_t vs,
+                             const T* alpha, T* HWY_RESTRICT o, int64_t dvp) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  hn::Vec<D> acc[R][C];
+  for (int64_t r = 0; r < R; ++r) {
+    const auto a = hn::Set(d, alpha[r]);
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::Mul(a, hn::Load(d, o + r * dvp + c * N));
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    hn::Vec<D> vv[C];
+    for (int64_t c = 0; c < C; ++c) vv[c] = hn::LoadU(d, v + j * vs + c * N);
+    for (int64_t r = 0; r < R; ++r) {
+      const auto pj = hn::Set(d, p[r * kTileKeys + j]);
+      for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(pj, vv[c], acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t c = 0; c < C; ++c) hn::Store(acc[r][c], d, o + r * dvp + c * N);
+}
+
+// Rows [row0, row0 + R) of the block: R·Dk queries (pre-scaled, zero-padded to whole
+// vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st.
+template <int64_t R, class D, typename T = hn::TFromD<D>>
+void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
+                const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
+                T* l_out) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t dv_full = p.Dv / N * N;
+  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
+  const int64_t vs = p.v.strides[2];
+  T m[R], l[R];
+  for (int64_t r = 0; r < R; ++r) {
+    m[r] = neg_inf;
+    l[r] = 0;
+  }
+  std::fill(o, o + R * dvp, T(0));
+
+  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
+    const int64_t j0 = std::max(t, span.begin);
+    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
+    // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
+    const int64_t n_vec = (n + N - 1) / N * N;
+    T alpha[R];
+    for (int64_t r = 0; r < R; ++r) {
+      T* row = st + r * kTileKeys;
+      V mx = hn::Set(d, neg_inf);
+      for (int64_t j = 0; j < n_vec; j += N) mx = hn::Max(mx, hn::Load(d, row + j));
+      const T mnew = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
+      const T msafe = mnew == neg_inf ? T(0) : mnew;  // nothing allowed yet: exp(-inf - 0) = 0
+      const V vmsafe = hn::Set(d, msafe);
+      V sum = hn::Zero(d);
+      for (int64_t j = 0; j < n_vec; j += N) {
+        const V pj = hn::Exp(d, hn::Sub(hn::Load(d, row + j), vmsafe));
+        sum = hn::Add(sum, pj);
+        hn::Store(pj, d, row + j);
+      }
+      alpha[r] = m[r] == neg_inf ? T(0) : hn::GetLane(hn::Exp(d, hn::Set(d, m[r] - msafe)));
+      l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+      m[r] = mnew;
+    }
+    // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of 4 (then 1) vectors of features.
+    int64_t e0 = 0;
+    for (; e0 + 4 * N <= dv_full; e0 += 4 * N) DecodeValues<R, 4>(d, st, n, v_head + e0, vs, alpha, o + e0, dvp);
+    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, v_head + e0, vs, alpha, o + e0, dvp);
+    for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
+      for (int64_t e = dv_full; e < p.Dv; ++e) {
+        T acc = o[r * dvp + e] * alpha[r];
+        for (int64_t j = 0; j < n; ++j) acc += st[r * kTileKeys + j] * v_head[(j0 + j) * vs + e];
+        o[r * dvp + e] = acc;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    m_out[r] = m[r] == neg_inf ? T(0) : m[r];
+    l_out[r] = l[r];
+  }
+}
+
+// Weights w = exp(s - m) / l for R rows whose final max m and sum l are known.
+template <int64_t R, class D, typename T = hn::TFromD<D>>
+void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
+                   const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l) {
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
+  }
+  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
+    const int64_t j0 = std::max(t, span.begin);
+    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
+    for (int64_t r = 0; r < R; ++r) {
+      if (!(l[r] > 0)) continue;  // no allowed key: the row stays zero
+      const T inv = T(1) / l[r];
+      for (int64_t j = 0; j < n; ++j) {
+        p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, std::exp(st[r * kTileKeys + j] - m[r]) * inv);
+      }
+    }
+  }
+}
+
+// Whole block with the few-rows kernel, in groups of kDecodeRows rows. Without weights it
+// leaves (ot, m, l) in RunBlock's layout; with weights it reads the final m, l (per lane)
+// and writes the weights.
+template <class D, typename T = hn::TFromD<D>>
+void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
+                 bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
+                 LaneRow* lanes) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
+  const T scale = static_cast<T>(p.scale);
+  for (int64_t r0 = 0; r0 < blk.rows; r0 += kDecodeRows) {
+    // The visited keys of just these rows; pack their queries pre-scaled and zero-padded.
+    BlockRows sub = blk;
+    sub.r0 = blk.r0 + r0;
+    sub.rows = std::min(kDecodeRows, blk.rows - r0);
+    const LaneSpan span = describe_lanes(p, sub, key_begin, key_end, lanes + r0);
+    std::fill(qbuf, qbuf + sub.rows * dkp, T(0));
+    for (int64_t r = 0; r < sub.rows; ++r) {
+      const T* q = p.q.at<T>(blk.b, lanes[r0 + r].h, lanes[r0 + r].i);
+      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
+    }
+    const auto rows = [&](auto r_const) {
+      constexpr int64_t R = decltype(r_const)::value;
+      if (weights) {
+        DecodeWeights<R>(d, p, sub, lanes + r0, span, qbuf, dkp, st, m + r0, l + r0);
+        return;
+      }
+      DecodeRows<R>(d, p, sub, lanes + r0, span, qbuf, dkp, obuf, dvp, st, m + r0, l + r0);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r0 + r] = obuf[r * dvp + e];
+    };
+    switch (sub.rows) {
+      case 1: rows(std::integral_constant<int64_t, 1>{}); break;
+      case 2: rows(std::integral_constant<int64_t, 2>{}); break;
+      case 3: rows(std::integral_constant<int64_t, 3>{}); break;
+      default: rows(std::integral_constant<int64_t, 4>{}); break;
+    }
+  }
+}
+
+}  // namespace sdpa::internal::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // SDPA_FLASH_DECODE_INL_H_
