@@ -1,0 +1,168 @@
+"""Deliberately simple NumPy references for ``sdpa.attention``, written from its docstring.
+
+Nothing here is shared with the C++ library: shapes are normalised to 4 dims, kv heads are
+repeated for grouped-query attention, the mask, causal rule and window are turned into one
+boolean "allowed" array plus one additive float bias, and every (batch, head) pair is then an
+ordinary masked, max-shifted softmax followed by a matrix product.
+
+``reference_attention`` computes in float64 and is the oracle. ``naive_float32_attention`` is
+the same algorithm with every step in float32; it is the yardstick for float32 tolerances
+(see ``float32_tolerance``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+_CAUSAL_MODES = {False: "none", None: "none", "none": "none",
+                 True: "bottom_right", "bottom_right": "bottom_right", "top_left": "top_left"}
+
+
+def _to4(a):
+    """(N, D) -> (1, 1, N, D); (H, N, D) -> (1, H, N, D); (B, H, N, D) unchanged."""
+    while a.ndim < 4:
+        a = a[np.newaxis]
+    return a
+
+
+def _structural_allowed(nq, nk, causal, window):
+    """(Nq, Nk) bool: which keys each query may see under the causal rule and the window."""
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    allowed = np.ones((nq, nk), dtype=bool)
+    mode = _CAUSAL_MODES[causal]
+    if mode == "bottom_right":
+        allowed &= j <= i + (nk - nq)
+    elif mode == "top_left":
+        allowed &= j <= i
+    if window is not None:
+        left, right = window
+        shifted = i + (nk - nq)  # i' = i + (Nk - Nq): aligned bottom-right, like causal
+        if left is not None and left >= 0:
+            allowed &= j >= shifted - left
+        if right is not None and right >= 0:
+            allowed &= j <= shifted + right
+    return allowed
+
+
+def _attention(q, k, v, mask, causal, scale, window, dtype):
+    q = np.asarray(q)
+    k = np.asarray(k)
+    v = np.asarray(v)
+    rank = q.ndim
+    assert k.ndim == rank and v.ndim == rank and 2 <= rank <= 4
+    q4, k4, v4 = (_to4(np.asarray(a, dtype=dtype)) for a in (q, k, v))
+    b, hq, nq, dk = q4.shape
+    hkv, nk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
+    assert k4.shape == (b, hkv, nk, dk) and v4.shape == (b, hkv, nk, dv)
+    assert hkv > 0 and hq % hkv == 0
+    group = hq // hkv
+    # Grouped-query attention: query head h reads kv head h // group.
+    k4 = np.repeat(k4, group, axis=1)
+    v4 = np.repeat(v4, group, axis=1)
+
+    if scale is None:
+        scale = 1.0 / math.sqrt(dk)
+    scale = dtype.type(scale)
+
+    allowed = np.broadcast_to(_structural_allowed(nq, nk, causal, window), (b, hq, nq, nk)).copy()
+    bias = np.zeros((b, hq, nq, nk), dtype=dtype)
+    if mask is not None:
+        mask = np.asarray(mask)
+        assert mask.ndim <= rank
+        if mask.dtype == np.bool_:
+            allowed &= np.broadcast_to(mask, (b, hq, nq, nk))
+        else:
+            bias = bias + np.broadcast_to(np.asarray(mask, dtype=dtype), (b, hq, nq, nk))
+
+    out = np.zeros((b, hq, nq, dv), dtype=dtype)
+    weights = np.zeros((b, hq, nq, nk), dtype=dtype)
+    lse = np.full((b, hq, nq), -np.inf, dtype=dtype)
+    for bi in range(b):
+        for h in range(hq):
+            scores = (q4[bi, h] @ k4[bi, h].T) * scale + bias[bi, h]  # (Nq, Nk)
+            ok = allowed[bi, h] & (scores > -np.inf)  # a -inf bias blocks, like False
+            for i in range(nq):
+                if not ok[i].any():
+                    continue  # no allowed key: out 0, weights 0, lse -inf
+                row = scores[i][ok[i]]
+                m = row.max()
+                e = np.exp(row - m)
+                total = e.sum()
+                weights[bi, h, i, ok[i]] = e / total
+                lse[bi, h, i] = m + np.log(total)
+            out[bi, h] = weights[bi, h] @ v4[bi, h]
+
+    lead = q.shape[:-2]  # drop the padding dims again
+    return (out.reshape(lead + (nq, dv)), weights.reshape(lead + (nq, nk)), lse.reshape(lead + (nq,)))
+
+
+def reference_attention(q, k, v, mask=None, causal=False, scale=None, window=None):
+    """float64 oracle: returns (out, weights, lse) with the shapes ``sdpa.attention`` documents."""
+    return _attention(q, k, v, mask, causal, scale, window, np.dtype(np.float64))
+
+
+def naive_float32_attention(q, k, v, mask=None, causal=False, scale=None, window=None):
+    """The same algorithm with inputs, scores, softmax and products all in float32."""
+    return _attention(q, k, v, mask, causal, scale, window, np.dtype(np.float32))
+
+
+# Float32 tolerance rule
+# ----------------------
+# A float32 result is compared with the float64 oracle at
+#
+#     tol = 2 * max|naive_float32 - oracle| + floor,
+#     floor = 4 * eps32 * max(1, max|oracle|) * max(1, score_scale)
+#
+# computed separately for out, weights and lse on the very inputs of the test case: the
+# library may be at most twice as wrong as the simplest float32 implementation. The floor
+# (a few float32 ulps of the result's magnitude) covers cases where the naive version happens
+# to be (almost) exact. score_scale is 1 (a tiny floor) everywhere except in tests that use
+# deliberately huge scores: there every float32 implementation rounds each score to
+# eps32 * |score|, so which of two implementations is luckier on one case is noise of that
+# size; those tests pass score_scale = max |lse| (the size of the scores that carry weight).
+# Whether the library is *systematically* less accurate than the naive version is tested
+# separately, over many cases (test_attention.py::test_float32_accuracy_is_not_systematically_worse).
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def finite_max_abs(a):
+    """max |a| over its finite entries (0 if there are none)."""
+    a = np.asarray(a, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    return float(np.abs(a).max()) if a.size else 0.0
+
+
+def max_error(got, ref64):
+    """max |got - ref| over the entries where the reference is finite (0 if there are none)."""
+    got = np.asarray(got, dtype=np.float64)
+    ref64 = np.asarray(ref64, dtype=np.float64)
+    finite = np.isfinite(ref64)
+    return float(np.abs(got[finite] - ref64[finite]).max()) if finite.any() else 0.0
+
+
+def float32_tolerance(naive32, ref64, score_scale=1.0):
+    """The float32 rule above, for one result (out, weights or lse) of one test case."""
+    floor = 4.0 * EPS32 * max(1.0, finite_max_abs(ref64)) * max(1.0, score_scale)
+    return 2.0 * max_error(naive32, ref64) + floor
+
+
+def float64_tolerance(ref64):
+    """About 1e-12 relative to the magnitude of the result (the oracle rounds differently)."""
+    return 1e-12 * max(1.0, finite_max_abs(ref64))
+
+
+def assert_close(got, ref, tol, what="result"):
+    """|got - ref| <= tol elementwise, with infinities (the lse of empty rows) matched exactly."""
+    got = np.asarray(got)
+    ref = np.asarray(ref)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert not np.isnan(got).any(), f"{what}: contains NaN"
+    inf = ~np.isfinite(ref)
+    assert np.array_equal(got[inf], ref[inf]), f"{what}: infinities differ: got {got[inf]}, want {ref[inf]}"
+    assert np.isfinite(got[~inf]).all(), f"{what}: non-finite where the reference is finite"
+    diff = np.abs(got[~inf].astype(np.float64) - ref[~inf].astype(np.float64))
+    worst = float(diff.max()) if diff.size else 0.0
+    assert worst <= tol, f"{what}: max abs error {worst:.3g} > tolerance {tol:.3g}"
