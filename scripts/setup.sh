@@ -5,9 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# 1. Debian packages: compilers, CMake, Highway (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP.
-packages=(build-essential cmake ninja-build python3-venv libhwy-dev libcli11-dev libgtest-dev
-          libbenchmark-dev libomp-dev)
+# 1. Debian packages: compilers (clang + LLVM OpenMP for the ThreadSanitizer build), CMake, Highway
+#    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP.
+packages=(build-essential cmake ninja-build python3-venv clang libclang-rt-14-dev libomp-dev
+          libhwy-dev libcli11-dev libgtest-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
-# Runs every test: C++ (Release, then AddressSanitizer + UndefinedBehaviorSanitizer) and Python.
+# Runs every test: C++ (Release; AddressSanitizer + UndefinedBehaviorSanitizer; ThreadSanitizer
+# on the threaded tests), the installed-package example, and Python.
 # Sets up and builds first (scripts/setup.sh --no-demo), so it works on a fresh clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --no-demo
+jobs=$(nproc)
 
 echo "== C++ tests (Release)"
-ctest --test-dir build --output-on-failure -j2
+ctest --test-dir build --output-on-failure -j"$jobs"
 
 echo "== C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_SANITIZE=address,undefined \
   -DSDPA_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan
-ctest --test-dir build-asan --output-on-failure -j2
+ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+echo "== C++ threaded tests (ThreadSanitizer; clang + LLVM OpenMP with its Archer annotations)"
+# GCC's libgomp is not instrumented and makes TSan report its own barriers; LLVM's libomp
+# with libarcher tells TSan about OpenMP's synchronisation, so reports are real races.
+CC=clang CXX=clang++ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_SANITIZE=thread \
+  -DSDPA_BUILD_BENCH=OFF -DSDPA_BUILD_CLI=OFF >/dev/null
+cmake --build build-tsan --target threads_test
+archer=$(clang -print-resource-dir)/../../libarcher.so
+[ -f "$archer" ] || archer=$(find /usr/lib/llvm-* -name libarcher.so | head -n 1)
+OMP_TOOL_LIBRARIES="$archer" TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1" \
+  build-tsan/tests/threads_test
+
+echo "== C++ example through find_package(sdpa)"
+cmake --install build --prefix build/install >/dev/null
+cmake -S examples/basic -B build/example -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
+cmake --build build/example
+build/example/basic
 
 echo "== Python tests"
 .venv/bin/python -m pytest -q python/tests

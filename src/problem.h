@@ -69,8 +69,9 @@ struct Problem {
     int64_t end = Nk;
     if (causal == Causal::kBottomRight) end = std::min(end, aligned + 1);
     if (causal == Causal::kTopLeft) end = std::min(end, i + 1);
-    if (window.right >= 0) end = std::min(end, aligned + window.right + 1);
-    if (window.left >= 0) begin = std::max(begin, aligned - window.left);
+    // Bounds past Nq + Nk reach every key; clamping first keeps the sums from overflowing.
+    if (window.right >= 0) end = std::min(end, aligned + std::min(window.right, Nq + Nk) + 1);
+    if (window.left >= 0) begin = std::max(begin, aligned - std::min(window.left, Nq + Nk));
     return {begin, std::max(begin, end)};
   }
 

@@ -44,11 +44,14 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = k_head + (j0 + j) * ks;
     V acc[R];
+#pragma GCC unroll 4  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
     for (int64_t c = 0; c < dk_full; c += N) {
       const V kv = hn::LoadU(d, kj + c);
+#pragma GCC unroll 4
       for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
     }
+#pragma GCC unroll 4
     for (int64_t r = 0; r < R; ++r) {
       T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
       for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj[c];
@@ -134,8 +137,8 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     }
     // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of 4 (then 1) vectors of features.
     int64_t e0 = 0;
-    for (; e0 + 4 * N <= dv_full; e0 += 4 * N) DecodeValues<R, 4>(d, st, n, v_head + e0, vs, alpha, o + e0, dvp);
-    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, v_head + e0, vs, alpha, o + e0, dvp);
+    for (; e0 + 4 * N <= dv_full; e0 += 4 * N) DecodeValues<R, 4>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
+    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
     for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
       for (int64_t e = dv_full; e < p.Dv; ++e) {
         T acc = o[r * dvp + e] * alpha[r];

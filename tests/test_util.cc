@@ -1,0 +1,679 @@
+#include "test_util.h"
+
+#include <algorithm>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace sdpa_test {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Guard patterns: quiet NaNs with a recognisable payload, so a guard read into arithmetic
+// poisons the result; 0xA5 for bool.
+constexpr uint32_t kSentinel32 = 0x7fc5a5a5u;
+constexpr uint64_t kSentinel64 = 0x7ff8a5a5a5a5a5a5ull;
+constexpr uint8_t kSentinel8 = 0xa5;
+
+const void* sentinel(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return &kSentinel32;
+    case DType::kFloat64: return &kSentinel64;
+    case DType::kBool: break;
+  }
+  return &kSentinel8;
+}
+
+double eps(DType dtype) { return dtype == DType::kFloat32 ? FLT_EPSILON : DBL_EPSILON; }
+
+// The problem's dims, read from the shapes the way the header defines them.
+struct Dims {
+  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
+};
+Dims dims_of(const Tensors& t) {
+  const auto &q = t.q.shape(), &k = t.k.shape(), &v = t.v.shape();
+  const int r = t.q.rank();
+  Dims d{};
+  d.B = r == 4 ? q[0] : 1;
+  d.Hq = r >= 3 ? q[r - 3] : 1;
+  d.Hkv = r >= 3 ? k[r - 3] : 1;
+  d.Nq = q[r - 2];
+  d.Dk = q[r - 1];
+  d.Nk = k[r - 2];
+  d.Dv = v[r - 1];
+  d.group = d.Hkv > 0 ? d.Hq / d.Hkv : 1;
+  return d;
+}
+
+// The additive bias the mask puts on score (b, h, i, j): 0 / -inf for bool, the value for float.
+double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (!t.mask) return 0.0;
+  const double m = t.mask->at(b, h, i, j);
+  return t.mask->dtype() == DType::kBool ? (m != 0 ? 0.0 : -kInf) : m;
+}
+
+double max_abs_finite(const std::vector<double>& xs) {
+  double m = 0;
+  for (double x : xs) {
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  }
+  return m;
+}
+
+// The largest |a - b| where both are finite. Fails where they are not finite at the same
+// places (a NaN, or an infinity the other lacks): then no tolerance can be derived from them.
+testing::AssertionResult max_error(const char* what, const std::vector<double>& a,
+                                   const std::vector<double>& b, double& err) {
+  if (a.size() != b.size()) return testing::AssertionFailure() << what << ": sizes differ";
+  for (size_t n = 0; n < a.size(); ++n) {
+    if (std::isfinite(a[n]) && std::isfinite(b[n])) {
+      err = std::max(err, std::abs(a[n] - b[n]));
+    } else if (!(a[n] == b[n])) {
+      return testing::AssertionFailure() << what << "[" << n << "]: kNaive gives " << a[n]
+                                         << " but kReference " << b[n];
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
+// ---- GuardedTensor ----
+
+GuardedTensor::GuardedTensor(DType dtype, std::vector<int64_t> shape, Layout layout, bool unit_last_stride)
+    : dtype_(dtype),
+      shape_(std::move(shape)),
+      strides_(shape_.size()),
+      layout_(layout),
+      unit_last_stride_(unit_last_stride),
+      buffer_(nullptr, std::free) {
+  const int r = rank();
+  const int64_t elem = sdpa::dtype_size(dtype);
+  const bool plain = layout == Layout::kContiguous;
+  // Memory order, innermost dim first; kPermuted swaps N (r-2) and H (r-3).
+  std::vector<int> order;
+  for (int d = r - 1; d >= 0; --d) order.push_back(d);
+  if (layout == Layout::kPermuted && r >= 3) std::swap(order[1], order[2]);
+  int64_t stride = plain || unit_last_stride ? 1 : 2;
+  for (int d : order) {
+    strides_[d] = stride;
+    stride = stride * shape_[d] + (plain ? 0 : 3);
+  }
+  if (layout == Layout::kPermuted) {
+    if (r >= 2) strides_[r - 2] = -strides_[r - 2];
+    if (!unit_last_stride) strides_[r - 1] = -strides_[r - 1];
+  }
+  // Buffer: front guard (64 bytes, +1 element when misaligned), the elements' span, back guard.
+  const int64_t front = 64 / elem + (plain ? 0 : 1);
+  int64_t span = 0, below = 0;  // below: how far negative strides reach under element 0
+  if (numel() > 0) {
+    span = 1;
+    for (int d = 0; d < r; ++d) {
+      span += (shape_[d] - 1) * std::abs(strides_[d]);
+      if (strides_[d] < 0) below += (shape_[d] - 1) * -strides_[d];
+    }
+  }
+  start_ = front + below;
+  size_ = front + span + 64 / elem + 3;
+  const size_t bytes = static_cast<size_t>((size_ * elem + 63) / 64 * 64);
+  buffer_.reset(static_cast<std::byte*>(std::aligned_alloc(64, bytes)));
+  if (!buffer_) throw std::bad_alloc();
+  for (int64_t o = 0; o < size_; ++o) std::memcpy(buffer_.get() + o * elem, sentinel(dtype), elem);
+  is_element_.assign(static_cast<size_t>(size_), false);
+  for (int64_t n = 0; n < numel(); ++n) is_element_[element_offset(n)] = true;
+}
+
+sdpa::TensorView GuardedTensor::view() const {
+  sdpa::TensorView t;
+  t.data = buffer_.get() + start_ * sdpa::dtype_size(dtype_);
+  t.dtype = dtype_;
+  t.rank = rank();
+  for (int d = 0; d < rank(); ++d) {
+    t.shape[d] = shape_[d];
+    t.strides[d] = strides_[d];
+  }
+  return t;
+}
+
+int64_t GuardedTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  return n;
+}
+
+int64_t GuardedTensor::element_offset(int64_t flat) const {
+  int64_t offset = start_;
+  for (int d = rank() - 1; d >= 0; --d) {
+    offset += flat % shape_[d] * strides_[d];
+    flat /= shape_[d];
+  }
+  return offset;
+}
+
+double GuardedTensor::get(int64_t flat) const {
+  const std::byte* p = buffer_.get() + element_offset(flat) * sdpa::dtype_size(dtype_);
+  switch (dtype_) {
+    case DType::kFloat32: {
+      float x;
+      std::memcpy(&x, p, sizeof x);
+      return x;
+    }
+    case DType::kFloat64: {
+      double x;
+      std::memcpy(&x, p, sizeof x);
+      return x;
+    }
+    case DType::kBool: break;
+  }
+  return static_cast<uint8_t>(*p) != 0 ? 1.0 : 0.0;
+}
+
+void GuardedTensor::set(int64_t flat, double value) {
+  std::byte* p = buffer_.get() + element_offset(flat) * sdpa::dtype_size(dtype_);
+  switch (dtype_) {
+    case DType::kFloat32: {
+      const float x = static_cast<float>(value);
+      std::memcpy(p, &x, sizeof x);
+      return;
+    }
+    case DType::kFloat64: std::memcpy(p, &value, sizeof value); return;
+    case DType::kBool: break;
+  }
+  *p = static_cast<std::byte>(static_cast<uint8_t>(value));  // any byte: 0 blocks, others attend
+}
+
+std::vector<double> GuardedTensor::values() const {
+  std::vector<double> out(static_cast<size_t>(numel()));
+  for (int64_t n = 0; n < numel(); ++n) out[n] = get(n);
+  return out;
+}
+
+void GuardedTensor::set_values(const std::vector<double>& values) {
+  if (static_cast<int64_t>(values.size()) != numel()) throw std::invalid_argument("set_values: wrong count");
+  for (int64_t n = 0; n < numel(); ++n) set(n, values[n]);
+}
+
+double GuardedTensor::at(int64_t b, int64_t h, int64_t i, int64_t j) const {
+  const int64_t index[4] = {b, h, i, j};
+  int64_t flat = 0;
+  for (int d = 0; d < rank(); ++d) flat = flat * shape_[d] + (shape_[d] == 1 ? 0 : index[4 - rank() + d]);
+  return get(flat);
+}
+
+GuardedTensor GuardedTensor::converted(DType dtype, Layout layout) const {
+  GuardedTensor t(dtype, shape_, layout, unit_last_stride_);
+  t.set_values(values());
+  return t;
+}
+
+bool GuardedTensor::holds_sentinel(int64_t offset) const {
+  const int64_t elem = sdpa::dtype_size(dtype_);
+  return std::memcmp(buffer_.get() + offset * elem, sentinel(dtype_), elem) == 0;
+}
+
+testing::AssertionResult GuardedTensor::guards_intact() const {
+  for (int64_t o = 0; o < size_; ++o) {
+    if (!is_element_[o] && !holds_sentinel(o)) {
+      return testing::AssertionFailure() << "guard at buffer offset " << o - start_
+                                         << " (relative to element 0) was overwritten; tensor shape "
+                                         << view().shape_string();
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult GuardedTensor::untouched() const {
+  for (int64_t o = 0; o < size_; ++o) {
+    if (!holds_sentinel(o)) {
+      return testing::AssertionFailure() << "buffer offset " << o - start_ << " was written; tensor shape "
+                                         << view().shape_string();
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+GuardedTensor tensor(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values, Layout layout) {
+  GuardedTensor t(dtype, std::move(shape), layout);
+  t.set_values(values);
+  return t;
+}
+
+// ---- Random fills ----
+
+void fill_normal(GuardedTensor& t, std::mt19937& rng, double stddev) {
+  std::normal_distribution<double> dist(0.0, stddev);
+  for (int64_t n = 0; n < t.numel(); ++n) t.set(n, dist(rng));
+}
+
+void fill_uniform(GuardedTensor& t, std::mt19937& rng, double lo, double hi) {
+  std::uniform_real_distribution<double> dist(lo, hi);
+  for (int64_t n = 0; n < t.numel(); ++n) t.set(n, dist(rng));
+}
+
+void fill_mask(GuardedTensor& t, std::mt19937& rng, double density, double empty_row_probability) {
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const bool is_bool = t.dtype() == DType::kBool;
+  const int64_t row = t.rank() > 0 ? t.shape().back() : 1;
+  for (int64_t start = 0; start < t.numel(); start += row) {
+    const bool empty = unit(rng) < empty_row_probability;
+    for (int64_t n = start; n < start + row; ++n) {
+      const bool attend = !empty && unit(rng) < density;
+      t.set(n, is_bool ? (attend ? 1.0 : 0.0) : (attend ? normal(rng) : -kInf));
+    }
+  }
+}
+
+// ---- Tensors, Outs, run ----
+
+sdpa::Inputs Tensors::inputs() const {
+  sdpa::Inputs in;
+  in.q = q.view();
+  in.k = k.view();
+  in.v = v.view();
+  if (mask) in.mask = mask->view();
+  return in;
+}
+
+Tensors Tensors::converted(DType dtype) const {
+  std::optional<GuardedTensor> m;
+  if (mask) m = mask->converted(mask->dtype() == DType::kBool ? DType::kBool : dtype, mask->layout());
+  return {q.converted(dtype, q.layout()), k.converted(dtype, k.layout()), v.converted(dtype, v.layout()),
+          std::move(m)};
+}
+
+sdpa::Outputs Outs::outputs() const {
+  sdpa::Outputs o;
+  o.out = out.view();
+  if (weights) o.weights = weights->view();
+  if (lse) o.lse = lse->view();
+  return o;
+}
+
+testing::AssertionResult Outs::guards_intact() const {
+  if (auto r = out.guards_intact(); !r) return r << " (out)";
+  if (weights) {
+    if (auto r = weights->guards_intact(); !r) return r << " (weights)";
+  }
+  if (lse) {
+    if (auto r = lse->guards_intact(); !r) return r << " (lse)";
+  }
+  return testing::AssertionSuccess();
+}
+
+Outs run(const Tensors& t, const sdpa::Options& options, Layout layout, bool with_extras) {
+  std::vector<int64_t> shape = t.q.shape();
+  const DType dtype = t.q.dtype();
+  shape.back() = t.v.shape().back();
+  Outs outs{GuardedTensor(dtype, shape, layout), std::nullopt, std::nullopt};
+  if (with_extras) {
+    shape.back() = t.k.shape()[t.k.rank() - 2];
+    outs.weights.emplace(dtype, shape, layout, false);
+    shape.pop_back();
+    outs.lse.emplace(dtype, shape, layout, false);
+  }
+  sdpa::attention(t.inputs(), outs.outputs(), options);
+  return outs;
+}
+
+Values values(const Outs& outs) {
+  Values v;
+  v.out = outs.out.values();
+  if (outs.weights) v.weights = outs.weights->values();
+  if (outs.lse) v.lse = outs.lse->values();
+  return v;
+}
+
+// ---- The oracle ----
+
+bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j) {
+  const int64_t aligned = i + (Nk - Nq);  // the header aligns causal and window bottom-right
+  if (options.causal == sdpa::Causal::kBottomRight && j > aligned) return false;
+  if (options.causal == sdpa::Causal::kTopLeft && j > i) return false;
+  if (options.window.left >= 0 && aligned - j > options.window.left) return false;
+  if (options.window.right >= 0 && j - aligned > options.window.right) return false;
+  return true;
+}
+
+Values oracle(const Tensors& t, const sdpa::Options& options) {
+  const Dims d = dims_of(t);
+  const double scale = options.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
+  Values r;
+  r.out.reserve(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Dv));
+  r.weights.reserve(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Nk));
+  std::vector<double> s(static_cast<size_t>(d.Nk));
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t kvh = h / d.group;
+      for (int64_t i = 0; i < d.Nq; ++i) {
+        double m = -kInf;
+        for (int64_t j = 0; j < d.Nk; ++j) {
+          s[j] = -kInf;
+          if (key_allowed(options, d.Nq, d.Nk, i, j)) {
+            double dot = 0;
+            for (int64_t x = 0; x < d.Dk; ++x) dot += t.q.at(b, h, i, x) * t.k.at(b, kvh, j, x);
+            s[j] = dot * scale + mask_bias(t, b, h, i, j);
+          }
+          m = std::max(m, s[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < d.Nk; ++j) sum += m == -kInf ? 0.0 : std::exp(s[j] - m);
+        for (int64_t j = 0; j < d.Nk; ++j) r.weights.push_back(m == -kInf ? 0.0 : std::exp(s[j] - m) / sum);
+        const double* w = r.weights.data() + r.weights.size() - d.Nk;
+        for (int64_t x = 0; x < d.Dv; ++x) {
+          double o = 0;
+          for (int64_t j = 0; j < d.Nk; ++j) o += w[j] == 0 ? 0.0 : w[j] * t.v.at(b, kvh, j, x);
+          r.out.push_back(o);
+        }
+        r.lse.push_back(m == -kInf ? -kInf : m + std::log(sum));
+      }
+    }
+  }
+  return r;
+}
+
+// ---- Comparisons and the tolerance rule ----
+
+testing::AssertionResult all_close(const char* what, const std::vector<double>& got, const std::vector<double>& want,
+                                   double tol) {
+  if (got.size() != want.size()) {
+    return testing::AssertionFailure() << what << ": " << got.size() << " elements, want " << want.size();
+  }
+  size_t bad = 0, first = 0;
+  double worst = 0;
+  for (size_t n = 0; n < got.size(); ++n) {
+    const bool inf = std::isinf(got[n]) || std::isinf(want[n]);
+    const double err = std::abs(got[n] - want[n]);
+    const bool ok = inf ? got[n] == want[n] : err <= tol;  // NaN: both comparisons false
+    if (!ok && bad++ == 0) first = n;
+    if (!inf && std::isfinite(err)) worst = std::max(worst, err);
+  }
+  if (bad == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; first ["
+                                     << first << "] got " << got[first] << ", want " << want[first]
+                                     << "; worst finite |diff| " << worst << ", tol " << tol;
+}
+
+testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b) {
+  const Values va = values(a), vb = values(b);
+  const std::pair<const char*, const std::vector<double>*> pairs[][2] = {
+      {{"out", &va.out}, {"out", &vb.out}},
+      {{"weights", &va.weights}, {"weights", &vb.weights}},
+      {{"lse", &va.lse}, {"lse", &vb.lse}}};
+  for (const auto& [x, y] : pairs) {
+    if (x.second->empty() || y.second->empty()) continue;
+    if (x.second->size() != y.second->size()) return testing::AssertionFailure() << x.first << ": sizes differ";
+    for (size_t n = 0; n < x.second->size(); ++n) {
+      if (std::bit_cast<uint64_t>((*x.second)[n]) != std::bit_cast<uint64_t>((*y.second)[n])) {
+        return testing::AssertionFailure() << x.first << "[" << n << "]: " << (*x.second)[n] << " vs "
+                                           << (*y.second)[n] << " (not bitwise equal)";
+      }
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+// tol = 2 * (max abs error of kNaive against kReference) + floor, per output.
+//
+// kNaive is the materialising algorithm in the inputs' own precision: a kernel at most twice as
+// inaccurate as it is acceptable. kReference computes in float64, so for float32 inputs it is
+// exact to within ~1e-16 and |kNaive - kReference| is kNaive's own error.
+//
+// Float64 inputs: kNaive and kReference are then the same code and agree bit for bit, so the
+// measured error is 0 and says nothing. We estimate the error e of a naive float64 kernel by
+// running kNaive in float32 on the inputs rounded to float32 and scaling its error by
+// DBL_EPSILON / FLT_EPSILON (rounding errors are, to first order, proportional to the unit
+// roundoff; the inputs differ only by that rounding). kReference is then no better than e
+// itself, so a kernel within 2e of the exact result is within 3e of kReference: the factor
+// is 3 for float64.
+//
+// The floor: storing a result in the dtype alone can change it by eps/2 relative, and two
+// correct kernels may each take a few more roundings on other paths. Where kNaive is exact by
+// luck (uniform weights, a single allowed key, ...) 2 * 0 would demand bit-exactness, so allow
+// 4 * eps times the output's magnitude:
+//   out:     |out| <= max|v| (each row is a convex combination of v rows)  -> 4 eps max|v|
+//   weights: 0 <= w <= 1                                                   -> 4 eps
+//   lse:     m + log(sum), rounded relative to |m| and to log(sum) >= 0    -> 4 eps (1 + max|lse|)
+//
+// The maximum error is a noisy statistic when few elements dominate it (a sharp softmax over
+// a handful of rows): cases meant to stress accuracy need a few hundred rows.
+testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options, const Outs& got) {
+  // Runs kReference and kNaive on `in`; sets `ref` and raises `err` to kNaive's error * scale.
+  auto measure = [&](const Tensors& in, double scale, Values& ref, double (&err)[3]) {
+    sdpa::Options o = options;
+    o.backend = sdpa::Backend::kReference;
+    ref = values(run(in, o));
+    o.backend = sdpa::Backend::kNaive;
+    const Values naive = values(run(in, o));
+    double e[3] = {0, 0, 0};
+    if (auto r = max_error("out", naive.out, ref.out, e[0]); !r) return r;
+    if (auto r = max_error("weights", naive.weights, ref.weights, e[1]); !r) return r;
+    if (auto r = max_error("lse", naive.lse, ref.lse, e[2]); !r) return r;
+    for (int n = 0; n < 3; ++n) err[n] = std::max(err[n], e[n] * scale);
+    return testing::AssertionSuccess();
+  };
+  const DType dtype = t.q.dtype();
+  Values ref, ref32;
+  double err[3] = {0, 0, 0};
+  if (auto r = measure(t, 1.0, ref, err); !r) return r;
+  double factor = 2;
+  if (dtype == DType::kFloat64) {
+    if (auto r = measure(t.converted(DType::kFloat32), DBL_EPSILON / FLT_EPSILON, ref32, err); !r) return r;
+    factor = 3;
+  }
+  const Values g = values(got);
+  const double e = eps(dtype);
+  const double vmax = max_abs_finite(t.v.values());
+  if (auto r = all_close("out", g.out, ref.out, factor * err[0] + 4 * e * vmax); !r) return r;
+  if (got.weights) {
+    if (auto r = all_close("weights", g.weights, ref.weights, factor * err[1] + 4 * e); !r) return r;
+  }
+  if (got.lse) return all_close("lse", g.lse, ref.lse, factor * err[2] + 4 * e * (1 + max_abs_finite(ref.lse)));
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options& options, const Outs& got) {
+  const Dims d = dims_of(t);
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      for (int64_t i = 0; i < d.Nq; ++i) {
+        bool any = false;
+        for (int64_t j = 0; j < d.Nk; ++j) {
+          const bool allowed = key_allowed(options, d.Nq, d.Nk, i, j) && mask_bias(t, b, h, i, j) != -kInf;
+          any = any || allowed;
+          if (!allowed && got.weights && got.weights->at(b, h, i, j) != 0) {
+            return testing::AssertionFailure() << "weights[" << b << "," << h << "," << i << "," << j
+                                               << "] = " << got.weights->at(b, h, i, j) << " but that key is blocked";
+          }
+        }
+        if (any) continue;
+        for (int64_t x = 0; x < d.Dv; ++x) {
+          if (got.out.at(b, h, i, x) != 0) {
+            return testing::AssertionFailure() << "out[" << b << "," << h << "," << i << "," << x
+                                               << "] = " << got.out.at(b, h, i, x) << " but the row has no allowed key";
+          }
+        }
+        if (got.lse && got.lse->at(0, b, h, i) != -kInf) {
+          return testing::AssertionFailure() << "lse[" << b << "," << h << "," << i
+                                             << "] = " << got.lse->at(0, b, h, i) << " but the row has no allowed key";
+        }
+      }
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+// ---- The sweep ----
+
+namespace {
+
+std::string number(double x) {
+  std::ostringstream s;
+  s << x;
+  std::string out;
+  for (char c : s.str()) out += c == '.' ? 'p' : c == '-' ? 'm' : c;
+  return out;
+}
+
+std::string case_name(const Case& c) {
+  std::ostringstream s;
+  s << (c.dtype == DType::kFloat32 ? "f32" : "f64") << "_r" << c.rank;
+  if (c.rank == 4) s << "_b" << c.B;
+  if (c.rank >= 3) s << "_h" << c.Hq << "x" << c.Hkv;
+  s << "_q" << c.Nq << "_k" << c.Nk << "_d" << c.Dk << "_v" << c.Dv;
+  if (c.mask != MaskKind::kNone) {
+    static const char* const shapes[] = {"Full", "QK", "HK", "K"};
+    s << (c.mask == MaskKind::kBool ? "_bool" : "_add") << shapes[static_cast<int>(c.mask_shape)];
+  }
+  if (c.causal == sdpa::Causal::kBottomRight) s << "_causalBR";
+  if (c.causal == sdpa::Causal::kTopLeft) s << "_causalTL";
+  if (c.window.left >= 0 || c.window.right >= 0) {
+    s << "_win" << (c.window.left >= 0 ? std::to_string(c.window.left) : "n") << "_"
+      << (c.window.right >= 0 ? std::to_string(c.window.right) : "n");
+  }
+  if (c.scale) s << "_scale" << number(*c.scale);
+  if (c.layout == Layout::kPadded) s << "_padded";
+  if (c.layout == Layout::kPermuted) s << "_permuted";
+  return s.str();
+}
+
+std::vector<int64_t> last(int rank, std::vector<int64_t> full) { return {full.end() - rank, full.end()}; }
+
+}  // namespace
+
+std::vector<Case> sweep_cases() {
+  using sdpa::Causal;
+  using Pairs = std::initializer_list<std::pair<int64_t, int64_t>>;
+  // Lengths at and around the AVX2 lane counts (8 f32, 4 f64) and their multiples.
+  const int64_t lengths[] = {1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 97, 257};
+  const int64_t dims[] = {1, 3, 8, 59, 64, 80, 128};
+  const MaskShape shapes[] = {MaskShape::kFull, MaskShape::kQueryKey, MaskShape::kHeadKey, MaskShape::kKey};
+  const sdpa::Window windows[] = {{3, -1}, {-1, 2}, {4, 4}, {0, 0}, {16, 0}};
+  std::vector<Case> cases;
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    auto add = [&](Case c) {
+      c.dtype = dtype;
+      c.name = case_name(c);
+      for (const Case& other : cases) {
+        if (other.name == c.name) throw std::logic_error("duplicate sweep case " + c.name);
+      }
+      cases.push_back(std::move(c));
+    };
+    for (int i = 0; i < 12; ++i) {
+      // Self-attention over every length; cross-attention with Nq < Nk and Nq > Nk.
+      add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = lengths[i], .Nk = lengths[i], .Dk = dims[i % 7], .Dv = dims[i % 7],
+           .layout = i % 3 == 1 ? Layout::kPadded : Layout::kContiguous});
+      add({.rank = 3, .Nq = lengths[i], .Nk = lengths[(i + 5) % 12], .Dk = dims[(i + 2) % 7], .Dv = dims[(i + 2) % 7],
+           .causal = i % 2 ? Causal::kBottomRight : Causal::kNone});
+    }
+    for (int i = 0; i < 7; ++i) {
+      // Head dims, Dv == Dk and Dv != Dk, in rank 2 and rank 4.
+      add({.rank = 2, .Nq = 17, .Nk = 33, .Dk = dims[i], .Dv = dims[i]});
+      add({.rank = 4, .B = 2, .Hq = 2, .Hkv = 2, .Nq = 9, .Nk = 65, .Dk = dims[i], .Dv = dims[(i + 3) % 7],
+           .layout = i % 2 ? Layout::kPermuted : Layout::kContiguous});
+    }
+    for (auto [hq, hkv] : Pairs{{4, 4}, {4, 2}, {8, 2}, {6, 1}}) {
+      // GQA ratios 1, 2, 4 and MQA.
+      add({.rank = 4, .B = 2, .Hq = hq, .Hkv = hkv, .Nq = 16, .Nk = 65, .Dk = 64, .Dv = 64, .causal = Causal::kBottomRight});
+      add({.rank = 3, .Hq = hq, .Hkv = hkv, .Nq = 9, .Nk = 9, .Dk = 8, .Dv = 8, .mask = MaskKind::kBool,
+           .mask_shape = MaskShape::kHeadKey});
+    }
+    for (MaskKind kind : {MaskKind::kBool, MaskKind::kAdditive}) {
+      // Every mask kind and broadcast shape, alone and with causal; rank 2 and 3 too.
+      for (int s = 0; s < 4; ++s) {
+        add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 17, .Nk = 63, .Dk = 64, .Dv = 64, .mask = kind,
+             .mask_shape = shapes[s], .causal = s % 2 ? Causal::kTopLeft : Causal::kNone,
+             .layout = s == 2 ? Layout::kPadded : Layout::kContiguous});
+      }
+      add({.rank = 2, .Nq = 9, .Nk = 16, .Dk = 3, .Dv = 3, .mask = kind, .mask_shape = MaskShape::kKey});
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 15, .Nk = 8, .Dk = 8, .Dv = 16, .mask = kind,
+           .mask_shape = MaskShape::kHeadKey, .causal = Causal::kBottomRight});
+    }
+    for (Causal causal : {Causal::kBottomRight, Causal::kTopLeft}) {
+      for (auto [nq, nk] : Pairs{{15, 64}, {64, 15}, {33, 33}}) {
+        add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = nq, .Nk = nk, .Dk = 59, .Dv = 16, .causal = causal});
+      }
+    }
+    for (const sdpa::Window& w : windows) {
+      // Windows alone and with causal; the last, Nq > Nk, leaves the first rows without keys.
+      add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 65, .Nk = 65, .Dk = 64, .Dv = 64, .window = w});
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 16, .Nk = 97, .Dk = 80, .Dv = 80, .causal = Causal::kBottomRight,
+           .window = w});
+    }
+    add({.rank = 2, .Nq = 97, .Nk = 16, .Dk = 8, .Dv = 8, .window = {2, 2}});
+    for (double scale : {0.0, 0.05, -1.5, 8.0}) {
+      // Uniform, flat, negative and sharp (saturating) softmax; 512 rows for a stable max error.
+      add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 64, .Nk = 64, .Dk = 64, .Dv = 64, .scale = scale});
+    }
+    // Everything at once on strided, misaligned, permuted views.
+    add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 17, .Nk = 65, .Dk = 59, .Dv = 80, .mask = MaskKind::kAdditive,
+         .causal = Causal::kBottomRight, .window = {32, -1}, .layout = Layout::kPermuted});
+    add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 1, .Nq = 65, .Nk = 17, .Dk = 64, .Dv = 8, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kQueryKey, .causal = Causal::kTopLeft, .layout = Layout::kPadded});
+    // Large: a long causal prefill, a decode step against a long KV cache, a mid-size head.
+    add({.rank = 2, .Nq = 1025, .Nk = 1025, .Dk = 64, .Dv = 64, .causal = Causal::kBottomRight});
+    add({.rank = 4, .Hq = 8, .Hkv = 2, .Nq = 1, .Nk = 1025, .Dk = 128, .Dv = 128, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kKey});
+    add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 257, .Nk = 257, .Dk = 128, .Dv = 128});
+    // Few rows against more than 2048 keys: long enough for a kernel to split the keys into
+    // chunks and merge them; with a window most chunks see no key at all.
+    add({.rank = 4, .Hq = 4, .Hkv = 1, .Nq = 1, .Nk = 4100, .Dk = 64, .Dv = 64, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kKey});
+    add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 3, .Nk = 4100, .Dk = 16, .Dv = 16, .causal = Causal::kBottomRight,
+         .window = {100, -1}});
+  }
+  return cases;
+}
+
+Tensors make_inputs(const Case& c) {
+  std::mt19937 rng(static_cast<uint32_t>(fnv1a(c.name)));
+  Tensors t{GuardedTensor(c.dtype, last(c.rank, {c.B, c.Hq, c.Nq, c.Dk}), c.layout),
+            GuardedTensor(c.dtype, last(c.rank, {c.B, c.Hkv, c.Nk, c.Dk}), c.layout),
+            GuardedTensor(c.dtype, last(c.rank, {c.B, c.Hkv, c.Nk, c.Dv}), c.layout), std::nullopt};
+  fill_normal(t.q, rng);
+  fill_normal(t.k, rng);
+  fill_normal(t.v, rng);
+  if (c.mask != MaskKind::kNone) {
+    std::vector<int64_t> shape;
+    switch (c.mask_shape) {
+      case MaskShape::kFull: shape = last(c.rank, {c.B, c.Hq, c.Nq, c.Nk}); break;
+      case MaskShape::kQueryKey: shape = {c.Nq, c.Nk}; break;
+      case MaskShape::kHeadKey: shape = last(c.rank, {1, c.Hq, 1, c.Nk}); break;
+      case MaskShape::kKey: shape = {c.Nk}; break;
+    }
+    t.mask.emplace(c.mask == MaskKind::kBool ? DType::kBool : c.dtype, shape, c.layout, false);
+    // Fully blocked rows only where the mask has many rows: a blocked key-padding row would
+    // empty the whole output and leave nothing to compare.
+    const int64_t rows = t.mask->numel() / std::max<int64_t>(1, shape.back());
+    fill_mask(*t.mask, rng, 0.7, rows >= 8 ? 0.1 : 0.0);
+  }
+  return t;
+}
+
+sdpa::Options options(const Case& c, sdpa::Backend backend) {
+  sdpa::Options o;
+  o.scale = c.scale;
+  o.causal = c.causal;
+  o.window = c.window;
+  o.backend = backend;
+  return o;
+}
+
+int64_t work(const Case& c) { return c.B * c.Hq * c.Nq * c.Nk * (c.Dk + c.Dv); }
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+}  // namespace sdpa_test

@@ -1,0 +1,174 @@
+// Helpers shared by the attention tests (and by the fast-kernel tests to come): guarded strided
+// tensors, seeded random fills, an independent float64 oracle, the tolerance rule and the case
+// table of the sweep.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <ostream>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "sdpa/attention.h"
+
+namespace sdpa_test {
+
+using sdpa::DType;
+
+// How a GuardedTensor lays out its elements. Every layout surrounds them with guard values.
+enum class Layout {
+  kContiguous,  // C order, data 64-byte aligned
+  kPadded,      // C order, 3 guard elements after every row and every outer slice; the data
+                // starts one element past a 64-byte boundary (misaligned for SIMD)
+  kPermuted,    // as kPadded, but H and N are swapped in memory (a (B, N, H, D) buffer, like a
+                // transposed PyTorch tensor) and N runs backwards (negative stride)
+};
+
+// An owning tensor whose elements live inside a larger buffer filled with a sentinel (a NaN with
+// a payload; 0xA5 for bool). Outputs start as sentinels too, so unwritten elements show, and
+// guards_intact() catches any write outside the elements. Inputs' guards being NaN also makes
+// a kernel that reads past a row produce NaN.
+class GuardedTensor {
+ public:
+  // unit_last_stride = false gives non-contiguous layouts a last-dim stride of 2 (allowed for
+  // mask, weights and lse, which may have any strides).
+  GuardedTensor(DType dtype, std::vector<int64_t> shape, Layout layout = Layout::kContiguous,
+                bool unit_last_stride = true);
+
+  sdpa::TensorView view() const;
+  DType dtype() const { return dtype_; }
+  Layout layout() const { return layout_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  int rank() const { return static_cast<int>(shape_.size()); }
+  int64_t numel() const;
+
+  // Element `flat` in C order, read or written as double (bool: 0 / 1, any non-zero reads 1).
+  double get(int64_t flat) const;
+  void set(int64_t flat, double value);
+  std::vector<double> values() const;  // all elements in C order
+  void set_values(const std::vector<double>& values);
+  // Element (b, h, i, j): the tensor's dims right-aligned to these four; a dim of extent 1
+  // broadcasts (index 0), as NumPy does. Indices of dims the tensor lacks are ignored.
+  double at(int64_t b, int64_t h, int64_t i, int64_t j) const;
+
+  // The same values in another dtype and/or layout.
+  GuardedTensor converted(DType dtype, Layout layout) const;
+
+  testing::AssertionResult guards_intact() const;  // everything outside the elements unchanged
+  testing::AssertionResult untouched() const;      // the whole buffer unchanged, elements too
+
+ private:
+  int64_t element_offset(int64_t flat) const;  // into the buffer, in elements
+  bool holds_sentinel(int64_t offset) const;
+
+  DType dtype_;
+  std::vector<int64_t> shape_, strides_;
+  Layout layout_;
+  bool unit_last_stride_;
+  int64_t size_ = 0;   // buffer size in elements
+  int64_t start_ = 0;  // offset of the element at index (0, ..., 0)
+  std::unique_ptr<std::byte[], void (*)(void*)> buffer_;
+  std::vector<bool> is_element_;
+};
+
+// A tensor with the given values in C order.
+GuardedTensor tensor(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values,
+                     Layout layout = Layout::kContiguous);
+
+// Seeded random fills (std::mt19937, so a failing case reproduces).
+void fill_normal(GuardedTensor& t, std::mt19937& rng, double stddev = 1.0);
+void fill_uniform(GuardedTensor& t, std::mt19937& rng, double lo, double hi);
+// Each entry attends with probability `density`; each row (last dim) is then blocked entirely
+// with probability `empty_row_probability`. Bool masks get 1 / 0; float masks get a normal
+// value / -inf (an additive bias).
+void fill_mask(GuardedTensor& t, std::mt19937& rng, double density, double empty_row_probability);
+
+// The inputs of one call, and its outputs.
+struct Tensors {
+  GuardedTensor q, k, v;
+  std::optional<GuardedTensor> mask;
+  sdpa::Inputs inputs() const;
+  Tensors converted(DType dtype) const;  // q, k, v and a float mask in another dtype
+};
+
+struct Outs {
+  GuardedTensor out;
+  std::optional<GuardedTensor> weights, lse;
+  sdpa::Outputs outputs() const;
+  testing::AssertionResult guards_intact() const;
+};
+
+// Allocates out (and, when with_extras, weights and lse) for t's shapes in `layout`, calls
+// sdpa::attention and returns them.
+Outs run(const Tensors& t, const sdpa::Options& options, Layout layout = Layout::kContiguous,
+         bool with_extras = true);
+
+// Results as doubles in C order; weights / lse empty when absent.
+struct Values {
+  std::vector<double> out, weights, lse;
+};
+Values values(const Outs& outs);
+
+// Whether causal and window let query i see key j: the header's rules written out again,
+// independently of src/.
+bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
+
+// Attention computed the obvious way in float64 straight from the header's contract,
+// independently of src/ (its own indexing, broadcasting, causal and window rules).
+Values oracle(const Tensors& t, const sdpa::Options& options);
+
+// Element-wise |got - want| <= tol; infinities must match exactly; NaN always fails.
+testing::AssertionResult all_close(const char* what, const std::vector<double>& got,
+                                   const std::vector<double>& want, double tol);
+// Bit-for-bit equality of every output present in both.
+testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b);
+
+// The tolerance rule: `got` (computed from t with `options`, any backend) against kReference on
+// the same inputs, per output, with tol = 2 * (max error of kNaive) + floor. See test_util.cc.
+testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options,
+                                           const Outs& got);
+
+// Exact structure, independent of the kernel's arithmetic: every weight that causal, window or
+// mask blocks is exactly 0; a row with nothing allowed has out exactly 0 and lse -inf.
+testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options& options,
+                                           const Outs& got);
+
+// ---- The case table of the sweep (ggml test-backend-ops style) ----
+
+enum class MaskKind { kNone, kBool, kAdditive };
+enum class MaskShape {
+  kFull,      // the scores' shape, e.g. (B, Hq, Nq, Nk)
+  kQueryKey,  // (Nq, Nk), shared by batch and heads
+  kHeadKey,   // (1, Hq, 1, Nk) in rank 4, (Hq, 1, Nk) in rank 3, (1, Nk) in rank 2
+  kKey,       // (Nk,): a key-padding mask
+};
+
+struct Case {
+  std::string name = "";  // a valid GoogleTest name, set by sweep_cases()
+  int rank = 4;      // 2 drops B and H, 3 drops B
+  int64_t B = 1, Hq = 1, Hkv = 1, Nq = 1, Nk = 1, Dk = 1, Dv = 1;
+  DType dtype = DType::kFloat32;
+  MaskKind mask = MaskKind::kNone;
+  MaskShape mask_shape = MaskShape::kFull;
+  sdpa::Causal causal = sdpa::Causal::kNone;
+  sdpa::Window window = {};
+  std::optional<double> scale = std::nullopt;
+  Layout layout = Layout::kContiguous;  // of every input and output
+};
+
+std::vector<Case> sweep_cases();
+// Random inputs for the case: q, k, v normal; masks with density 0.7 and, when they have 8
+// rows or more, 10% of rows fully blocked.
+// Seeded from the case name, so each case always sees the same data.
+Tensors make_inputs(const Case& c);
+sdpa::Options options(const Case& c, sdpa::Backend backend);
+// B * Hq * Nq * Nk * (Dk + Dv): the multiply-adds of one materialising call.
+int64_t work(const Case& c);
+void PrintTo(const Case& c, std::ostream* os);  // GoogleTest prints the name, not the bytes
+
+}  // namespace sdpa_test
