@@ -63,8 +63,8 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
     T* row = st + r * kTileKeys;
     for (int64_t j = 0; j < n; ++j) {
       if (j0 + j < lanes[r].begin || j0 + j >= lanes[r].end) row[j] = neg_inf;
-      if (p.mask) row[j] += p.mask_bias<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j);
     }
+    if (p.mask) add_mask_row(p, blk.b, lanes[r].h, lanes[r].i, j0, n, row, 1);
     for (int64_t j = n; j < (n + N - 1) / N * N; ++j) row[j] = neg_inf;  // whole vectors below
   }
 }

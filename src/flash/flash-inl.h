@@ -118,10 +118,8 @@ HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockRows& blk, Scratch<T
     }
   }
   if (p.mask) {
-    for (int64_t jj = 0; jj < n; ++jj) {
-      for (int64_t l = 0; l < blk.rows; ++l) {
-        s.st[jj * mq + l] += p.mask_bias<T>(blk.b, s.lanes[l].h, s.lanes[l].i, j0 + jj);
-      }
+    for (int64_t l = 0; l < blk.rows; ++l) {
+      add_mask_row(p, blk.b, s.lanes[l].h, s.lanes[l].i, j0, n, s.st.get() + l, static_cast<int64_t>(mq));
     }
   }
 }

@@ -102,6 +102,24 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   return plan;
 }
 
+// Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj · dst_stride]:
+// -inf where a bool mask blocks, the value of a float mask (q's dtype, by validation).
+// One row of the mask read through its own (possibly zero, broadcast) key stride.
+template <typename T>
+void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* dst,
+                  int64_t dst_stride) {
+  const View4& mask = *p.mask;
+  const int64_t js = mask.strides[3];
+  if (mask.dtype == DType::kBool) {
+    const uint8_t* row = mask.at<uint8_t>(b, h, i, j0);
+    const T blocked = -std::numeric_limits<T>::infinity();
+    for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js] ? T(0) : blocked;  // no branch
+  } else {
+    const T* row = mask.at<T>(b, h, i, j0);
+    for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js];
+  }
+}
+
 // Merges a block's per-chunk results (ot, m, l), stored one after another, in chunk order:
 // rescale each chunk to the common max, then add. m is 0 and l is 0 where a chunk saw no key.
 template <typename T>
