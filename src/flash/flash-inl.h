@@ -34,18 +34,39 @@ HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Per-thread working memory for one block: O(Mq · (Dk + Dv + kTileKeys)), independent of N.
+// One block's state while its tiles are processed (pointers into Scratch).
+template <typename T>
+struct BlockState {
+  BlockRows blk;
+  LaneSpan span;
+  T* qt;            // Dk × mq: the queries, transposed and pre-scaled
+  T* ot;            // Dv × mq: the unnormalised output
+  T* m;             // mq: running max (-inf until a key is allowed; 0 once finished)
+  T* l;             // mq: running sum
+  LaneRow* lanes;   // mq
+};
+
+// Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
+// O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N.
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector)
-      : qt(hwy::AllocateAligned<T>(std::max<size_t>(1, p.Dk * mq))),
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group)
+      : mq(mq),
+        Dk(static_cast<size_t>(p.Dk)),
+        Dv(static_cast<size_t>(p.Dv)),
+        qt(hwy::AllocateAligned<T>(std::max<size_t>(1, group * Dk * mq))),
         st(hwy::AllocateAligned<T>(kTileKeys * mq)),
-        ot(hwy::AllocateAligned<T>(std::max<size_t>(1, p.Dv * mq))),
-        m(hwy::AllocateAligned<T>(mq)),
-        l(hwy::AllocateAligned<T>(mq)),
+        ot(hwy::AllocateAligned<T>(std::max<size_t>(1, group * Dv * mq))),
+        m(hwy::AllocateAligned<T>(group * mq)),
+        l(hwy::AllocateAligned<T>(group * mq)),
         decode_q(hwy::AllocateAligned<T>(kDecodeRows * (p.Dk + lanes_per_vector))),
         decode_o(hwy::AllocateAligned<T>(kDecodeRows * (p.Dv + lanes_per_vector))),
-        lanes(mq) {}
+        lanes(group * mq) {}
+  BlockState<T> block(size_t g) {
+    return {BlockRows{}, LaneSpan{}, qt.get() + g * Dk * mq, ot.get() + g * Dv * mq, m.get() + g * mq,
+            l.get() + g * mq, lanes.data() + g * mq};
+  }
+  size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, ot, m, l;
   hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q and o
   std::vector<LaneRow> lanes;
@@ -96,103 +117,121 @@ HWY_INLINE void AccumulateValues(D d, const T* HWY_RESTRICT p, int64_t keys, siz
 template <size_t QV>
 constexpr size_t kBlockRows = QV == 1 ? 8 : 12 / QV;
 
-// Scores of keys [j0, j0 + n) for the block, scaled (the scale is folded into qt), masked.
+// Scores of keys [j0, j0 + n) for a block into st, scaled (the scale is folded into qt), masked.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockRows& blk, Scratch<T>& s, size_t mq, int64_t j0,
+HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
                           int64_t n, bool partial) {
   constexpr size_t KB = kBlockRows<QV>;
-  const T* k = p.k.at<T>(blk.b, blk.kvh, j0);
+  const T* k = p.k.at<T>(bs.blk.b, bs.blk.kvh, j0);
   const int64_t ks = p.k.strides[2];
   int64_t j = 0;
-  for (; j + static_cast<int64_t>(KB) <= n; j += KB) ScoreKeys<KB, QV>(d, s.qt.get(), mq, k + j * ks, ks, p.Dk, s.st.get() + j * mq);
-  for (; j < n; ++j) ScoreKeys<1, QV>(d, s.qt.get(), mq, k + j * ks, ks, p.Dk, s.st.get() + j * mq);
+  for (; j + static_cast<int64_t>(KB) <= n; j += KB) ScoreKeys<KB, QV>(d, bs.qt, mq, k + j * ks, ks, p.Dk, st + j * mq);
+  for (; j < n; ++j) ScoreKeys<1, QV>(d, bs.qt, mq, k + j * ks, ks, p.Dk, st + j * mq);
 
   // Causal/window edges and the mask: rare tiles or a secondary path, so plain scalar code.
   const T neg_inf = -std::numeric_limits<T>::infinity();
   if (partial) {
     for (int64_t jj = 0; jj < n; ++jj) {
-      for (int64_t l = 0; l < blk.rows; ++l) {
-        const LaneRow& r = s.lanes[l];
-        if (j0 + jj < r.begin || j0 + jj >= r.end) s.st[jj * mq + l] = neg_inf;
+      for (int64_t l = 0; l < bs.blk.rows; ++l) {
+        const LaneRow& r = bs.lanes[l];
+        if (j0 + jj < r.begin || j0 + jj >= r.end) st[jj * mq + l] = neg_inf;
       }
     }
   }
   if (p.mask) {
-    for (int64_t l = 0; l < blk.rows; ++l) {
-      add_mask_row(p, blk.b, s.lanes[l].h, s.lanes[l].i, j0, n, s.st.get() + l, static_cast<int64_t>(mq));
+    for (int64_t l = 0; l < bs.blk.rows; ++l) {
+      add_mask_row(p, bs.blk.b, bs.lanes[l].h, bs.lanes[l].i, j0, n, st + l, static_cast<int64_t>(mq));
     }
   }
 }
 
-// qt[d][lane] = q[lane's row][d] · scale: the block's queries transposed and pre-scaled
-// (padding lanes zero). Needs s.lanes described for this block.
+// Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
+// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero).
 template <typename T>
-void PackQueries(const Problem& p, const BlockRows& blk, Scratch<T>& s, size_t mq) {
+void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
+                BlockState<T>& bs) {
+  bs.blk = blk;
+  bs.span = describe_lanes(p, blk, key_begin, key_end, bs.lanes);
   const T scale = static_cast<T>(p.scale);
-  std::fill(s.qt.get(), s.qt.get() + p.Dk * mq, T(0));
+  std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
   for (int64_t l = 0; l < blk.rows; ++l) {
-    const T* q = p.q.at<T>(blk.b, s.lanes[l].h, s.lanes[l].i);
-    for (int64_t c = 0; c < p.Dk; ++c) s.qt[c * mq + l] = q[c] * scale;
+    const T* q = p.q.at<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
+    for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = q[c] * scale;
   }
+  std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
+  std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
+  std::fill(bs.l, bs.l + mq, T(0));
 }
 
-// Online softmax over one block's keys [key_begin, key_end): leaves the unnormalised output
-// in s.ot, the running max in s.m (0 where no key is allowed) and the running sum in s.l.
+// One online-softmax step of a block over the tile that starts at t (a multiple of
+// kTileKeys), clipped to the block's span: scores, new max, rescale, p = exp(s - max), p·V.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
-void RunBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, Scratch<T>& s) {
+void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, int64_t t) {
+  using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
-  using V = hn::Vec<D>;
+  const int64_t j0 = std::max(t, bs.span.begin);
+  const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
+  if (n <= 0) return;
+  const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
+  ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial);
+
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
-
-  const LaneSpan span = describe_lanes(p, blk, key_begin, key_end, s.lanes.data());
-  PackQueries(p, blk, s, mq);
-  std::fill(s.ot.get(), s.ot.get() + p.Dv * mq, T(0));
-  V m[QV], l[QV];
+  V mnew[QV], msafe[QV], alpha[QV], sum[QV];
+  for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Load(d, bs.m + q * N);
+  for (int64_t j = 0; j < n; ++j)
+    for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Max(mnew[q], hn::Load(d, st + j * mq + q * N));
   for (size_t q = 0; q < QV; ++q) {
-    m[q] = neg_inf;
-    l[q] = hn::Zero(d);
+    // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
+    msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
+    alpha[q] = hn::Exp(d, hn::Sub(hn::Load(d, bs.m + q * N), msafe[q]));
+    sum[q] = hn::Zero(d);
+    hn::Store(mnew[q], d, bs.m + q * N);
   }
-
-  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
-  const int64_t vs = p.v.strides[2];
-  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
-    const int64_t j0 = std::max(t, span.begin);
-    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    const bool partial = j0 < span.max_begin || j0 + n > span.min_end;
-    ScoreTile<QV>(d, p, blk, s, mq, j0, n, partial);
-
-    V mnew[QV], msafe[QV], alpha[QV], sum[QV];
-    for (size_t q = 0; q < QV; ++q) mnew[q] = m[q];
-    for (int64_t j = 0; j < n; ++j)
-      for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Max(mnew[q], hn::Load(d, s.st.get() + j * mq + q * N));
+  for (int64_t j = 0; j < n; ++j) {
     for (size_t q = 0; q < QV; ++q) {
-      // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
-      msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
-      alpha[q] = hn::Exp(d, hn::Sub(m[q], msafe[q]));
-      sum[q] = hn::Zero(d);
-      m[q] = mnew[q];
+      T* row = st + j * mq + q * N;
+      const V pj = hn::Exp(d, hn::Sub(hn::Load(d, row), msafe[q]));
+      sum[q] = hn::Add(sum[q], pj);
+      hn::Store(pj, d, row);
     }
-    for (int64_t j = 0; j < n; ++j) {
-      for (size_t q = 0; q < QV; ++q) {
-        T* row = s.st.get() + j * mq + q * N;
-        const V pj = hn::Exp(d, hn::Sub(hn::Load(d, row), msafe[q]));
-        sum[q] = hn::Add(sum[q], pj);
-        hn::Store(pj, d, row);
-      }
-    }
-    for (size_t q = 0; q < QV; ++q) l[q] = hn::MulAdd(l[q], alpha[q], sum[q]);
-
-    constexpr size_t EB = kBlockRows<QV>;
-    const T* vt = v_head + j0 * vs;
-    int64_t e = 0;
-    for (; e + static_cast<int64_t>(EB) <= p.Dv; e += EB)
-      AccumulateValues<EB, QV>(d, s.st.get(), n, mq, vt + e, vs, alpha, s.ot.get() + e * mq);
-    for (; e < p.Dv; ++e) AccumulateValues<1, QV>(d, s.st.get(), n, mq, vt + e, vs, alpha, s.ot.get() + e * mq);
   }
-  for (size_t q = 0; q < QV; ++q) {
-    hn::Store(hn::IfThenZeroElse(hn::Eq(m[q], neg_inf), m[q]), d, s.m.get() + q * N);
-    hn::Store(l[q], d, s.l.get() + q * N);
+  for (size_t q = 0; q < QV; ++q) hn::Store(hn::MulAdd(hn::Load(d, bs.l + q * N), alpha[q], sum[q]), d, bs.l + q * N);
+
+  constexpr size_t EB = kBlockRows<QV>;
+  const int64_t vs = p.v.strides[2];
+  const T* vt = p.v.at<T>(bs.blk.b, bs.blk.kvh, j0);
+  int64_t e = 0;
+  for (; e + static_cast<int64_t>(EB) <= p.Dv; e += EB)
+    AccumulateValues<EB, QV>(d, st, n, mq, vt + e, vs, alpha, bs.ot + e * mq);
+  for (; e < p.Dv; ++e) AccumulateValues<1, QV>(d, st, n, mq, vt + e, vs, alpha, bs.ot + e * mq);
+}
+
+// Online softmax for a group of blocks of one kv head over keys [key_begin, key_end), tile
+// by tile, every block taking each K/V tile while it is still in cache. Leaves each block's
+// unnormalised output in ot, its max in m (0 where no key is allowed) and its sum in l.
+// Grouping changes no arithmetic: each block sees the same tiles in the same order.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64_t key_begin, int64_t key_end,
+               Scratch<T>& s) {
+  const size_t mq = QV * hn::Lanes(d);
+  BlockState<T> states[kMaxGroupBlocks];
+  int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
+  for (size_t g = 0; g < count; ++g) {
+    states[g] = s.block(g);
+    BeginBlock(p, blks[g], key_begin, key_end, mq, states[g]);
+    if (states[g].span.begin < states[g].span.end) {
+      begin = std::min(begin, states[g].span.begin);
+      end = std::max(end, states[g].span.end);
+    }
+  }
+  for (int64_t t = begin < end ? tile_start(begin) : end; t < end; t += kTileKeys) {
+    for (size_t g = 0; g < count; ++g) BlockTile<QV>(d, p, states[g], s.st.get(), t);
+  }
+  for (size_t g = 0; g < count; ++g) {
+    for (size_t l = 0; l < mq; ++l) {
+      if (states[g].m[l] == -std::numeric_limits<T>::infinity()) states[g].m[l] = 0;
+    }
   }
 }
 
@@ -201,49 +240,53 @@ void RunBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, in
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const T* l, Scratch<T>& s) {
   const size_t mq = QV * hn::Lanes(d);
-  const LaneSpan span = describe_lanes(p, blk, 0, p.Nk, s.lanes.data());
-  PackQueries(p, blk, s, mq);
+  BlockState<T> bs = s.block(0);
+  BeginBlock(p, blk, 0, p.Nk, mq, bs);
   for (int64_t lane = 0; lane < blk.rows; ++lane) {
-    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, s.lanes[lane].h, s.lanes[lane].i, j, T(0));
+    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j, T(0));
   }
-  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
-    const int64_t j0 = std::max(t, span.begin);
-    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    ScoreTile<QV>(d, p, blk, s, mq, j0, n, /*partial=*/true);
+  for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
+    const int64_t j0 = std::max(t, bs.span.begin);
+    const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
+    ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true);
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
       if (!(l[lane] > 0)) continue;  // no allowed key: the row stays zero
       const T inv = T(1) / l[lane];
       for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, s.lanes[lane].h, s.lanes[lane].i, j0 + j, std::exp(s.st[j * mq + lane] - m[lane]) * inv);
+        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, std::exp(s.st[j * mq + lane] - m[lane]) * inv);
       }
     }
   }
 }
 
-// Runs the whole problem: blocks (and key chunks) in parallel, each written exactly once.
+// Runs the whole problem: groups of blocks (and key chunks) in parallel, each output row
+// written exactly once.
 template <typename T>
 void Flash(const Problem& p) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
   const Plan plan = make_plan(p, N);
   const size_t mq = plan.qv * N;
-  std::vector<T> partial(plan.needs_merge() ? plan.units() * (p.Dv + 2) * mq : 0);
+  const size_t partial_size = (p.Dv + 2) * mq;  // (ot, m, l) of one block and chunk
+  std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
 
-  auto run = [&](Scratch<T>& s, const BlockRows& blk, int64_t k0, int64_t k1) {
-    if (plan.decode) {
-      DecodeBlock(d, p, blk, k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+  auto run = [&](Scratch<T>& s, const BlockRows* blks, size_t count, int64_t k0, int64_t k1) {
+    if (plan.decode) {  // one block per group: decode has few rows per kv head
+      DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
                   s.ot.get(), s.m.get(), s.l.get(), s.lanes.data());
     } else if (plan.qv == 1) {
-      RunBlock<1>(d, p, blk, k0, k1, s);
+      RunBlocks<1>(d, p, blks, count, k0, k1, s);
     } else {
-      RunBlock<2>(d, p, blk, k0, k1, s);
+      RunBlocks<2>(d, p, blks, count, k0, k1, s);
     }
   };
-  auto finish = [&](Scratch<T>& s, const BlockRows& blk) {
-    finish_block<T>(p, blk, s.ot.get(), s.m.get(), s.l.get(), mq, s.lanes.data());
+  // Normalises block g of the scratch and writes its rows (and weights, when asked for).
+  auto finish = [&](Scratch<T>& s, size_t g, const BlockRows& blk) {
+    const BlockState<T> bs = s.block(g);
+    finish_block<T>(p, blk, bs.ot, bs.m, bs.l, mq, bs.lanes);
     if (!p.weights) return;
-    // WriteWeights overwrites the scratch, so it reads m and l from copies.
-    std::vector<T> m(s.m.get(), s.m.get() + mq), l(s.l.get(), s.l.get() + mq);
+    // The weights pass reuses the scratch, so it reads m and l from copies.
+    std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
     if (plan.decode) {
       DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
                   s.ot.get(), m.data(), l.data(), s.lanes.data());
@@ -256,30 +299,35 @@ void Flash(const Problem& p) {
 
 #pragma omp parallel num_threads(plan.threads)
   {
-    Scratch<T> s(p, mq, N);
+    Scratch<T> s(p, mq, N, plan.group_blocks);
+    BlockRows blks[kMaxGroupBlocks];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < plan.units(); ++u) {
-      const BlockRows blk = plan.block(u / plan.chunks);
-      const int64_t c = u % plan.chunks;
+      const int64_t group = u / plan.chunks, c = u % plan.chunks;
+      const size_t count = plan.group(group, blks);
       const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
-      run(s, blk, k0, k1);
-      if (!plan.needs_merge()) {
-        finish(s, blk);
-      } else {  // keep (ot, m, l) of this chunk for the merge below
-        T* dst = partial.data() + u * (p.Dv + 2) * mq;
-        std::copy(s.ot.get(), s.ot.get() + p.Dv * mq, dst);
-        std::copy(s.m.get(), s.m.get() + mq, dst + p.Dv * mq);
-        std::copy(s.l.get(), s.l.get() + mq, dst + (p.Dv + 1) * mq);
+      run(s, blks, count, k0, k1);
+      for (size_t g = 0; g < count; ++g) {
+        if (!plan.needs_merge()) {
+          finish(s, g, blks[g]);
+          continue;
+        }
+        // Keep (ot, m, l) of this block and chunk for the merge below.
+        const BlockState<T> bs = s.block(g);
+        T* dst = partial.data() + (plan.block_index(blks[g]) * plan.chunks + c) * partial_size;
+        std::copy(bs.ot, bs.ot + p.Dv * mq, dst);
+        std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
+        std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
       }
     }
     if (plan.needs_merge()) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t bi = 0; bi < plan.blocks; ++bi) {
         const BlockRows blk = plan.block(bi);
-        describe_lanes(p, blk, 0, p.Nk, s.lanes.data());
-        merge_chunks<T>(partial.data() + bi * plan.chunks * (p.Dv + 2) * mq, plan.chunks, p.Dv, mq, s.ot.get(),
-                        s.m.get(), s.l.get());
-        finish(s, blk);
+        const BlockState<T> bs = s.block(0);
+        describe_lanes(p, blk, 0, p.Nk, bs.lanes);
+        merge_chunks<T>(partial.data() + bi * plan.chunks * partial_size, plan.chunks, p.Dv, mq, bs.ot, bs.m, bs.l);
+        finish(s, 0, blk);
       }
     }
   }

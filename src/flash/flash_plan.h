@@ -21,6 +21,11 @@ inline constexpr int64_t kTileKeys = 128;
 // kMinChunkKeys keys, so each unit amortises its merge.
 inline constexpr int64_t kTargetUnits = 16;
 inline constexpr int64_t kMinChunkKeys = 8 * kTileKeys;
+// Long K/V (more bytes per kv head than kGroupAboveBytes, half an L2) is swept by groups of
+// up to kMaxGroupBlocks blocks at once, so each K/V tile comes from memory once per group
+// rather than once per block (at N = 65536, D = 64 the K/V of a head no longer fit in L3).
+inline constexpr int64_t kMaxGroupBlocks = 4;
+inline constexpr int64_t kGroupAboveBytes = int64_t{1} << 19;
 // Blocks of at most this many rows use the few-rows (decode) kernel, lanes along features.
 inline constexpr int64_t kDecodeMaxRows = 8;
 
@@ -66,21 +71,34 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
 }
 
 struct Plan {
-  bool decode = false;      // few rows per kv head: DecodeBlock instead of RunBlock
+  bool decode = false;      // few rows per kv head: DecodeBlock instead of RunBlocks
   int64_t qv = 1;           // vectors of query rows per block
   int64_t mq = 1;           // rows per block = qv · lanes
   int64_t rows_per_head = 0, blocks_per_head = 0, blocks = 0;
   int64_t Hkv = 1;
   int64_t chunks = 1, chunk_keys = 1;  // keys split into `chunks` pieces of chunk_keys
+  int64_t group_blocks = 1, groups_per_head = 0;  // blocks of one kv head swept together
   int threads = 1;
 
-  int64_t units() const { return blocks * chunks; }
+  // A unit of parallel work: one group of blocks and one key chunk.
+  int64_t units() const { return p_heads() * groups_per_head * chunks; }
   bool needs_merge() const { return chunks > 1; }
   BlockRows block(int64_t bi) const {
     const int64_t per_batch = Hkv * blocks_per_head;
     const int64_t r0 = (bi % blocks_per_head) * mq;
     return {bi / per_batch, (bi % per_batch) / blocks_per_head, r0, std::min(mq, rows_per_head - r0)};
   }
+  int64_t block_index(const BlockRows& blk) const { return (blk.b * Hkv + blk.kvh) * blocks_per_head + blk.r0 / mq; }
+  // Fills the blocks of group gi (at most kMaxGroupBlocks) and returns how many there are.
+  size_t group(int64_t gi, BlockRows* out) const {
+    const int64_t head = gi / groups_per_head, first = (gi % groups_per_head) * group_blocks;
+    const int64_t count = std::min(group_blocks, blocks_per_head - first);
+    for (int64_t g = 0; g < count; ++g) out[g] = block(head * blocks_per_head + first + g);
+    return static_cast<size_t>(count);
+  }
+
+ private:
+  int64_t p_heads() const { return blocks_per_head ? blocks / blocks_per_head : 0; }
 };
 
 inline Plan make_plan(const Problem& p, int64_t lanes) {
@@ -98,7 +116,14 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
     plan.chunk_keys = std::max(kMinChunkKeys, ceil_div(ceil_div(p.Nk, want), kTileKeys) * kTileKeys);
     plan.chunks = ceil_div(p.Nk, plan.chunk_keys);
   }
-  plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), plan.units())));
+  // Grouping changes no arithmetic (each block sees the same tiles in the same order), so it
+  // may depend on the thread count: keep at least two units per thread.
+  const int threads = num_threads();
+  const int64_t kv_bytes = p.Nk * (p.Dk + p.Dv) * dtype_size(p.dtype);
+  if (!plan.decode && plan.chunks == 1 && kv_bytes > kGroupAboveBytes) plan.group_blocks = kMaxGroupBlocks;
+  while (plan.group_blocks > 1 && plan.blocks / plan.group_blocks < 2 * threads) plan.group_blocks /= 2;
+  plan.groups_per_head = ceil_div(plan.blocks_per_head, plan.group_blocks);
+  plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, plan.units())));
   return plan;
 }
 
