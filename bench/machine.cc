@@ -105,5 +105,7 @@ double measure_read_bandwidth_gbs(int threads, size_t bytes) {
 
 std::string simd_target() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
+void disable_avx512() { hwy::DisableTargets(HWY_AVX3 | HWY_AVX3_DL); }
+
 }  // namespace sdpa::bench
 #endif

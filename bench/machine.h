@@ -16,4 +16,8 @@ double measure_read_bandwidth_gbs(int threads, size_t bytes = size_t{1} << 30);
 // The SIMD target the kernels dispatch to on this CPU, e.g. "AVX2" or "AVX3".
 std::string simd_target();
 
+// Stops dispatch to AVX-512 targets for the rest of the process (kernels and probes alike),
+// to measure what a CPU without AVX-512 gets. Call before the first kernel runs.
+void disable_avx512();
+
 }  // namespace sdpa::bench

@@ -47,10 +47,12 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--reps", options.reps, "Timed runs per case; the median is reported")->check(CLI::PositiveNumber);
   cmd->add_option("--filter", options.filter, "Only cases whose name contains this text");
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
+  cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");
   return cmd;
 }
 
 void bench_command(const BenchOptions& options) {
+  if (options.no_avx512) sdpa::bench::disable_avx512();
   if (options.threads > 0) sdpa::set_num_threads(options.threads);
   const int threads = sdpa::num_threads();
   std::vector<sdpa::bench::BenchCase> cases;

@@ -37,6 +37,7 @@ struct BenchOptions {
   int reps = 5;
   std::string filter;
   bool json = false;
+  bool no_avx512 = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);
 void bench_command(const BenchOptions& options);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,8 +57,11 @@ Result run(const Shape& s, int threads) {
 }
 
 bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  if (a.size() != b.size()) return false;
+  return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
+
+void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }  // names, not bytes, in test logs
 
 class Threads : public testing::TestWithParam<Shape> {};
 
