@@ -23,4 +23,23 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
   throw Error("backend has an unknown value " + std::to_string(static_cast<int>(options.backend)));
 }
 
+void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const Gradients& grads, const Options& options) {
+  const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
+  const bool f64 = bp.fwd.dtype == DType::kFloat64;
+  switch (options.backend) {
+    case Backend::kAuto:
+    case Backend::kFlash:
+      internal::flash_backward(bp);
+      return;
+    case Backend::kReference:
+      internal::materialized_backward<double>(bp);
+      return;
+    case Backend::kNaive:
+      f64 ? internal::materialized_backward<double>(bp) : internal::materialized_backward<float>(bp);
+      return;
+  }
+  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(options.backend)));
+}
+
 }  // namespace sdpa

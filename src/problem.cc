@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <utility>
 
 namespace sdpa {
 
@@ -236,6 +237,33 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
   p.causal = opt.causal;
   p.window = opt.window;
   return p;
+}
+
+BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, const TensorView& lse,
+                                      const TensorView& dout, const Gradients& grads, const Options& opt) {
+  Outputs outs;
+  outs.out = out;
+  outs.lse = lse;
+  BackwardProblem bp{make_problem(in, outs, opt), {}, {}, {}, {}};
+  // Each gradient has the shape, dtype and layout needs of its forward twin.
+  const std::pair<const char*, const TensorView*> pairs[] = {
+      {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
+  const TensorView* grads_of[] = {&dout, &grads.dq, &grads.dk, &grads.dv};
+  for (int g = 0; g < 4; ++g) {
+    const char* name = pairs[g].first;
+    const TensorView& like = *pairs[g].second;
+    const TensorView& t = *grads_of[g];
+    check_basic(name, t, 2, 4);
+    check_dtype(name, t, in.q.dtype);
+    const std::string meaning = std::string("the shape of ") + (g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
+    check_shape(name, t, like.shape, like.rank, meaning.c_str());
+    check_unit_last_stride(name, t);
+  }
+  bp.dout = to_view4(dout);
+  bp.dq = to_view4(grads.dq);
+  bp.dk = to_view4(grads.dk);
+  bp.dv = to_view4(grads.dv);
+  return bp;
 }
 
 }  // namespace internal

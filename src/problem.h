@@ -89,4 +89,15 @@ struct Problem {
 // Validates every argument and builds the Problem. Throws sdpa::Error naming the argument.
 Problem make_problem(const Inputs& inputs, const Outputs& outputs, const Options& options);
 
+// The backward pass: the forward Problem (with out and lse, both required) plus the
+// incoming gradient and the three gradient outputs, all in q's dtype.
+struct BackwardProblem {
+  Problem fwd;
+  View4 dout;        // (B, Hq, Nq, Dv)
+  View4 dq, dk, dv;  // shaped like q, k, v
+};
+
+BackwardProblem make_backward_problem(const Inputs& inputs, const TensorView& out, const TensorView& lse,
+                                      const TensorView& dout, const Gradients& grads, const Options& options);
+
 }  // namespace sdpa::internal

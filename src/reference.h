@@ -11,4 +11,9 @@ namespace sdpa::internal {
 template <typename Acc>
 void materialized_attention(const Problem& p);
 
+// The backward pass the same way (reference_backward.cc): recomputes each row's softmax,
+// accumulates dq, dk, dv in Acc.
+template <typename Acc>
+void materialized_backward(const BackwardProblem& bp);
+
 }  // namespace sdpa::internal

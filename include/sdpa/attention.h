@@ -103,6 +103,21 @@ struct Outputs {
 // Throws Error on invalid arguments, before writing anything.
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options = {});
 
+// Gradients of attention() with respect to q, k and v.
+struct Gradients {
+  TensorView dq = {};  // shaped like q
+  TensorView dk = {};  // shaped like k: for GQA, the sum over the query heads of its group
+  TensorView dv = {};  // shaped like v
+};
+
+// Backward pass: given dout = ∂loss/∂out (shaped like out) and the out and lse that
+// attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
+// recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
+// nothing. Deterministic: bitwise identical for any thread count. Throws Error on invalid
+// arguments, before writing anything.
+void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const Gradients& grads, const Options& options = {});
+
 // Threads used by the kernels: n > 0 fixes the count, 0 restores OpenMP's default
 // (OMP_NUM_THREADS, else the number of cores). Results do not depend on it, bit for bit.
 void set_num_threads(int n);

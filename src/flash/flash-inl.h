@@ -117,16 +117,34 @@ HWY_INLINE void AccumulateValues(D d, const T* HWY_RESTRICT p, int64_t keys, siz
 template <size_t QV>
 constexpr size_t kBlockRows = QV == 1 ? 8 : 12 / QV;
 
+// out[j][lane] = Σ_c rows[j][c] · xt[c][lane] for n rows (rows[j] at rows + j·stride): the
+// scores q·kᵀ (xt = queries, rows = keys), and in the backward pass dout·vᵀ and the like.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void OuterScores(D d, const T* HWY_RESTRICT xt, size_t mq, const T* HWY_RESTRICT rows, int64_t stride,
+                            int64_t depth, int64_t n, T* HWY_RESTRICT out) {
+  constexpr size_t KB = kBlockRows<QV>;
+  int64_t j = 0;
+  for (; j + static_cast<int64_t>(KB) <= n; j += KB) ScoreKeys<KB, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
+  for (; j < n; ++j) ScoreKeys<1, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
+}
+
+// acc[e][lane] = alpha[lane] · acc[e][lane] + Σ_j rows[j][e] · p[j][lane] for e < width:
+// p·V in the forward pass, and the dq, dk, dv products of the backward pass.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void OuterAccumulate(D d, const T* HWY_RESTRICT p, int64_t n, size_t mq, const T* HWY_RESTRICT rows,
+                                int64_t stride, int64_t width, const hn::Vec<D>* alpha, T* HWY_RESTRICT acc) {
+  constexpr size_t EB = kBlockRows<QV>;
+  int64_t e = 0;
+  for (; e + static_cast<int64_t>(EB) <= width; e += EB)
+    AccumulateValues<EB, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
+  for (; e < width; ++e) AccumulateValues<1, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
+}
+
 // Scores of keys [j0, j0 + n) for a block into st, scaled (the scale is folded into qt), masked.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
                           int64_t n, bool partial) {
-  constexpr size_t KB = kBlockRows<QV>;
-  const T* k = p.k.at<T>(bs.blk.b, bs.blk.kvh, j0);
-  const int64_t ks = p.k.strides[2];
-  int64_t j = 0;
-  for (; j + static_cast<int64_t>(KB) <= n; j += KB) ScoreKeys<KB, QV>(d, bs.qt, mq, k + j * ks, ks, p.Dk, st + j * mq);
-  for (; j < n; ++j) ScoreKeys<1, QV>(d, bs.qt, mq, k + j * ks, ks, p.Dk, st + j * mq);
+  OuterScores<QV>(d, bs.qt, mq, p.k.at<T>(bs.blk.b, bs.blk.kvh, j0), p.k.strides[2], p.Dk, n, st);
 
   // Causal/window edges and the mask: rare tiles or a secondary path, so plain scalar code.
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -198,13 +216,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, int
   }
   for (size_t q = 0; q < QV; ++q) hn::Store(hn::MulAdd(hn::Load(d, bs.l + q * N), alpha[q], sum[q]), d, bs.l + q * N);
 
-  constexpr size_t EB = kBlockRows<QV>;
-  const int64_t vs = p.v.strides[2];
-  const T* vt = p.v.at<T>(bs.blk.b, bs.blk.kvh, j0);
-  int64_t e = 0;
-  for (; e + static_cast<int64_t>(EB) <= p.Dv; e += EB)
-    AccumulateValues<EB, QV>(d, st, n, mq, vt + e, vs, alpha, bs.ot + e * mq);
-  for (; e < p.Dv; ++e) AccumulateValues<1, QV>(d, st, n, mq, vt + e, vs, alpha, bs.ot + e * mq);
+  OuterAccumulate<QV>(d, st, n, mq, p.v.at<T>(bs.blk.b, bs.blk.kvh, j0), p.v.strides[2], p.Dv, alpha, bs.ot);
 }
 
 // Online softmax for a group of blocks of one kv head over keys [key_begin, key_end), tile

@@ -3,6 +3,7 @@
 #define HWY_TARGET_INCLUDE "flash/flash.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
+#include "flash/backward-inl.h"
 #include "flash/flash-inl.h"
 #include "flash/flash.h"
 #include "hwy/highway.h"
@@ -11,6 +12,8 @@ HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 void FlashF32(const Problem& p) { Flash<float>(p); }
 void FlashF64(const Problem& p) { Flash<double>(p); }
+void FlashBackwardF32(const BackwardProblem& bp) { FlashBackward<float>(bp); }
+void FlashBackwardF64(const BackwardProblem& bp) { FlashBackward<double>(bp); }
 }  // namespace sdpa::internal::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 
@@ -18,12 +21,21 @@ HWY_AFTER_NAMESPACE();
 namespace sdpa::internal {
 HWY_EXPORT(FlashF32);
 HWY_EXPORT(FlashF64);
+HWY_EXPORT(FlashBackwardF32);
+HWY_EXPORT(FlashBackwardF64);
 
 void flash_attention(const Problem& p) {
   if (p.dtype == DType::kFloat64) {
     HWY_DYNAMIC_DISPATCH(FlashF64)(p);
   } else {
     HWY_DYNAMIC_DISPATCH(FlashF32)(p);
+  }
+}
+void flash_backward(const BackwardProblem& bp) {
+  if (bp.fwd.dtype == DType::kFloat64) {
+    HWY_DYNAMIC_DISPATCH(FlashBackwardF64)(bp);
+  } else {
+    HWY_DYNAMIC_DISPATCH(FlashBackwardF32)(bp);
   }
 }
 }  // namespace sdpa::internal

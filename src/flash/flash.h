@@ -9,4 +9,7 @@ namespace sdpa::internal {
 // Writes out (and lse, weights when requested) for a validated problem, in p.dtype.
 void flash_attention(const Problem& p);
 
+// The FlashAttention-2 backward: dq, dk, dv from tiles recomputed with the saved lse.
+void flash_backward(const BackwardProblem& bp);
+
 }  // namespace sdpa::internal

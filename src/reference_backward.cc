@@ -1,0 +1,80 @@
+// The materialising backward pass: a float64 oracle (Acc = double) and its same-precision
+// twin (Acc = the inputs' dtype), deliberately simple. Per query row i of head h:
+//   p_ij  = softmax_j(s_ij), recomputed from scratch (not from the given lse)
+//   dv_j += p_ij · dout_i                      dp_ij = dout_i · v_j
+//   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i)
+//   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
+// dk and dv of a kv head sum over the query heads of its group.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "reference.h"
+
+namespace sdpa::internal {
+
+template <typename Acc>
+void materialized_backward(const BackwardProblem& bp) {
+  const Problem& p = bp.fwd;
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  const Acc scale = static_cast<Acc>(p.scale);
+  std::vector<Acc> dk(static_cast<size_t>(p.Nk * p.Dk)), dv(static_cast<size_t>(p.Nk * p.Dv));
+  std::vector<Acc> prob(static_cast<size_t>(p.Nk)), dq(static_cast<size_t>(p.Dk));
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
+      std::fill(dk.begin(), dk.end(), Acc(0));
+      std::fill(dv.begin(), dv.end(), Acc(0));
+      for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
+        for (int64_t i = 0; i < p.Nq; ++i) {
+          // The row's probabilities, as in the forward reference.
+          const KeyRange range = p.key_range(i);
+          Acc row_max = neg_inf;
+          for (int64_t j = 0; j < p.Nk; ++j) {
+            Acc s = neg_inf;
+            if (j >= range.begin && j < range.end) {
+              Acc dot = 0;
+              for (int64_t d = 0; d < p.Dk; ++d) dot += p.q.load<Acc>(b, h, i, d) * p.k.load<Acc>(b, kvh, j, d);
+              s = dot * scale + p.mask_bias<Acc>(b, h, i, j);
+            }
+            prob[j] = s;
+            row_max = std::max(row_max, s);
+          }
+          Acc sum = 0;
+          for (int64_t j = 0; j < p.Nk; ++j) {
+            prob[j] = row_max == neg_inf ? Acc(0) : std::exp(prob[j] - row_max);
+            sum += prob[j];
+          }
+          for (int64_t j = 0; j < p.Nk; ++j) prob[j] = sum > 0 ? prob[j] / sum : Acc(0);
+
+          Acc D = 0;
+          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
+          std::fill(dq.begin(), dq.end(), Acc(0));
+          for (int64_t j = 0; j < p.Nk; ++j) {
+            if (prob[j] == 0) continue;  // blocked keys get no gradient
+            Acc dp = 0;
+            for (int64_t e = 0; e < p.Dv; ++e) {
+              const Acc g = bp.dout.load<Acc>(b, h, i, e);
+              dv[j * p.Dv + e] += prob[j] * g;
+              dp += g * p.v.load<Acc>(b, kvh, j, e);
+            }
+            const Acc ds = prob[j] * (dp - D) * scale;
+            for (int64_t d = 0; d < p.Dk; ++d) {
+              dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
+              dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
+            }
+          }
+          for (int64_t d = 0; d < p.Dk; ++d) bp.dq.store(b, h, i, d, dq[d]);
+        }
+      }
+      for (int64_t j = 0; j < p.Nk; ++j) {
+        for (int64_t d = 0; d < p.Dk; ++d) bp.dk.store(b, kvh, j, d, dk[j * p.Dk + d]);
+        for (int64_t e = 0; e < p.Dv; ++e) bp.dv.store(b, kvh, j, e, dv[j * p.Dv + e]);
+      }
+    }
+  }
+}
+
+template void materialized_backward<float>(const BackwardProblem& bp);
+template void materialized_backward<double>(const BackwardProblem& bp);
+
+}  // namespace sdpa::internal
