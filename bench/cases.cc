@@ -9,7 +9,7 @@
 namespace sdpa::bench {
 
 double flop_count(const BenchCase& c) {
-  const double f = 4.0 * c.B * c.Hq * c.Nq * c.Nk * c.D;
+  const double f = (c.backward ? 10.0 : 4.0) * c.B * c.Hq * c.Nq * c.Nk * c.D;
   return c.causal == Causal::kNone ? f : f / 2;
 }
 
@@ -18,6 +18,10 @@ double kv_bytes(const BenchCase& c) { return 2.0 * c.B * c.Hkv * c.Nk * c.D * dt
 bool is_decode(const BenchCase& c) { return c.Nq * (c.Hq / std::max<int64_t>(c.Hkv, 1)) <= 16; }
 
 std::vector<BenchCase> default_cases() {
+  const auto backward = [](BenchCase c) {
+    c.backward = true;
+    return c;
+  };
   const auto prefill = [](std::string name, int64_t N, int64_t D, Causal causal = Causal::kNone,
                           MaskKind mask = MaskKind::kNone, int64_t Hkv = 8) {
     return BenchCase{std::move(name), 1, 8, Hkv, N, N, D, mask, causal, DType::kFloat32};
@@ -32,6 +36,9 @@ std::vector<BenchCase> default_cases() {
       prefill("prefill d64 gqa 8:2", 2048, 64, Causal::kNone, MaskKind::kNone, 2),
       BenchCase{"decode gqa 32:8 d128", 1, 32, 8, 1, 32768, 128},
       BenchCase{"decode mha 8 d64 (4 tokens)", 1, 8, 8, 4, 16384, 64},
+      backward(prefill("backward d64", 2048, 64)),
+      backward(prefill("backward d64 causal", 2048, 64, Causal::kBottomRight)),
+      backward(prefill("backward d128", 2048, 128)),
   };
 }
 
@@ -53,6 +60,20 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
       }
     }
   }
+  if (c.backward) {  // the forward's out and lse, and a random incoming gradient
+    lse_.resize(c.B * c.Hq * c.Nq * es);
+    dout_.resize(out_.size());
+    dq_.resize(q_.size());
+    dk_.resize(k_.size());
+    dv_.resize(v_.size());
+    for (size_t i = 0; i < dout_.size() / es; ++i) {
+      if (c.dtype == DType::kFloat32) {
+        reinterpret_cast<float*>(dout_.data())[i] = static_cast<float>(normal(rng));
+      } else {
+        reinterpret_cast<double*>(dout_.data())[i] = normal(rng);
+      }
+    }
+  }
   if (c.mask == MaskKind::kBool) {
     mask_.resize(c.Nq * c.Nk);
     for (auto& m : mask_) m = (rng() % 8) != 0;  // 1 in 8 keys blocked
@@ -68,23 +89,46 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
       }
     }
   }
+  if (c.backward) {  // out and lse of these inputs, which the backward pass takes as given
+    Options opt;
+    opt.causal = c.causal;
+    Outputs outs;
+    outs.out = TensorView::contiguous(out_.data(), c.dtype, {c.B, c.Hq, c.Nq, c.D});
+    outs.lse = TensorView::contiguous(lse_.data(), c.dtype, {c.B, c.Hq, c.Nq});
+    attention(inputs(), outs, opt);
+  }
+}
+
+Inputs CaseData::inputs() const {
+  auto* self = const_cast<CaseData*>(this);  // views are non-const; the inputs are only read
+  Inputs in;
+  in.q = TensorView::contiguous(self->q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  in.k = TensorView::contiguous(self->k_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  in.v = TensorView::contiguous(self->v_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  if (c_.mask != MaskKind::kNone) {
+    in.mask = TensorView::contiguous(self->mask_.data(), c_.mask == MaskKind::kBool ? DType::kBool : c_.dtype,
+                                     {c_.Nq, c_.Nk});
+  }
+  return in;
 }
 
 void CaseData::run(Backend backend) {
-  Inputs in;
-  in.q = TensorView::contiguous(q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
-  in.k = TensorView::contiguous(k_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
-  in.v = TensorView::contiguous(v_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
-  if (c_.mask != MaskKind::kNone) {
-    in.mask = TensorView::contiguous(mask_.data(), c_.mask == MaskKind::kBool ? DType::kBool : c_.dtype,
-                                     {c_.Nq, c_.Nk});
-  }
-  Outputs outs;
-  outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
   Options opt;
   opt.causal = c_.causal;
   opt.backend = backend;
-  attention(in, outs, opt);
+  Outputs outs;
+  outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  if (!c_.backward) {
+    attention(inputs(), outs, opt);
+    return;
+  }
+  const TensorView lse = TensorView::contiguous(lse_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq});
+  Gradients g;
+  g.dq = TensorView::contiguous(dq_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  g.dk = TensorView::contiguous(dk_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  g.dv = TensorView::contiguous(dv_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
+  attention_backward(inputs(), outs.out, lse, TensorView::contiguous(dout_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D}),
+                     g, opt);
 }
 
 double median_seconds(CaseData& data, int reps, Backend backend) {

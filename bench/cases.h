@@ -18,9 +18,11 @@ struct BenchCase {
   MaskKind mask = MaskKind::kNone;  // a full (Nq, Nk) mask broadcast over batch and heads
   Causal causal = Causal::kNone;
   DType dtype = DType::kFloat32;
+  bool backward = false;  // time attention_backward (given out and lse) instead of attention
 };
 
-// 4·B·Hq·Nq·Nk·D (two products of 2·Nq·Nk·D flops per head), halved for causal.
+// Forward: 4·B·Hq·Nq·Nk·D (two products of 2·Nq·Nk·D flops per head). Backward:
+// 10·B·Hq·Nq·Nk·D (five products: q·kᵀ recomputed, dout·vᵀ, dv, dq, dk). Halved for causal.
 double flop_count(const BenchCase& c);
 // Bytes of K and V, which a decode step (small Nq) must stream from memory.
 double kv_bytes(const BenchCase& c);
@@ -36,8 +38,9 @@ class CaseData {
   void run(Backend backend = Backend::kAuto);
 
  private:
+  Inputs inputs() const;
   BenchCase c_;
-  std::vector<char> q_, k_, v_, out_, mask_;
+  std::vector<char> q_, k_, v_, out_, mask_, lse_, dout_, dq_, dk_, dv_;
 };
 
 // Median wall time (seconds) of `reps` runs after one warm-up.

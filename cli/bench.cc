@@ -87,7 +87,7 @@ void bench_command(const BenchOptions& options) {
   if (options.json) {
     std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"fma_peak_gflops\": %.2f, \"read_bandwidth_gbs\": %.2f,\n",
                 threads, target.c_str(), peak, bandwidth);
-    std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D, halved for causal\",\n \"cases\": [\n");
+    std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D (backward: 10*B*Hq*Nq*Nk*D), halved for causal\",\n \"cases\": [\n");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       std::printf(
@@ -105,7 +105,9 @@ void bench_command(const BenchOptions& options) {
               options.reps);
   std::printf("machine (measured now, %d threads): FMA peak %.1f GFLOP/s, read bandwidth %.1f GB/s\n", threads,
               peak, bandwidth);
-  std::printf("GFLOP/s = 4*B*Hq*Nq*Nk*D / median time, halved for causal; KV GB/s = bytes of K and V / time\n\n");
+  std::printf(
+      "GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (backward: 10*B*Hq*Nq*Nk*D), halved for causal;\n"
+      "KV GB/s = bytes of K and V / time\n\n");
   std::printf("%-28s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "B", "Hq", "Hkv", "Nq",
               "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
   for (const auto& r : rows) {
