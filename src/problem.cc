@@ -121,6 +121,16 @@ void check_shape(const char* name, const TensorView& t, const int64_t* expected,
 
 }  // namespace
 
+Dropout make_dropout(double p, uint64_t seed) {
+  if (!(p >= 0.0 && p < 1.0)) fail("dropout_p must be in [0, 1), got " + std::to_string(p));
+  Dropout d;
+  d.p = p;
+  d.seed = seed;
+  d.threshold = static_cast<uint32_t>(std::min(p * 4294967296.0, 4294967295.0));
+  d.keep_scale = 1.0 / (1.0 - p);
+  return d;
+}
+
 Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
   const TensorView &q = in.q, &k = in.k, &v = in.v, &out = outs.out;
   check_basic("q", q, 2, 4);
@@ -236,6 +246,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
   }
   p.causal = opt.causal;
   p.window = opt.window;
+  p.dropout = make_dropout(opt.dropout_p, opt.seed);
   return p;
 }
 

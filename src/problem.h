@@ -8,6 +8,7 @@
 #include <limits>
 #include <optional>
 
+#include "dropout.h"
 #include "sdpa/attention.h"
 
 namespace sdpa::internal {
@@ -56,6 +57,7 @@ struct Problem {
   double scale = 1.0;
   Causal causal = Causal::kNone;
   Window window;
+  Dropout dropout;
 
   View4 q, k, v, out;
   std::optional<View4> mask;     // broadcast to (B, Hq, Nq, Nk)
@@ -85,6 +87,9 @@ struct Problem {
     return mask->load<T>(b, h, i, j);
   }
 };
+
+// Checks dropout_p (in [0, 1)) and builds the keep/drop rule.
+Dropout make_dropout(double p, uint64_t seed);
 
 // Validates every argument and builds the Problem. Throws sdpa::Error naming the argument.
 Problem make_problem(const Inputs& inputs, const Outputs& outputs, const Options& options);

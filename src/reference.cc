@@ -41,9 +41,10 @@ void materialized_attention(const Problem& p) {
         for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = 0;
         for (int64_t j = 0; j < p.Nk; ++j) {
           const Acc w = scores[j] * inv_sum;
-          if (p.weights) p.weights->store(b, h, i, j, w);
-          if (w == 0) continue;
-          for (int64_t d = 0; d < p.Dv; ++d) out_row[d] += w * p.v.load<Acc>(b, kvh, j, d);
+          if (p.weights) p.weights->store(b, h, i, j, w);  // before dropout
+          const Acc w_dropped = w * p.dropout.factor<Acc>(b, h, i, j);
+          if (w_dropped == 0) continue;
+          for (int64_t d = 0; d < p.Dv; ++d) out_row[d] += w_dropped * p.v.load<Acc>(b, kvh, j, d);
         }
         for (int64_t d = 0; d < p.Dv; ++d) p.out.store(b, h, i, d, out_row[d]);
         if (p.lse) p.lse->store(b, h, i, 0, any_allowed ? row_max + std::log(sum) : neg_inf);

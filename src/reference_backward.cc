@@ -1,7 +1,8 @@
 // The materialising backward pass: a float64 oracle (Acc = double) and its same-precision
 // twin (Acc = the inputs' dtype), deliberately simple. Per query row i of head h:
 //   p_ij  = softmax_j(s_ij), recomputed from scratch (not from the given lse)
-//   dv_j += p_ij · dout_i                      dp_ij = dout_i · v_j
+//   z_ij  = the dropout factor (1 without dropout)
+//   dv_j += z_ij p_ij · dout_i                 dp_ij = z_ij · dout_i · v_j
 //   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i)
 //   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
 // dk and dv of a kv head sum over the query heads of its group.
@@ -51,13 +52,14 @@ void materialized_backward(const BackwardProblem& bp) {
           std::fill(dq.begin(), dq.end(), Acc(0));
           for (int64_t j = 0; j < p.Nk; ++j) {
             if (prob[j] == 0) continue;  // blocked keys get no gradient
+            const Acc z = p.dropout.factor<Acc>(b, h, i, j);  // 0, or 1 / (1 - dropout_p)
             Acc dp = 0;
             for (int64_t e = 0; e < p.Dv; ++e) {
               const Acc g = bp.dout.load<Acc>(b, h, i, e);
-              dv[j * p.Dv + e] += prob[j] * g;
+              dv[j * p.Dv + e] += z * prob[j] * g;
               dp += g * p.v.load<Acc>(b, kvh, j, e);
             }
-            const Acc ds = prob[j] * (dp - D) * scale;
+            const Acc ds = prob[j] * (z * dp - D) * scale;
             for (int64_t d = 0; d < p.Dk; ++d) {
               dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
               dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);

@@ -85,6 +85,13 @@ struct Options {
   Causal causal = Causal::kNone;
   Window window;
   Backend backend = Backend::kAuto;
+  // Dropout on the attention weights, after the softmax: each weight is dropped with
+  // probability dropout_p and kept ones are scaled by 1 / (1 - dropout_p). The decision for
+  // weight (b, h, i, j) is a pure function of (seed, b, h, i, j) (Philox4x32-10), the same in
+  // forward and backward, for any tiling and thread count. 0 (the default) is exactly no
+  // dropout. The weights output shows the softmax before dropout; lse is unaffected.
+  double dropout_p = 0.0;  // in [0, 1)
+  uint64_t seed = 0;
 };
 
 struct Inputs {
@@ -117,6 +124,11 @@ struct Gradients {
 // arguments, before writing anything.
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options = {});
+
+// Writes the dropout factors attention() with this dropout_p and seed applies: mask[b, h, i, j]
+// = 1 where weight (b, h, i, j) is kept, 0 where dropped. mask is bool, shaped like the weights
+// ((Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk)), any strides.
+void dropout_mask(double dropout_p, uint64_t seed, const TensorView& mask);
 
 // Threads used by the kernels: n > 0 fixes the count, 0 restores OpenMP's default
 // (OMP_NUM_THREADS, else the number of cores). Results do not depend on it, bit for bit.

@@ -117,16 +117,25 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         const V lse = hn::Set(d, rs.lse[rs.index(b, h, i)]);
         for (size_t q = 0; q < QV; ++q) hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, row + q * N), lse)), d, row + q * N);
       }
-      // dv += Σ_i p_i · dout_i;  dp = dout · vᵀ;  ds = p · (dp - D);  dk += Σ_i ds_i · q_i.
-      OuterAccumulate<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, s.gv.get());
+      // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
+      // with z the dropout factor (1 without dropout).
       OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
       for (int64_t r = 0; r < n; ++r) {
-        const V Di = hn::Set(d, rs.D[rs.index(b, h, first + r)]);
+        const T Di = rs.D[rs.index(b, h, first + r)];
+        if (p.dropout.enabled()) {
+          for (int64_t l = 0; l < nk; ++l) {
+            const T z = p.dropout.factor<T>(b, h, first + r, j0 + l);
+            dpt[r * mq + l] = pt[r * mq + l] * (z * dpt[r * mq + l] - Di);
+            pt[r * mq + l] *= z;
+          }
+          continue;
+        }
         for (size_t q = 0; q < QV; ++q) {
           T* x = dpt + r * mq + q * N;
-          hn::Store(hn::Mul(hn::Load(d, pt + r * mq + q * N), hn::Sub(hn::Load(d, x), Di)), d, x);
+          hn::Store(hn::Mul(hn::Load(d, pt + r * mq + q * N), hn::Sub(hn::Load(d, x), hn::Set(d, Di))), d, x);
         }
       }
+      OuterAccumulate<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, s.gv.get());
       OuterAccumulate<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, s.gk.get());
     }
   }
@@ -182,6 +191,11 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     T* dpt = s.dpt.get();
     ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial);
     OuterScores<QV>(d, s.yt.get(), mq, v_head + j0 * vs, vs, p.Dv, n, dpt);  // dp = dout · vᵀ
+    if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t l = 0; l < blk.rows; ++l)
+          dpt[j * mq + l] *= p.dropout.factor<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i, j0 + j);
+    }
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
         const V pj = hn::Exp(d, hn::Sub(hn::Load(d, pt + j * mq + q * N), lse[q]));

@@ -135,6 +135,10 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       m[r] = mnew;
     }
+    if (p.dropout.enabled()) {  // after the sums: the softmax normalises the undropped weights
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = 0; j < n; ++j) st[r * kTileKeys + j] *= p.dropout.factor<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j);
+    }
     // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of 4 (then 1) vectors of features.
     int64_t e0 = 0;
     for (; e0 + 4 * N <= dv_full; e0 += 4 * N) DecodeValues<R, 4>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);

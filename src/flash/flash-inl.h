@@ -215,6 +215,13 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, int
     }
   }
   for (size_t q = 0; q < QV; ++q) hn::Store(hn::MulAdd(hn::Load(d, bs.l + q * N), alpha[q], sum[q]), d, bs.l + q * N);
+  if (p.dropout.enabled()) {  // after the sum: the softmax normalises the undropped weights
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t lane = 0; lane < bs.blk.rows; ++lane) {
+        st[j * mq + lane] *= p.dropout.factor<T>(bs.blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j);
+      }
+    }
+  }
 
   OuterAccumulate<QV>(d, st, n, mq, p.v.at<T>(bs.blk.b, bs.blk.kvh, j0), p.v.strides[2], p.Dv, alpha, bs.ot);
 }
