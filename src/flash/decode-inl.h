@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "flash/flash_plan.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 
@@ -39,10 +40,16 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
   const T* k_head = p.k.at<T>(blk.b, blk.kvh, 0);
-  const int64_t ks = p.k.strides[2];
+  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
+  const int64_t ks = p.k.strides[2], vs = p.v.strides[2];
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = k_head + (j0 + j) * ks;
+    // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
+    // the key row a tile ahead now, so both arrive while this tile computes.
+    const T* vj = v_head + (j0 + j) * vs;
+    for (int64_t c = 0; c < p.Dk; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(kj + kTileKeys * ks + c);
+    for (int64_t c = 0; c < p.Dv; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(vj + c);
     V acc[R];
 #pragma GCC unroll 4  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
