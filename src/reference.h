@@ -11,6 +11,12 @@ namespace sdpa::internal {
 template <typename Acc>
 void materialized_attention(const Problem& p);
 
+// Row i of head h: prob[j] = softmax_j(scale · q_i·k_j + bias_ij) over the keys causal and
+// the window allow (prob has Nk entries); returns the row's lse (-inf: no allowed key, and
+// prob is all zero). Shared by the forward and backward references.
+template <typename Acc>
+Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob);
+
 // The backward pass the same way (reference_backward.cc): recomputes each row's softmax,
 // accumulates dq, dk, dv in Acc.
 template <typename Acc>

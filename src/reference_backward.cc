@@ -17,7 +17,6 @@ namespace sdpa::internal {
 template <typename Acc>
 void materialized_backward(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
-  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc scale = static_cast<Acc>(p.scale);
   std::vector<Acc> dk(static_cast<size_t>(p.Nk * p.Dk)), dv(static_cast<size_t>(p.Nk * p.Dv));
   std::vector<Acc> prob(static_cast<size_t>(p.Nk)), dq(static_cast<size_t>(p.Dk));
@@ -27,26 +26,7 @@ void materialized_backward(const BackwardProblem& bp) {
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         for (int64_t i = 0; i < p.Nq; ++i) {
-          // The row's probabilities, as in the forward reference.
-          const KeyRange range = p.key_range(i);
-          Acc row_max = neg_inf;
-          for (int64_t j = 0; j < p.Nk; ++j) {
-            Acc s = neg_inf;
-            if (j >= range.begin && j < range.end) {
-              Acc dot = 0;
-              for (int64_t d = 0; d < p.Dk; ++d) dot += p.q.load<Acc>(b, h, i, d) * p.k.load<Acc>(b, kvh, j, d);
-              s = dot * scale + p.mask_bias<Acc>(b, h, i, j);
-            }
-            prob[j] = s;
-            row_max = std::max(row_max, s);
-          }
-          Acc sum = 0;
-          for (int64_t j = 0; j < p.Nk; ++j) {
-            prob[j] = row_max == neg_inf ? Acc(0) : std::exp(prob[j] - row_max);
-            sum += prob[j];
-          }
-          for (int64_t j = 0; j < p.Nk; ++j) prob[j] = sum > 0 ? prob[j] / sum : Acc(0);
-
+          softmax_row(p, b, h, i, prob.data());  // recomputed, not taken from the given lse
           Acc D = 0;
           for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
           std::fill(dq.begin(), dq.end(), Acc(0));
