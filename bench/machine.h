@@ -10,7 +10,8 @@ namespace sdpa::bench {
 // FMA lane): independent accumulator chains, so only the FMA units limit it.
 double measure_fma_peak_gflops(int threads);
 
-// Read bandwidth streaming `bytes` (far larger than the caches) on `threads` threads, GB/s.
+// Read bandwidth streaming `bytes` (far larger than the caches) on `threads` threads, GB/s:
+// the best of several runs, what the machine can reach (as the FMA peak is).
 double measure_read_bandwidth_gbs(int threads, size_t bytes = size_t{1} << 30);
 
 // The SIMD target the kernels dispatch to on this CPU, e.g. "AVX2" or "AVX3".
