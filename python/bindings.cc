@@ -1,5 +1,6 @@
-// sdpa._core: a thin bridge from NumPy arrays to sdpa::attention. All conversion and dtype
-// policy lives in sdpa/__init__.py; here arrays are only wrapped as TensorViews (no copies).
+// sdpa._core: a thin bridge from NumPy arrays to sdpa::attention and sdpa::attention_backward.
+// All conversion and dtype policy lives in sdpa/__init__.py; here arrays are only wrapped as
+// TensorViews (no copies).
 // sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -71,6 +72,25 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
   sdpa::attention(in, outs, opt);
 }
 
+void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArray& v,
+                        const std::optional<ConstArray>& mask, const ConstArray& out, const ConstArray& lse,
+                        const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
+                        std::optional<double> scale, const std::string& causal, int64_t window_left,
+                        int64_t window_right, const std::string& backend) {
+  sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
+  if (mask) in.mask = to_view(*mask, "mask");
+  const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
+                         dout_view = to_view(dout, "dout");
+  const sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
+  sdpa::Options opt;
+  opt.scale = scale;
+  opt.causal = parse_causal(causal);
+  opt.window = {window_left, window_right};
+  opt.backend = parse_backend(backend);
+  nb::gil_scoped_release release;
+  sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -78,6 +98,10 @@ NB_MODULE(_core, m) {
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
+  m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("mask").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
+        nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("backend"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);
 }

@@ -2,7 +2,8 @@
 
     out = softmax(q @ k.T * scale + mask) @ v
 
-See ``sdpa.attention`` for shapes and options.
+See ``sdpa.attention`` for shapes and options, and ``sdpa.attention_backward`` for its
+gradients with respect to q, k and v.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["attention", "set_num_threads", "num_threads"]
+__all__ = ["attention", "attention_backward", "set_num_threads", "num_threads"]
 __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", None: "none", "none": "none", True: "bottom_right",
            "bottom_right": "bottom_right", "top_left": "top_left"}
 
 
-def _check_kind(name, a):
+def _check_real(name, a):
     if a.dtype.kind not in "biuf":
         raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers "
                         "(float32, float64, or integer/bool promoted to float64)")
+
+
+def _check_kind(name, a):
+    _check_real(name, a)
     if not 2 <= a.ndim <= 4:
         raise ValueError(f"{name} has shape {a.shape}, but must have 2, 3 or 4 dims "
                          "(N, D), (H, N, D) or (B, H, N, D)")
@@ -37,12 +42,13 @@ def _compute_dtype(*arrays):
     return np.dtype(np.float64)
 
 
-def _prepared(a, dtype):
-    """a as `dtype`, aligned, with unit stride in its last dim (the kernel's only layout need).
+def _prepared(a, dtype, unit_last_stride=True):
+    """a as `dtype`, aligned, with unit stride in its last dim (the kernel's only layout need
+    of q, k, v, out and dout; lse may have any strides).
 
     Other strides (transposes, slices, broadcast zeros) are passed through without a copy."""
     a = np.asarray(a, dtype=dtype)
-    if not a.flags.aligned or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+    if not a.flags.aligned or (unit_last_stride and a.ndim > 0 and a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
         a = np.ascontiguousarray(a)
     return a
 
@@ -72,6 +78,36 @@ def _window_bounds(window):
             raise ValueError(f"window {name} must be an integer (-1 = unbounded), got {x!r}")
         bounds.append(int(x) if x >= 0 else -1)
     return bounds[0], bounds[1]
+
+
+def _prepared_inputs(q, k, v, mask):
+    """(compute dtype, q, k, v, mask) ready for _core: the dtype policy of ``attention``."""
+    arrays = [np.asarray(x) for x in (q, k, v)]
+    for name, a in zip("qkv", arrays):
+        _check_kind(name, a)
+    dtype = _compute_dtype(*arrays)
+    q, k, v = (_prepared(a, dtype) for a in arrays)
+    if mask is not None:
+        mask = _prepared_mask(mask, dtype)
+    return dtype, q, k, v, mask
+
+
+def _parsed_options(causal, scale, window, backend):
+    """(causal code, scale or None, window left, window right) for _core, validated."""
+    try:
+        causal_code = _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}") from None
+    if not isinstance(backend, str):
+        raise ValueError(f"backend must be 'auto', 'flash', 'reference' or 'naive', got {backend!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a real number, got {scale!r}")
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+    left, right = _window_bounds(window)
+    return causal_code, scale, left, right
 
 
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
@@ -123,27 +159,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
         ValueError: shapes that do not fit together, a mask that does not broadcast, an
             unknown causal mode or backend, a non-finite scale. Messages name the argument.
     """
-    arrays = [np.asarray(x) for x in (q, k, v)]
-    for name, a in zip("qkv", arrays):
-        _check_kind(name, a)
-    dtype = _compute_dtype(*arrays)
-    q, k, v = (_prepared(a, dtype) for a in arrays)
-    if mask is not None:
-        mask = _prepared_mask(mask, dtype)
-
-    try:
-        causal_code = _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}") from None
-    if not isinstance(backend, str):
-        raise ValueError(f"backend must be 'auto', 'flash', 'reference' or 'naive', got {backend!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale!r}")
-    left, right = _window_bounds(window)
+    dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = np.empty(lead + (v.shape[-1],), dtype)
@@ -153,6 +170,68 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
 
     extra = tuple(x for x in (weights, lse) if x is not None)
     return (out,) + extra if extra else out
+
+
+def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
+                       backend="auto"):
+    """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``.
+
+    Given ``dout = ∂loss/∂out`` for ``out = attention(q, k, v, mask, ...)``, with the softmax
+    probabilities ``P = softmax(q @ kᵀ · scale + mask)`` (row by row, over the keys)::
+
+        dv = Pᵀ @ dout                          D  = rowsum(dout * out)
+        dP = dout @ vᵀ                          dS = P * (dP - D)
+        dq = scale · dS @ k                     dk = scale · dSᵀ @ q
+
+    For grouped-query attention (Hq = group · Hkv) dk and dv of kv head j are these sums
+    over the query heads j·group .. (j+1)·group - 1 that read it. The mask and the causal and
+    window rules are constants: they get no gradient, and blocked keys receive none. A query
+    row with no allowed key (fully masked, Nk == 0, lse = -inf) contributes nothing: its dq
+    row is zero. "auto"/"flash" recompute P from lse, tile by tile (no Nq × Nk matrix);
+    "reference" and "naive" recompute each row's softmax from q and k.
+
+    Shapes (2, 3 or 4 dims, as in ``attention``)::
+
+        dout  (B, Hq, Nq, Dv)       like out
+        q     (B, Hq,  Nq, Dk)      k  (B, Hkv, Nk, Dk)     v  (B, Hkv, Nk, Dv)
+        out   (B, Hq, Nq, Dv)       lse (B, Hq, Nq)
+        mask  broadcastable to (B, Hq, Nq, Nk)
+        returns dq (shaped like q), dk (like k), dv (like v)
+
+    ``out`` and ``lse`` must be what ``attention(q, k, v, mask, causal=..., scale=...,
+    window=..., return_lse=True)`` returned for these very inputs and options; the gradients
+    are only meaningful then (nothing checks it).
+
+    Args:
+        dout, out, lse: arrays or array-likes, converted to the compute dtype.
+        q, k, v, mask, causal, scale, window, backend: as in ``attention``. The compute dtype is
+            that of ``attention`` for q, k and v (float32 inputs give float32; float64,
+            integer or bool give float64); dq, dk and dv are returned in it.
+        backend: "auto"/"flash" (fused FlashAttention-2 backward, O(N) extra memory),
+            "reference" (float64, materialises each row's softmax) or "naive" (the
+            reference's algorithm in the inputs' precision).
+
+    Results are bitwise reproducible, whatever the thread count.
+
+    Raises:
+        TypeError: as ``attention``, and for a dout, out or lse that is not real.
+        ValueError: as ``attention``, and for a dout, out or lse of the wrong shape; messages
+            name the argument.
+    """
+    dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
+    arrays = {"dout": np.asarray(dout), "out": np.asarray(out), "lse": np.asarray(lse)}
+    for name, a in arrays.items():
+        _check_real(name, a)
+    dout = _prepared(arrays["dout"], dtype)
+    out = _prepared(arrays["out"], dtype)
+    lse = _prepared(arrays["lse"], dtype, unit_last_stride=False)
+
+    dq = np.empty(q.shape, dtype)
+    dk = np.empty(k.shape, dtype)
+    dv = np.empty(v.shape, dtype)
+    _core.attention_backward(q, k, v, mask, out, lse, dout, dq, dk, dv, scale, causal_code, left, right, backend)
+    return dq, dk, dv
 
 
 def set_num_threads(n):

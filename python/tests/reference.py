@@ -166,3 +166,83 @@ def assert_close(got, ref, tol, what="result"):
     diff = np.abs(got[~inf].astype(np.float64) - ref[~inf].astype(np.float64))
     worst = float(diff.max()) if diff.size else 0.0
     assert worst <= tol, f"{what}: max abs error {worst:.3g} > tolerance {tol:.3g}"
+
+
+# Backward pass
+# -------------
+# Written from the maths of the softmax, independently of the C++. With P the weights of the
+# forward pass (each row a softmax over the allowed keys, zero elsewhere), G = dout:
+#
+#     dv = Pᵀ @ G             dP = G @ vᵀ             D = rowsum(G * out)
+#     dS = P * (dP - D)       dq = scale · dS @ k     dk = scale · dSᵀ @ q
+#
+# with k and v repeated over the query heads of a GQA group, so that dk and dv of a kv head
+# are summed over its group. Rows without an allowed key have P = 0 and contribute nothing.
+
+
+def _attention_backward(dout, q, k, v, mask, causal, scale, window, dtype, magnitudes=False):
+    q = np.asarray(q)
+    k = np.asarray(k)
+    v = np.asarray(v)
+    q4, k4, v4 = (_to4(np.asarray(a, dtype=dtype)) for a in (q, k, v))
+    b, hq, nq, dk = q4.shape
+    hkv, nk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
+    group = hq // hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(dk) if dk > 0 else 1.0
+    out, p, _ = _attention(q4, k4, v4, mask, causal, scale, window, dtype)  # (b, hq, nq, ·)
+    g = _to4(np.asarray(dout, dtype=dtype)).reshape(b, hq, nq, dv)
+    scale = dtype.type(scale)
+    kr = np.repeat(k4, group, axis=1)
+    vr = np.repeat(v4, group, axis=1)
+    dv_full = np.swapaxes(p, -1, -2) @ g                      # (b, hq, nk, dv)
+    dp = g @ np.swapaxes(vr, -1, -2)                          # (b, hq, nq, nk)
+    d = (g * out).sum(axis=-1, keepdims=True, dtype=dtype)    # (b, hq, nq, 1)
+    ds = p * (dp - d)
+    dq = (ds @ kr) * scale                                    # (b, hq, nq, dk)
+    dk_full = (np.swapaxes(ds, -1, -2) @ q4) * scale          # (b, hq, nk, dk)
+    dk_sum = dk_full.reshape(b, hkv, group, nk, dk).sum(axis=2, dtype=dtype)
+    dv_sum = dv_full.reshape(b, hkv, group, nk, dv).sum(axis=2, dtype=dtype)
+    if magnitudes:
+        # The size of the terms that cancel in dS = P (dP - D), through to dq and dk.
+        mag = p * (np.abs(dp) + np.abs(d))                                          # (b, hq, nq, nk)
+        kmax = np.abs(kr).max(axis=-1, initial=0.0)                                 # (b, hq, nk)
+        qmax = np.abs(q4).max(axis=-1, initial=0.0)                                 # (b, hq, nq)
+        m_dq = abs(float(scale)) * float((mag * kmax[:, :, None, :]).sum(axis=-1).max(initial=0.0))
+        col = (mag * qmax[..., None]).sum(axis=-2).reshape(b, hkv, group, nk).sum(axis=2)
+        m_dk = abs(float(scale)) * float(col.max(initial=0.0))
+        return m_dq, m_dk, 0.0
+    return dq.reshape(q.shape), dk_sum.reshape(k.shape), dv_sum.reshape(v.shape)
+
+
+def reference_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None):
+    """float64 oracle of ``sdpa.attention_backward``: (dq, dk, dv) shaped like q, k, v. The
+    forward quantities (P, out) are recomputed here in float64 from q, k, v."""
+    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float64))
+
+
+def naive_float32_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None):
+    """The same algorithm with every step (forward included) in float32: the yardstick."""
+    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float32))
+
+
+def backward_floors(dout, q, k, v, mask=None, causal=False, scale=None, window=None, eps=EPS32):
+    """The floor of the backward tolerance rule for (dq, dk, dv), in units of the dtype's eps:
+
+        eps * (4 * max(1, max |ref|) + 2 * max |lse| * max |ref| + M)
+
+    4 * max(1, max |ref|): a few roundings of the result, as ``float32_tolerance``.
+    2 * max |lse| * max |ref|: the backward reads P = exp(s - lse) through the lse it is
+        given, rounded to eps * |lse| / 2 however exact the forward (which adds its own ulp or
+        so): a relative error of every p that the naive version, recomputing its softmax from
+        scratch, does not have (the ``score_scale`` of the float32 rule above).
+    M: the size of the terms that cancel in dS = P * (dP - D), only accurate to eps relative
+        to |dP| + |D|: M_dq = |scale| max_i sum_j P_ij (|dP_ij| + |D_i|) max|k_j| and M_dk
+        the same summed over the queries (and heads of a group) of each key, with max|q_i|;
+        0 for dv. Where every row has one allowed key, P = 1 and out = v exactly, and the
+        naive version may get dP - D = 0 exactly, while another summation order does not.
+    """
+    ref = reference_attention_backward(dout, q, k, v, mask, causal, scale, window)
+    lse_max = finite_max_abs(reference_attention(q, k, v, mask, causal, scale, window)[2])
+    mags = _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float64), magnitudes=True)
+    return [eps * (4 * max(1.0, finite_max_abs(r)) + 2 * lse_max * finite_max_abs(r) + m) for r, m in zip(ref, mags)]

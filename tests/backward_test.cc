@@ -1,0 +1,959 @@
+// attention_backward(): the fused kernel (kFlash, kAuto) against the float64 kReference over a
+// table of cases with the tolerance rule; kReference against an independent oracle and against
+// central finite differences of the forward; exact zeros where nothing is allowed; bitwise
+// thread invariance; argument validation (an error names the argument and writes nothing).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "sdpa/attention.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace sdpa_test;
+using sdpa::Backend;
+using sdpa::Causal;
+
+constexpr DType kF32 = DType::kFloat32;
+constexpr DType kF64 = DType::kFloat64;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+double eps(DType dtype) { return dtype == kF32 ? FLT_EPSILON : DBL_EPSILON; }
+
+const char* backend_name(Backend b) {
+  return b == Backend::kAuto ? "Auto" : b == Backend::kFlash ? "Flash" : b == Backend::kNaive ? "Naive" : "Reference";
+}
+
+double max_abs_finite(const std::vector<double>& xs) {
+  double m = 0;
+  for (double x : xs) {
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  }
+  return m;
+}
+
+// ---- One backward problem: inputs, the forward's out and lse, the incoming gradient ----
+
+struct Dims {
+  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
+};
+
+Dims dims_of(const Tensors& t) {
+  const auto &q = t.q.shape(), &k = t.k.shape(), &v = t.v.shape();
+  const int r = t.q.rank();
+  Dims d{};
+  d.B = r == 4 ? q[0] : 1;
+  d.Hq = r >= 3 ? q[r - 3] : 1;
+  d.Hkv = r >= 3 ? k[r - 3] : 1;
+  d.Nq = q[r - 2];
+  d.Dk = q[r - 1];
+  d.Nk = k[r - 2];
+  d.Dv = v[r - 1];
+  d.group = d.Hkv > 0 ? d.Hq / d.Hkv : 1;
+  return d;
+}
+
+std::vector<int64_t> out_shape(const Tensors& t) {
+  std::vector<int64_t> s = t.q.shape();
+  s.back() = t.v.shape().back();
+  return s;
+}
+
+std::vector<int64_t> lse_shape(const Tensors& t) {
+  std::vector<int64_t> s = t.q.shape();
+  s.pop_back();
+  return s;
+}
+
+struct Problem {
+  Tensors t;
+  GuardedTensor out, lse, dout;
+
+  Problem converted(DType dtype) const {
+    return {t.converted(dtype), out.converted(dtype, out.layout()), lse.converted(dtype, lse.layout()),
+            dout.converted(dtype, dout.layout())};
+  }
+};
+
+// q, k, v (and mask) of t; out and lse from kAuto with `options` (as a caller chains the two
+// calls), in `layout` (lse with a non-unit last stride when not contiguous); dout normal.
+Problem make_problem(Tensors t, sdpa::Options options, Layout layout, uint32_t seed) {
+  const DType dt = t.q.dtype();
+  const std::vector<int64_t> os = out_shape(t), ls = lse_shape(t);
+  Problem p{std::move(t), GuardedTensor(dt, os, layout), GuardedTensor(dt, ls, layout, false),
+            GuardedTensor(dt, os, layout)};
+  options.backend = Backend::kAuto;
+  sdpa::Outputs outs;
+  outs.out = p.out.view();
+  outs.lse = p.lse.view();
+  sdpa::attention(p.t.inputs(), outs, options);
+  std::mt19937 rng(seed);
+  fill_normal(p.dout, rng);
+  return p;
+}
+
+struct Grads {
+  GuardedTensor dq, dk, dv;
+  sdpa::Gradients gradients() const { return {dq.view(), dk.view(), dv.view()}; }
+  testing::AssertionResult guards_intact() const {
+    if (auto r = dq.guards_intact(); !r) return r << " (dq)";
+    if (auto r = dk.guards_intact(); !r) return r << " (dk)";
+    if (auto r = dv.guards_intact(); !r) return r << " (dv)";
+    return testing::AssertionSuccess();
+  }
+};
+
+Grads empty_grads(const Tensors& t, Layout layout) {
+  const DType dt = t.q.dtype();
+  return {GuardedTensor(dt, t.q.shape(), layout), GuardedTensor(dt, t.k.shape(), layout),
+          GuardedTensor(dt, t.v.shape(), layout)};
+}
+
+Grads backward(const Problem& p, const sdpa::Options& options, Layout layout = Layout::kContiguous) {
+  Grads g = empty_grads(p.t, layout);
+  sdpa::attention_backward(p.t.inputs(), p.out.view(), p.lse.view(), p.dout.view(), g.gradients(), options);
+  return g;
+}
+
+struct GradValues {
+  std::vector<double> g[3];  // dq, dk, dv in C order
+};
+constexpr const char* kGradNames[3] = {"dq", "dk", "dv"};
+
+GradValues values(const Grads& g) { return {{g.dq.values(), g.dk.values(), g.dv.values()}}; }
+
+testing::AssertionResult bitwise_equal(const Grads& a, const Grads& b) {
+  const GradValues va = values(a), vb = values(b);
+  for (int n = 0; n < 3; ++n) {
+    if (va.g[n].size() != vb.g[n].size()) return testing::AssertionFailure() << kGradNames[n] << ": sizes differ";
+    for (size_t x = 0; x < va.g[n].size(); ++x) {
+      if (std::bit_cast<uint64_t>(va.g[n][x]) != std::bit_cast<uint64_t>(vb.g[n][x])) {
+        return testing::AssertionFailure() << kGradNames[n] << "[" << x << "]: " << va.g[n][x] << " vs "
+                                           << vb.g[n][x] << " (not bitwise equal)";
+      }
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult no_nan(const GradValues& v) {
+  for (int n = 0; n < 3; ++n) {
+    for (size_t x = 0; x < v.g[n].size(); ++x) {
+      if (!std::isfinite(v.g[n][x])) return testing::AssertionFailure() << kGradNames[n] << "[" << x << "] = " << v.g[n][x];
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+// Element-wise |got - want| <= tol; NaN and infinities always fail (gradients are finite).
+testing::AssertionResult all_near(const char* what, const std::vector<double>& got, const std::vector<double>& want,
+                               double tol) {
+  if (got.size() != want.size()) {
+    return testing::AssertionFailure() << what << ": " << got.size() << " elements, want " << want.size();
+  }
+  size_t bad = 0, first = 0;
+  double worst = 0;
+  for (size_t n = 0; n < got.size(); ++n) {
+    const double err = std::abs(got[n] - want[n]);
+    if (!(err <= tol) && bad++ == 0) first = n;
+    if (std::isfinite(err)) worst = std::max(worst, err);
+  }
+  if (bad == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; first ["
+                                     << first << "] got " << got[first] << ", want " << want[first]
+                                     << "; worst finite |diff| " << worst << ", tol " << tol;
+}
+
+// ---- The tolerance rule ----
+//
+// As matches_reference() in test_util.cc, per gradient: tol = factor · (max error of kNaive
+// against kReference) + floor, on the same (q, k, v, mask, out, lse, dout). float32: factor 2.
+// float64: kNaive and kReference are the same code, so kNaive's error is measured in float32
+// on the inputs rounded to float32 and scaled by DBL_EPSILON / FLT_EPSILON; factor 3.
+//
+// Floor, three terms a correct kernel needs where kNaive may be exact by luck:
+//   4 · eps · max(1, max |ref|)   rounding of the result itself, as in test_util.cc;
+// + 2 · eps · max |lse| · max |ref|   the fused kernel reads p = exp(s - lse) through the lse
+//     it is given, rounded to eps · |lse| / 2 however exact the forward was (and the forward
+//     adds its own ulp or so), so every p of a row carries that relative error; kNaive and
+//     kReference recompute the softmax from scratch and do not. (This is test_util.cc's
+//     score_scale; without it, sharp-softmax cases fail at a few times kNaive's error.)
+// + eps · M   M = the size of the terms that cancel in dS = P (dP - D), which is only
+//     accurate to eps relative to |dP| + |D|: M_dq = |scale| max_i Σ_j P_ij (|dP_ij| + |D_i|) max|k_j|
+//     and M_dk = |scale| max_j Σ_(h,i) P_ij (|dP_ij| + |D_i|) max|q_i| (0 for dv). Where every
+//     row has a single allowed key (Nk = 1, window (0, 0)), P = 1 and out = v exactly, so
+//     kNaive, computing dP and D by the same loop, gets dP - D = 0 exactly, while any other
+//     summation order leaves ~eps · |dout| |v|.
+struct Expected {
+  GradValues ref;
+  double tol[3] = {0, 0, 0};
+};
+
+testing::AssertionResult measure_naive(const Problem& p, const sdpa::Options& options, double scale,
+                                       GradValues& ref, double (&err)[3]) {
+  sdpa::Options o = options;
+  o.backend = Backend::kReference;
+  ref = values(backward(p, o));
+  o.backend = Backend::kNaive;
+  const GradValues naive = values(backward(p, o));
+  if (auto r = no_nan(ref); !r) return r << " (kReference)";
+  if (auto r = no_nan(naive); !r) return r << " (kNaive)";
+  for (int n = 0; n < 3; ++n) {
+    double e = 0;
+    for (size_t x = 0; x < ref.g[n].size(); ++x) e = std::max(e, std::abs(naive.g[n][x] - ref.g[n][x]));
+    err[n] = std::max(err[n], e * scale);
+  }
+  return testing::AssertionSuccess();
+}
+
+// M of the floor above for dq and dk (0 for dv: no cancellation), from kReference's weights
+// and dP, D computed here in float64.
+void cancellation_magnitudes(const Problem& p, const sdpa::Options& options, double (&M)[3]) {
+  const Dims d = dims_of(p.t);
+  sdpa::Options o = options;
+  o.backend = Backend::kReference;
+  const std::vector<double> w = run(p.t, o).weights->values();  // (B, Hq, Nq, Nk)
+  const std::vector<double> dout = p.dout.values(), out = p.out.values();  // (B, Hq, Nq, Dv)
+  const double scale = std::abs(o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0));
+  const std::vector<double> vv = p.t.v.values(), kk = p.t.k.values(), qq = p.t.q.values();
+  std::vector<double> kmax(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), qmax(static_cast<size_t>(d.B * d.Hq * d.Nq), 0.0);
+  for (size_t x = 0; x < kmax.size(); ++x)
+    for (int64_t c = 0; c < d.Dk; ++c) kmax[x] = std::max(kmax[x], std::abs(kk[x * d.Dk + c]));
+  for (size_t x = 0; x < qmax.size(); ++x)
+    for (int64_t c = 0; c < d.Dk; ++c) qmax[x] = std::max(qmax[x], std::abs(qq[x * d.Dk + c]));
+  double row_max = 0;
+  std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0);
+  for (int64_t bh = 0; bh < d.B * d.Hq; ++bh) {
+    const int64_t kv = bh / d.Hq * d.Hkv + bh % d.Hq / d.group;
+    for (int64_t i = 0; i < d.Nq; ++i) {
+      const int64_t row = bh * d.Nq + i;
+      double D = 0;
+      for (int64_t e = 0; e < d.Dv; ++e) D += dout[row * d.Dv + e] * out[row * d.Dv + e];
+      double sum = 0;
+      for (int64_t j = 0; j < d.Nk; ++j) {
+        const double pij = w[row * d.Nk + j];
+        if (pij == 0) continue;
+        double dp = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) dp += dout[row * d.Dv + e] * vv[(kv * d.Nk + j) * d.Dv + e];
+        const double mag = pij * (std::abs(dp) + std::abs(D));
+        sum += mag * kmax[kv * d.Nk + j];
+        col[kv * d.Nk + j] += mag * qmax[row];
+      }
+      row_max = std::max(row_max, sum);
+    }
+  }
+  M[0] = scale * row_max;
+  M[1] = scale * max_abs_finite(col);
+  M[2] = 0;
+}
+
+testing::AssertionResult expected(const Problem& p, const sdpa::Options& options, Expected& e) {
+  const DType dt = p.t.q.dtype();
+  double err[3] = {0, 0, 0};
+  if (auto r = measure_naive(p, options, 1.0, e.ref, err); !r) return r;
+  double factor = 2;
+  if (dt == kF64) {
+    GradValues ref32;
+    if (auto r = measure_naive(p.converted(kF32), options, DBL_EPSILON / FLT_EPSILON, ref32, err); !r) return r;
+    factor = 3;
+  }
+  const double lse_max = max_abs_finite(p.lse.values());
+  double M[3];
+  cancellation_magnitudes(p, options, M);
+  for (int n = 0; n < 3; ++n) {
+    const double ref_max = max_abs_finite(e.ref.g[n]);
+    e.tol[n] = factor * err[n] + eps(dt) * (4 * std::max(1.0, ref_max) + 2 * lse_max * ref_max + M[n]);
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult matches(const Expected& e, const Grads& got) {
+  const GradValues g = values(got);
+  for (int n = 0; n < 3; ++n) {
+    if (auto r = all_near(kGradNames[n], g.g[n], e.ref.g[n], e.tol[n]); !r) return r;
+  }
+  return testing::AssertionSuccess();
+}
+
+// ---- Structure: what nothing may see gets exactly zero gradient ----
+
+bool allowed(const Tensors& t, const sdpa::Options& o, const Dims& d, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (!key_allowed(o, d.Nq, d.Nk, i, j)) return false;
+  if (!t.mask) return true;
+  const double m = t.mask->at(b, h, i, j);
+  return t.mask->dtype() == DType::kBool ? m != 0 : m != -kInf;
+}
+
+// dq of a query row with no allowed key, and dk, dv of a key that no query of its group may
+// see, are exactly 0; nothing is NaN. Returns how many such rows and keys there were.
+testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options& o, const Grads& got,
+                                           int64_t* empty_rows = nullptr, int64_t* unseen_keys = nullptr) {
+  const Dims d = dims_of(t);
+  if (auto r = no_nan(values(got)); !r) return r;
+  int64_t rows = 0, keys = 0;
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t kvh = 0; kvh < d.Hkv; ++kvh) {
+      std::vector<bool> seen(static_cast<size_t>(d.Nk), false);
+      for (int64_t h = kvh * d.group; h < (kvh + 1) * d.group; ++h) {
+        for (int64_t i = 0; i < d.Nq; ++i) {
+          bool any = false;
+          for (int64_t j = 0; j < d.Nk; ++j) {
+            if (allowed(t, o, d, b, h, i, j)) any = seen[j] = true;
+          }
+          if (any) continue;
+          ++rows;
+          for (int64_t c = 0; c < d.Dk; ++c) {
+            if (got.dq.at(b, h, i, c) != 0) {
+              return testing::AssertionFailure() << "dq[" << b << "," << h << "," << i << "," << c
+                                                 << "] = " << got.dq.at(b, h, i, c) << " but the row has no allowed key";
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < d.Nk; ++j) {
+        if (seen[j]) continue;
+        ++keys;
+        for (int64_t c = 0; c < d.Dk; ++c) {
+          if (got.dk.at(b, kvh, j, c) != 0) {
+            return testing::AssertionFailure() << "dk[" << b << "," << kvh << "," << j << "," << c
+                                               << "] = " << got.dk.at(b, kvh, j, c) << " but no query sees that key";
+          }
+        }
+        for (int64_t e = 0; e < d.Dv; ++e) {
+          if (got.dv.at(b, kvh, j, e) != 0) {
+            return testing::AssertionFailure() << "dv[" << b << "," << kvh << "," << j << "," << e
+                                               << "] = " << got.dv.at(b, kvh, j, e) << " but no query sees that key";
+          }
+        }
+      }
+    }
+  }
+  if (empty_rows) *empty_rows = rows;
+  if (unseen_keys) *unseen_keys = keys;
+  return testing::AssertionSuccess();
+}
+
+// ---- An independent float64 oracle: the maths of the header, on test_util's forward oracle ----
+//
+//   P = weights; dv_j = Σ_i P_ij dout_i;  dP_ij = dout_i · v_j;  D_i = dout_i · out_i (out as
+//   given);  dS = P (dP - D);  dq_i = scale Σ_j dS_ij k_j;  dk_j = scale Σ_i dS_ij q_i;
+//   dk, dv of a kv head summed over the query heads h with h / group == kvh.
+GradValues backward_oracle(const Problem& p, const sdpa::Options& o) {
+  const Tensors& t = p.t;
+  const Dims d = dims_of(t);
+  const double scale = o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
+  const std::vector<double> w = oracle(t, o).weights;  // (B, Hq, Nq, Nk) in C order
+  GradValues r;
+  r.g[0].assign(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Dk), 0.0);
+  r.g[1].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dk), 0.0);
+  r.g[2].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dv), 0.0);
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t kvh = h / d.group;
+      for (int64_t i = 0; i < d.Nq; ++i) {
+        double D = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) D += p.dout.at(b, h, i, e) * p.out.at(b, h, i, e);
+        for (int64_t j = 0; j < d.Nk; ++j) {
+          const double pij = w[static_cast<size_t>(((b * d.Hq + h) * d.Nq + i) * d.Nk + j)];
+          if (pij == 0) continue;
+          double dp = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) {
+            dp += p.dout.at(b, h, i, e) * t.v.at(b, kvh, j, e);
+            r.g[2][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dv + e)] += pij * p.dout.at(b, h, i, e);
+          }
+          const double ds = pij * (dp - D);
+          for (int64_t c = 0; c < d.Dk; ++c) {
+            r.g[0][static_cast<size_t>(((b * d.Hq + h) * d.Nq + i) * d.Dk + c)] += scale * ds * t.k.at(b, kvh, j, c);
+            r.g[1][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dk + c)] += scale * ds * t.q.at(b, h, i, c);
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ---- The case table ----
+
+std::string case_name(const Case& c) {
+  std::ostringstream s;
+  s << (c.dtype == kF32 ? "f32" : "f64") << "_r" << c.rank;
+  if (c.rank == 4) s << "_b" << c.B;
+  if (c.rank >= 3) s << "_h" << c.Hq << "x" << c.Hkv;
+  s << "_q" << c.Nq << "_k" << c.Nk << "_d" << c.Dk << "_v" << c.Dv;
+  if (c.mask != MaskKind::kNone) {
+    static const char* const shapes[] = {"Full", "QK", "HK", "K"};
+    s << (c.mask == MaskKind::kBool ? "_bool" : "_add") << shapes[static_cast<int>(c.mask_shape)];
+  }
+  if (c.causal == Causal::kBottomRight) s << "_causalBR";
+  if (c.causal == Causal::kTopLeft) s << "_causalTL";
+  if (c.window.left >= 0 || c.window.right >= 0) {
+    s << "_win" << (c.window.left >= 0 ? std::to_string(c.window.left) : "n") << "_"
+      << (c.window.right >= 0 ? std::to_string(c.window.right) : "n");
+  }
+  if (c.scale) {
+    std::ostringstream x;
+    x << *c.scale;
+    for (char ch : x.str()) s << (ch == '.' ? 'p' : ch == '-' ? 'm' : ch);
+  }
+  if (c.layout == Layout::kPadded) s << "_padded";
+  if (c.layout == Layout::kPermuted) s << "_permuted";
+  return s.str();
+}
+
+// Lengths around the SIMD block widths (16 or 32 keys per key block with AVX-512, f64 / f32)
+// and the 128-row query tiles and 128-key tiles of the fused backward.
+std::vector<Case> backward_cases() {
+  using Pairs = std::initializer_list<std::pair<int64_t, int64_t>>;
+  const int64_t lengths[] = {1, 7, 9, 17, 33, 65, 97, 257};
+  const int64_t dims[] = {1, 3, 8, 59, 64, 80, 128};
+  const MaskShape shapes[] = {MaskShape::kFull, MaskShape::kQueryKey, MaskShape::kHeadKey, MaskShape::kKey};
+  std::vector<Case> cases;
+  for (DType dtype : {kF32, kF64}) {
+    auto add = [&](Case c) {
+      c.dtype = dtype;
+      c.name = case_name(c);
+      for (const Case& other : cases) {
+        if (other.name == c.name) throw std::logic_error("duplicate backward case " + c.name);
+      }
+      cases.push_back(std::move(c));
+    };
+    for (int i = 0; i < 8; ++i) {
+      // Self-attention over every length (GQA 2:1); cross-attention Nq < Nk and Nq > Nk.
+      const int64_t n = lengths[i], dk = n >= 97 ? dims[i % 3 + 1] : dims[i % 7];
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = n, .Nk = n, .Dk = dk, .Dv = dims[(i + 2) % 4],
+           .layout = i % 3 == 1 ? Layout::kPadded : Layout::kContiguous});
+      add({.rank = 3, .Nq = n, .Nk = lengths[(i + 3) % 8], .Dk = dims[(i + 2) % 7] % 65, .Dv = dims[(i + 5) % 7] % 65,
+           .causal = i % 2 ? Causal::kBottomRight : Causal::kNone,
+           .layout = i % 3 == 2 ? Layout::kPermuted : Layout::kContiguous});
+    }
+    for (int i = 0; i < 7; ++i) {
+      // Every head dim, with Dv == Dk (rank 2) and Dv != Dk (rank 4, permuted every other).
+      add({.rank = 2, .Nq = 17, .Nk = 33, .Dk = dims[i], .Dv = dims[i]});
+      add({.rank = 4, .B = 2, .Hq = 2, .Hkv = 2, .Nq = 9, .Nk = 65, .Dk = dims[i], .Dv = dims[(i + 3) % 7],
+           .layout = i % 2 ? Layout::kPermuted : Layout::kContiguous});
+    }
+    for (auto [hq, hkv] : Pairs{{4, 4}, {4, 2}, {8, 2}, {6, 1}}) {
+      // GQA ratios 1, 2, 4 and MQA.
+      add({.rank = 4, .B = 2, .Hq = hq, .Hkv = hkv, .Nq = 17, .Nk = 65, .Dk = 64, .Dv = 32,
+           .causal = Causal::kBottomRight});
+      add({.rank = 3, .Hq = hq, .Hkv = hkv, .Nq = 9, .Nk = 9, .Dk = 8, .Dv = 8, .mask = MaskKind::kBool,
+           .mask_shape = MaskShape::kHeadKey});
+    }
+    for (MaskKind kind : {MaskKind::kBool, MaskKind::kAdditive}) {
+      // Every mask kind and broadcast shape, alone and with top-left causal (unseen keys).
+      for (int s = 0; s < 4; ++s) {
+        add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 17, .Nk = 33, .Dk = 59, .Dv = 16, .mask = kind,
+             .mask_shape = shapes[s], .causal = s % 2 ? Causal::kTopLeft : Causal::kNone,
+             .layout = s == 2 ? Layout::kPadded : Layout::kContiguous});
+      }
+      add({.rank = 2, .Nq = 9, .Nk = 16, .Dk = 3, .Dv = 3, .mask = kind, .mask_shape = MaskShape::kKey});
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 33, .Nk = 9, .Dk = 8, .Dv = 16, .mask = kind,
+           .mask_shape = MaskShape::kQueryKey, .causal = Causal::kBottomRight});
+    }
+    for (Causal causal : {Causal::kBottomRight, Causal::kTopLeft}) {
+      for (auto [nq, nk] : Pairs{{7, 65}, {65, 7}, {33, 33}, {1, 97}}) {
+        add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = nq, .Nk = nk, .Dk = 80, .Dv = 8, .causal = causal});
+      }
+    }
+    for (sdpa::Window w : {sdpa::Window{3, -1}, sdpa::Window{-1, 2}, sdpa::Window{4, 4}, sdpa::Window{0, 0},
+                           sdpa::Window{16, 0}}) {
+      // Windows alone and with causal; Nq > Nk leaves the first rows without keys.
+      add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 65, .Nk = 65, .Dk = 8, .Dv = 8, .window = w});
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 17, .Nk = 97, .Dk = 16, .Dv = 3, .causal = Causal::kBottomRight,
+           .window = w});
+      add({.rank = 2, .Nq = 97, .Nk = 17, .Dk = 3, .Dv = 8, .causal = Causal::kTopLeft, .window = w});
+    }
+    for (double scale : {0.0, 0.05, -1.5, 8.0}) {
+      // Uniform, flat, negative and sharp softmax; 256 rows for a stable max error.
+      add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 32, .Nk = 33, .Dk = 16, .Dv = 16, .scale = scale});
+    }
+    // Everything at once on strided, misaligned, permuted views.
+    add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 17, .Nk = 65, .Dk = 59, .Dv = 80, .mask = MaskKind::kAdditive,
+         .causal = Causal::kBottomRight, .window = {32, -1}, .layout = Layout::kPermuted});
+    add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 1, .Nq = 65, .Nk = 17, .Dk = 64, .Dv = 8, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kQueryKey, .causal = Causal::kTopLeft, .layout = Layout::kPadded});
+    // Several 128-row query tiles per key block and 128-key tiles per query block.
+    add({.rank = 2, .Nq = 257, .Nk = 300, .Dk = 64, .Dv = 32, .causal = Causal::kBottomRight});
+    add({.rank = 3, .Hq = 4, .Hkv = 1, .Nq = 140, .Nk = 33, .Dk = 8, .Dv = 8, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kQueryKey, .layout = Layout::kPadded});
+    add({.rank = 4, .Hq = 2, .Hkv = 1, .Nq = 1, .Nk = 700, .Dk = 128, .Dv = 128, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kKey});
+  }
+  return cases;
+}
+
+int64_t backward_seed(const Case& c) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a of the name, as make_inputs seeds its data
+  for (unsigned char ch : c.name + "/dout") h = (h ^ ch) * 1099511628211ull;
+  return static_cast<int64_t>(h & 0xffffffffu);
+}
+
+Problem make_case(const Case& c) {
+  return make_problem(make_inputs(c), options(c, Backend::kAuto), c.layout, static_cast<uint32_t>(backward_seed(c)));
+}
+
+// ---- The sweep: kFlash and kAuto against kReference on every case ----
+
+class BackwardSweep : public testing::TestWithParam<Case> {};
+
+TEST_P(BackwardSweep, FlashAndAutoMatchReference) {
+  const Case& c = GetParam();
+  const Problem p = make_case(c);
+  Expected e;
+  ASSERT_TRUE(expected(p, options(c, Backend::kReference), e));
+  std::optional<Grads> flash;
+  for (Backend backend : {Backend::kFlash, Backend::kAuto}) {
+    SCOPED_TRACE(backend_name(backend));
+    const sdpa::Options o = options(c, backend);
+    Grads got = backward(p, o, c.layout);
+    EXPECT_TRUE(got.guards_intact());
+    for (const GuardedTensor* in : {&p.t.q, &p.t.k, &p.t.v, &p.out, &p.lse, &p.dout}) EXPECT_TRUE(in->guards_intact());
+    if (p.t.mask) {
+      EXPECT_TRUE(p.t.mask->guards_intact());
+    }
+    EXPECT_TRUE(blocked_are_exact(p.t, o, got));
+    EXPECT_TRUE(matches(e, got));
+    if (flash) {
+      EXPECT_TRUE(bitwise_equal(got, *flash)) << "kAuto is documented to be kFlash today";
+    } else {
+      flash.emplace(std::move(got));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BackwardSweep, testing::ValuesIn(backward_cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(BackwardTable, CoversWhatItClaims) {
+  // The table above is the coverage: keep it honest.
+  const std::vector<Case> cases = backward_cases();
+  int masked_rows = 0, unseen_keys = 0, strided = 0, gqa = 0, big = 0;
+  for (const Case& c : cases) {
+    if (c.layout != Layout::kContiguous) ++strided;
+    if (c.Hq != c.Hkv) ++gqa;
+    if (c.Nq > 128 && c.Nk > 128) ++big;
+    if (c.dtype != kF32 || work(c) > 3'000'000) continue;
+    const Problem p = make_case(c);
+    const sdpa::Options o = options(c, Backend::kFlash);
+    int64_t rows = 0, keys = 0;
+    ASSERT_TRUE(blocked_are_exact(p.t, o, backward(p, o), &rows, &keys)) << c.name;
+    masked_rows += rows > 0;
+    unseen_keys += keys > 0;
+  }
+  EXPECT_GE(cases.size(), 100u);
+  EXPECT_GE(masked_rows, 8) << "cases with query rows that see no key";
+  EXPECT_GE(unseen_keys, 8) << "cases with keys that no query sees";
+  EXPECT_GE(strided, 20);
+  EXPECT_GE(gqa, 20);
+  EXPECT_GE(big, 2);
+}
+
+// ---- kReference, the yardstick, against an independent oracle and finite differences ----
+
+TEST(BackwardReference, MatchesIndependentOracleOnTheSmallCases) {
+  int checked = 0;
+  for (const Case& c : backward_cases()) {
+    if (work(c) > 300'000) continue;
+    SCOPED_TRACE(c.name);
+    const Problem p = make_case(c);
+    const sdpa::Options o = options(c, Backend::kReference);
+    const GradValues want = backward_oracle(p, o);
+    const GradValues got = values(backward(p, o, c.layout));
+    // Both compute in float64 from the same values; then kReference rounds to the dtype.
+    for (int n = 0; n < 3; ++n) {
+      const double tol = (1e-12 + eps(c.dtype)) * std::max(1.0, max_abs_finite(want.g[n]));
+      ASSERT_TRUE(all_near(kGradNames[n], got.g[n], want.g[n], tol));
+    }
+    ++checked;
+  }
+  EXPECT_GT(checked, 60) << checked;
+}
+
+// f(q, k, v) = Σ out · G through the float64 kReference forward.
+double functional(const Tensors& t, const GuardedTensor& G, const sdpa::Options& o) {
+  sdpa::Options fo = o;
+  fo.backend = Backend::kReference;
+  const std::vector<double> out = run(t, fo, Layout::kContiguous, false).out.values();
+  const std::vector<double> g = G.values();
+  double f = 0;
+  for (size_t n = 0; n < out.size(); ++n) f += out[n] * g[n];
+  return f;
+}
+
+struct FdCase {
+  const char* name;
+  std::vector<int64_t> q, k, v;
+  std::optional<double> scale = std::nullopt;
+  Causal causal = Causal::kNone;
+  sdpa::Window window = {};
+  int mask = 0;  // 0 none, 1 bool (Nq, Nk) with row 1 fully blocked, 2 additive (Nq, Nk)
+  sdpa::Options options() const {
+    sdpa::Options o;
+    o.scale = scale;
+    o.causal = causal;
+    o.window = window;
+    return o;
+  }
+};
+
+TEST(BackwardReference, MatchesCentralFiniteDifferences) {
+  const FdCase cases[] = {
+      {"rank 2", {3, 3}, {4, 3}, {4, 2}},
+      {"rank 2 scale", {4, 2}, {3, 2}, {3, 3}, -0.8},
+      {"rank 3 GQA causal bottom-right", {4, 3, 2}, {2, 5, 2}, {2, 5, 3}, std::nullopt, Causal::kBottomRight},
+      {"rank 4 MQA causal top-left", {2, 3, 2, 2}, {2, 1, 4, 2}, {2, 1, 4, 2}, std::nullopt, Causal::kTopLeft},
+      {"window", {2, 4, 3}, {2, 5, 3}, {2, 5, 2}, std::nullopt, Causal::kNone, {1, 1}},
+      {"bool mask, empty row", {4, 3}, {5, 3}, {5, 2}, std::nullopt, Causal::kNone, {}, 1},
+      {"additive mask, GQA", {2, 3, 2}, {1, 4, 2}, {1, 4, 2}, std::nullopt, Causal::kNone, {}, 2},
+  };
+  const double h = 1e-5;
+  for (const FdCase& fc : cases) {
+    SCOPED_TRACE(fc.name);
+    std::mt19937 rng(99);
+    Tensors t{GuardedTensor(kF64, fc.q), GuardedTensor(kF64, fc.k), GuardedTensor(kF64, fc.v), std::nullopt};
+    fill_normal(t.q, rng);
+    fill_normal(t.k, rng);
+    fill_normal(t.v, rng);
+    const int64_t Nq = fc.q[fc.q.size() - 2], Nk = fc.k[fc.k.size() - 2];
+    if (fc.mask) {
+      t.mask.emplace(fc.mask == 1 ? DType::kBool : kF64, std::vector<int64_t>{Nq, Nk});
+      fill_mask(*t.mask, rng, 0.7, 0.0);
+      t.mask->set(0, fc.mask == 1 ? 1.0 : 0.5);  // row 0 sees key 0
+      if (fc.mask == 1) {
+        for (int64_t j = 0; j < Nk; ++j) t.mask->set(Nk + j, 0);  // row 1 sees nothing
+      }
+    }
+    Problem p = make_problem(std::move(t), fc.options(), Layout::kContiguous, 5);
+    // Central differences, element by element, of q, k and v.
+    GradValues fd;
+    GuardedTensor* xs[3] = {&p.t.q, &p.t.k, &p.t.v};
+    for (int n = 0; n < 3; ++n) {
+      for (int64_t e = 0; e < xs[n]->numel(); ++e) {
+        const double x = xs[n]->get(e);
+        xs[n]->set(e, x + h);
+        const double fp = functional(p.t, p.dout, fc.options());
+        xs[n]->set(e, x - h);
+        const double fm = functional(p.t, p.dout, fc.options());
+        xs[n]->set(e, x);
+        fd.g[n].push_back((fp - fm) / (2 * h));
+      }
+    }
+    for (Backend backend : {Backend::kReference, Backend::kFlash, Backend::kNaive}) {
+      SCOPED_TRACE(backend_name(backend));
+      sdpa::Options o = fc.options();
+      o.backend = backend;
+      const GradValues got = values(backward(p, o));
+      for (int n = 0; n < 3; ++n) {
+        // Truncation (h²) and rounding (eps / h) are ~1e-10 here; a wrong factor is ~0.1.
+        const double mag = max_abs_finite(fd.g[n]);
+        EXPECT_GT(mag, 1e-3) << kGradNames[n] << ": nothing to check";
+        EXPECT_TRUE(all_near(kGradNames[n], got.g[n], fd.g[n], 1e-7 * std::max(1.0, mag)));
+      }
+    }
+  }
+}
+
+// ---- Small semantic checks for every backend ----
+
+class BackwardSemantics : public testing::TestWithParam<Backend> {
+ protected:
+  sdpa::Options opts() const {
+    sdpa::Options o;
+    o.backend = GetParam();
+    return o;
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Backends, BackwardSemantics,
+                         testing::Values(Backend::kAuto, Backend::kFlash, Backend::kNaive, Backend::kReference),
+                         [](const testing::TestParamInfo<Backend>& info) { return backend_name(info.param); });
+
+Tensors random_qkv(DType dt, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Tensors t{GuardedTensor(dt, std::move(q)), GuardedTensor(dt, std::move(k)), GuardedTensor(dt, std::move(v)),
+            std::nullopt};
+  fill_normal(t.q, rng);
+  fill_normal(t.k, rng);
+  fill_normal(t.v, rng);
+  return t;
+}
+
+TEST_P(BackwardSemantics, HandComputedExample) {
+  // One query, two keys, Dk = Dv = 1, scale 1: s = (0, 1) for q = 1, k = (0, 1); v = (2, 5);
+  // dout = 1. With a = e / (1 + e): P = (1 - a, a), out = 2 + 3a, dv = P, dP = (2, 5),
+  // dS = P (dP - out) = 3a(1 - a) (-1, 1): dq = dS · k = 3a(1 - a), dk = dS · q = 3a(1 - a) (-1, 1).
+  const double a = std::exp(1.0) / (1 + std::exp(1.0)), g = 3 * a * (1 - a);
+  for (DType dt : {kF32, kF64}) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    Tensors t{tensor(dt, {1, 1}, {1}), tensor(dt, {2, 1}, {0, 1}), tensor(dt, {2, 1}, {2, 5}), std::nullopt};
+    sdpa::Options o = opts();
+    o.scale = 1.0;
+    Problem p = make_problem(std::move(t), o, Layout::kContiguous, 1);
+    p.dout.set(0, 1.0);
+    const Grads got = backward(p, o);
+    const double tol = 16 * eps(dt);
+    EXPECT_TRUE(all_near("dq", got.dq.values(), {g}, tol));
+    EXPECT_TRUE(all_near("dk", got.dk.values(), {-g, g}, tol));
+    EXPECT_TRUE(all_near("dv", got.dv.values(), {1 - a, a}, tol));
+  }
+}
+
+TEST_P(BackwardSemantics, EverythingMaskedGivesZeros) {
+  for (DType dt : {kF32, kF64}) {
+    for (DType mask_dtype : {DType::kBool, dt}) {
+      SCOPED_TRACE(std::string(sdpa::dtype_name(dt)) + " mask " + sdpa::dtype_name(mask_dtype));
+      Tensors t = random_qkv(dt, {2, 2, 5, 4}, {2, 1, 7, 4}, {2, 1, 7, 3}, 3);
+      t.mask = tensor(mask_dtype, {5, 7}, std::vector<double>(35, mask_dtype == DType::kBool ? 0.0 : -kInf));
+      const Problem p = make_problem(std::move(t), opts(), Layout::kContiguous, 4);
+      for (double x : p.lse.values()) ASSERT_EQ(x, -kInf);
+      const GradValues v = values(backward(p, opts()));
+      for (int n = 0; n < 3; ++n) EXPECT_EQ(v.g[n], std::vector<double>(v.g[n].size(), 0.0)) << kGradNames[n];
+    }
+  }
+}
+
+TEST_P(BackwardSemantics, EmptyDimsWriteZerosOrNothing) {
+  for (DType dt : {kF32, kF64}) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    {  // Nk = 0: dq = 0; dk, dv have no elements.
+      const Problem p = make_problem(random_qkv(dt, {2, 4, 3}, {1, 0, 3}, {1, 0, 5}, 5), opts(), Layout::kContiguous, 6);
+      const Grads g = backward(p, opts());
+      EXPECT_EQ(g.dq.values(), std::vector<double>(24, 0.0));
+      EXPECT_TRUE(g.dk.untouched());
+      EXPECT_TRUE(g.dv.untouched());
+    }
+    {  // Nq = 0: nothing depends on k and v, so dk = dv = 0 (written).
+      const Problem p = make_problem(random_qkv(dt, {2, 0, 3}, {1, 4, 3}, {1, 4, 5}, 7), opts(), Layout::kContiguous, 8);
+      const Grads g = backward(p, opts());
+      EXPECT_TRUE(g.dq.untouched());
+      EXPECT_EQ(g.dk.values(), std::vector<double>(12, 0.0));
+      EXPECT_EQ(g.dv.values(), std::vector<double>(20, 0.0));
+    }
+    {  // B = 0: nothing at all.
+      const Problem p =
+          make_problem(random_qkv(dt, {0, 2, 3, 3}, {0, 1, 5, 3}, {0, 1, 5, 4}, 9), opts(), Layout::kContiguous, 10);
+      const Grads g = backward(p, opts());
+      EXPECT_TRUE(g.dq.untouched() && g.dk.untouched() && g.dv.untouched());
+    }
+  }
+}
+
+TEST_P(BackwardSemantics, GqaGradientsAreSumsOverRepeatedHeads) {
+  // Query head h reads kv head h / group: dk, dv of GQA equal MHA's (kv heads repeated)
+  // summed over each group.
+  const int64_t B = 2, Hq = 6, Hkv = 2, G = 3, Nq = 5, Nk = 8, D = 4;
+  for (DType dt : {kF32, kF64}) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    const Problem gqa = make_problem(random_qkv(dt, {B, Hq, Nq, D}, {B, Hkv, Nk, D}, {B, Hkv, Nk, D}, 11), opts(),
+                                     Layout::kContiguous, 12);
+    std::vector<double> k, v;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t j = 0; j < Nk; ++j)
+          for (int64_t d = 0; d < D; ++d) {
+            k.push_back(gqa.t.k.at(b, h / G, j, d));
+            v.push_back(gqa.t.v.at(b, h / G, j, d));
+          }
+    Tensors rep{gqa.t.q.converted(dt, Layout::kContiguous), tensor(dt, {B, Hq, Nk, D}, k), tensor(dt, {B, Hq, Nk, D}, v),
+                std::nullopt};
+    Problem mha = make_problem(std::move(rep), opts(), Layout::kContiguous, 12);
+    mha.dout.set_values(gqa.dout.values());
+    const GradValues a = values(backward(gqa, opts())), m = values(backward(mha, opts()));
+    std::vector<double> dk(a.g[1].size(), 0.0), dv(a.g[2].size(), 0.0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t x = 0; x < Nk * D; ++x) {
+          dk[(b * Hkv + h / G) * Nk * D + x] += m.g[1][(b * Hq + h) * Nk * D + x];
+          dv[(b * Hkv + h / G) * Nk * D + x] += m.g[2][(b * Hq + h) * Nk * D + x];
+        }
+    const double tol = dt == kF32 ? 2e-5 : 1e-13;
+    EXPECT_TRUE(all_near("dq", a.g[0], m.g[0], tol));
+    EXPECT_TRUE(all_near("dk", a.g[1], dk, tol));
+    EXPECT_TRUE(all_near("dv", a.g[2], dv, tol));
+  }
+}
+
+TEST_P(BackwardSemantics, StridedAndMisalignedViewsMatchContiguous) {
+  for (DType dt : {kF32, kF64}) {
+    Tensors base = random_qkv(dt, {2, 4, 37, 17}, {2, 2, 45, 17}, {2, 2, 45, 5}, 13);
+    base.mask.emplace(dt, std::vector<int64_t>{4, 37, 45});
+    std::mt19937 rng(14);
+    fill_mask(*base.mask, rng, 0.7, 0.1);
+    sdpa::Options o = opts();
+    o.causal = Causal::kBottomRight;
+    const Problem plain = make_problem(base.converted(dt), o, Layout::kContiguous, 15);
+    const Grads want = backward(plain, o);
+    for (Layout layout : {Layout::kPadded, Layout::kPermuted}) {
+      SCOPED_TRACE(std::string(sdpa::dtype_name(dt)) + (layout == Layout::kPadded ? " padded" : " permuted"));
+      Tensors s{base.q.converted(dt, layout), base.k.converted(dt, layout), base.v.converted(dt, layout),
+                base.mask->converted(dt, layout)};
+      Problem p{std::move(s), plain.out.converted(dt, layout), GuardedTensor(dt, plain.lse.shape(), layout, false),
+                plain.dout.converted(dt, layout)};
+      p.lse.set_values(plain.lse.values());
+      const Grads got = backward(p, o, layout);
+      EXPECT_TRUE(got.guards_intact());
+      EXPECT_TRUE(bitwise_equal(got, want));
+    }
+  }
+}
+
+TEST_P(BackwardSemantics, RepeatedCallsAndThreadCountsAreBitwiseIdentical) {
+  // Deterministic for any thread count: several key blocks per kv head, query blocks of
+  // several heads (GQA), more than one 128-row query tile and 128-key tile.
+  for (DType dt : {kF32, kF64}) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    Tensors t = random_qkv(dt, {2, 4, 150, 24}, {2, 2, 170, 24}, {2, 2, 170, 16}, 16);
+    t.mask.emplace(dt, std::vector<int64_t>{150, 170});
+    std::mt19937 rng(17);
+    fill_mask(*t.mask, rng, 0.8, 0.05);
+    sdpa::Options o = opts();
+    o.causal = Causal::kTopLeft;
+    const Problem p = make_problem(std::move(t), o, Layout::kContiguous, 18);
+    sdpa::set_num_threads(1);
+    const Grads one = backward(p, o);
+    sdpa::set_num_threads(2);
+    const Grads two = backward(p, o);
+    sdpa::set_num_threads(3);
+    const Grads three = backward(p, o);
+    sdpa::set_num_threads(0);
+    EXPECT_TRUE(bitwise_equal(one, two));
+    EXPECT_TRUE(bitwise_equal(one, three));
+    EXPECT_TRUE(bitwise_equal(backward(p, o), one));
+  }
+}
+
+// ---- Validation: an error names the argument and nothing is written ----
+
+class BackwardValidation : public testing::Test {
+ protected:
+  BackwardValidation() : p(make_problem(base_inputs(), {}, Layout::kContiguous, 3)), grads(empty_grads(p.t, Layout::kContiguous)) {
+    in = p.t.inputs();
+    out = p.out.view();
+    lse = p.lse.view();
+    dout = p.dout.view();
+    g = grads.gradients();
+  }
+
+  static Tensors base_inputs() {
+    Tensors t = random_qkv(kF32, {2, 4, 3, 4}, {2, 2, 5, 4}, {2, 2, 5, 6}, 1);
+    t.mask.emplace(DType::kBool, std::vector<int64_t>{3, 5});
+    std::mt19937 rng(2);
+    fill_mask(*t.mask, rng, 0.7, 0.0);
+    return t;
+  }
+
+  void call() { sdpa::attention_backward(in, out, lse, dout, g, options); }
+
+  // Must throw sdpa::Error whose message contains every substring, and write nothing.
+  void expect_error(const std::vector<std::string>& substrings) {
+    try {
+      call();
+      ADD_FAILURE() << "no sdpa::Error thrown";
+    } catch (const sdpa::Error& e) {
+      for (const std::string& s : substrings) {
+        EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << "message: " << e.what() << "\nmissing: " << s;
+      }
+    }
+    EXPECT_TRUE(grads.dq.untouched());
+    EXPECT_TRUE(grads.dk.untouched());
+    EXPECT_TRUE(grads.dv.untouched());
+  }
+
+  Problem p;
+  Grads grads;
+  sdpa::Inputs in;
+  sdpa::TensorView out, lse, dout;
+  sdpa::Gradients g;
+  sdpa::Options options;
+};
+
+TEST_F(BackwardValidation, TheBaseCallIsValid) {
+  // Otherwise every test below would pass for the wrong reason.
+  for (Backend b : {Backend::kAuto, Backend::kFlash, Backend::kReference, Backend::kNaive}) {
+    options.backend = b;
+    EXPECT_NO_THROW(call()) << backend_name(b);
+  }
+  EXPECT_FALSE(grads.dq.untouched());
+  EXPECT_FALSE(grads.dk.untouched());
+  EXPECT_FALSE(grads.dv.untouched());
+}
+
+TEST_F(BackwardValidation, WrongGradientShapes) {
+  GuardedTensor dq_small(kF32, {2, 4, 3, 3}), dk_heads(kF32, {2, 4, 5, 4}), dv_keys(kF32, {2, 2, 4, 6});
+  g.dq = dq_small.view();
+  expect_error({"dq has shape (2, 4, 3, 3) but must be (2, 4, 3, 4)", "shape of q"});
+  EXPECT_TRUE(dq_small.untouched());
+  g = grads.gradients();
+  g.dk = dk_heads.view();
+  expect_error({"dk has shape (2, 4, 5, 4) but must be (2, 2, 5, 4)", "shape of k"});
+  g = grads.gradients();
+  g.dv = dv_keys.view();
+  expect_error({"dv has shape (2, 2, 4, 6) but must be (2, 2, 5, 6)", "shape of v"});
+}
+
+TEST_F(BackwardValidation, WrongGradientRankDtypeOrStride) {
+  GuardedTensor dq3(kF32, {4, 3, 4}), dq64(kF64, {2, 4, 3, 4}), dq_strided(kF32, {2, 4, 3, 4}, Layout::kPadded, false);
+  g.dq = dq3.view();
+  expect_error({"dq has shape (4, 3, 4) but must be (2, 4, 3, 4)"});
+  g.dq = dq64.view();
+  expect_error({"dq has dtype float64 but q has dtype float32"});
+  g.dq = dq_strided.view();
+  expect_error({"dq must have stride 1 in its last dim"});
+  g.dq = grads.dq.view();
+  g.dq.rank = 5;
+  expect_error({"dq has rank 5"});
+  g.dq = grads.dq.view();
+  g.dq.data = nullptr;
+  expect_error({"dq has no data"});
+}
+
+TEST_F(BackwardValidation, WrongDoutOutOrLse) {
+  GuardedTensor dout_small(kF32, {2, 4, 3, 5}), out_small(kF32, {2, 4, 2, 6}), lse_small(kF32, {2, 4, 2});
+  GuardedTensor dout64(kF64, {2, 4, 3, 6});
+  dout = dout_small.view();
+  expect_error({"dout has shape (2, 4, 3, 5) but must be (2, 4, 3, 6)", "shape of out"});
+  dout = dout64.view();
+  expect_error({"dout has dtype float64"});
+  dout = p.dout.view();
+  out = out_small.view();
+  expect_error({"out has shape (2, 4, 2, 6) but must be (2, 4, 3, 6)"});
+  out = p.out.view();
+  lse = lse_small.view();
+  expect_error({"lse has shape (2, 4, 2) but must be (2, 4, 3)"});
+  lse = p.lse.view();
+  lse.data = nullptr;
+  expect_error({"lse has no data"});
+}
+
+TEST_F(BackwardValidation, ForwardArgumentErrorsToo) {
+  GuardedTensor k_dk(kF32, {2, 2, 5, 3});
+  in.k = k_dk.view();
+  expect_error({"k has Dk=3 but q has Dk=4"});
+  in = p.t.inputs();
+  GuardedTensor bad_mask(DType::kBool, {4, 5});
+  in.mask = bad_mask.view();
+  expect_error({"mask has shape (4, 5)"});
+  in = p.t.inputs();
+  options.scale = std::numeric_limits<double>::quiet_NaN();
+  expect_error({"scale must be finite"});
+  options = {};
+  options.backend = static_cast<Backend>(42);
+  expect_error({"backend"});
+}
+
+}  // namespace
