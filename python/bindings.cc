@@ -57,7 +57,8 @@ sdpa::Backend parse_backend(const std::string& name) {
 void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
                const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
-               const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend) {
+               const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
+               double dropout_p, uint64_t seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
@@ -68,6 +69,8 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
   opt.causal = parse_causal(causal);
   opt.window = {window_left, window_right};
   opt.backend = parse_backend(backend);
+  opt.dropout_p = dropout_p;
+  opt.seed = seed;
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -76,7 +79,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         const std::optional<ConstArray>& mask, const ConstArray& out, const ConstArray& lse,
                         const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
-                        int64_t window_right, const std::string& backend) {
+                        int64_t window_right, const std::string& backend, double dropout_p, uint64_t seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
@@ -87,6 +90,8 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   opt.causal = parse_causal(causal);
   opt.window = {window_left, window_right};
   opt.backend = parse_backend(backend);
+  opt.dropout_p = dropout_p;
+  opt.seed = seed;
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -97,11 +102,15 @@ NB_MODULE(_core, m) {
   m.doc() = "sdpa native core; use the functions of the sdpa package instead.";
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
-        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
+        nb::arg("dropout_p"), nb::arg("seed"));
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("backend"));
+        nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed"));
+  m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
+    sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
+  }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);
 }

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["attention", "attention_backward", "set_num_threads", "num_threads"]
+__all__ = ["attention", "dropout_mask", "attention_backward", "set_num_threads", "num_threads"]
 __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", None: "none", "none": "none", True: "bottom_right",
@@ -110,8 +110,25 @@ def _parsed_options(causal, scale, window, backend):
     return causal_code, scale, left, right
 
 
+def _parsed_dropout(dropout_p, seed):
+    """(p, seed) for _core: p a real number in [0, 1); seed an integer, required when p > 0."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if seed is None:
+        if p > 0:
+            raise ValueError("seed must be given when dropout_p > 0: the same seed draws the same "
+                             "dropout mask in attention and attention_backward")
+        seed = 0
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    return p, int(seed)
+
+
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
-              return_weights=False, return_lse=False, backend="auto"):
+              return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto"):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -144,6 +161,12 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
         window: (left, right) sliding window; query i sees keys j with
             i' - left <= j <= i' + right, where i' = i + (Nk - Nq). -1 or None is unbounded.
         return_weights, return_lse: also return the attention weights and/or the lse.
+            The weights are the softmax probabilities before any dropout.
+        dropout_p, seed: dropout on the weights after the softmax: each weight (b, h, i, j) is
+            dropped with probability dropout_p, kept ones are scaled by 1 / (1 - dropout_p).
+            The decision is a pure function of (seed, b, h, i, j) (Philox4x32-10): the same in
+            attention_backward, for any thread count, on any machine; ``dropout_mask`` shows
+            it. dropout_p = 0 is exactly no dropout; a seed is required when it is > 0.
         backend: "auto" (the fastest exact kernel: today "flash"), "flash" (fused tiled SIMD
             kernel, O(N) memory), "reference" (float64, materialises the scores; the oracle
             of the tests) or "naive" (the reference's algorithm in the inputs' precision).
@@ -166,14 +189,15 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
     out = np.empty(lead + (v.shape[-1],), dtype)
     weights = np.empty(lead + (k.shape[-2],), dtype) if return_weights else None
     lse = np.empty(lead, dtype) if return_lse else None
-    _core.attention(q, k, v, mask, out, weights, lse, scale, causal_code, left, right, backend)
+    p, seed = _parsed_dropout(dropout_p, seed)
+    _core.attention(q, k, v, mask, out, weights, lse, scale, causal_code, left, right, backend, p, seed)
 
     extra = tuple(x for x in (weights, lse) if x is not None)
     return (out,) + extra if extra else out
 
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
-                       backend="auto"):
+                       dropout_p=0.0, seed=None, backend="auto"):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``.
 
     Given ``dout = ∂loss/∂out`` for ``out = attention(q, k, v, mask, ...)``, with the softmax
@@ -204,7 +228,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
 
     Args:
         dout, out, lse: arrays or array-likes, converted to the compute dtype.
-        q, k, v, mask, causal, scale, window, backend: as in ``attention``. The compute dtype is
+        q, k, v, mask, causal, scale, window, dropout_p, seed, backend: as in ``attention``
+            (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)). The compute dtype is
             that of ``attention`` for q, k and v (float32 inputs give float32; float64,
             integer or bool give float64); dq, dk and dv are returned in it.
         backend: "auto"/"flash" (fused FlashAttention-2 backward, O(N) extra memory),
@@ -230,8 +255,23 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     dq = np.empty(q.shape, dtype)
     dk = np.empty(k.shape, dtype)
     dv = np.empty(v.shape, dtype)
-    _core.attention_backward(q, k, v, mask, out, lse, dout, dq, dk, dv, scale, causal_code, left, right, backend)
+    p, seed = _parsed_dropout(dropout_p, seed)
+    _core.attention_backward(q, k, v, mask, out, lse, dout, dq, dk, dv, scale, causal_code, left, right, backend,
+                             p, seed)
     return dq, dk, dv
+
+
+def dropout_mask(shape, dropout_p, seed):
+    """The dropout decisions of ``attention(..., dropout_p=dropout_p, seed=seed)``: a bool array
+    of ``shape`` (that of the weights: (Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk)), True where
+    weight (b, h, i, j) is kept. Kept weights are scaled by 1 / (1 - dropout_p)."""
+    p, seed = _parsed_dropout(dropout_p, seed)
+    shape = tuple(int(n) for n in shape)
+    if not 2 <= len(shape) <= 4:
+        raise ValueError(f"shape must have 2, 3 or 4 dims like the weights, got {shape}")
+    mask = np.empty(shape, np.bool_)
+    _core.dropout_mask(p, seed, mask)
+    return mask
 
 
 def set_num_threads(n):
