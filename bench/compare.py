@@ -68,6 +68,38 @@ CASES = [  # B, Hq, Hkv, Nq, Nk, D, causal
 ]
 
 
+def forward_backward(rng):
+    """Training step (forward + backward) against torch's autograd, same threads. GFLOP/s counts
+    the forward 4·… plus the backward 10·… = 14·B·Hq·Nq·Nk·D (halved for causal)."""
+    print("\nforward + backward, GFLOP/s = 14*B*Hq*Nq*Nk*D / median time (halved for causal)")
+    print(f"{'case':34} {'sdpa':>9} {'torch':>9} {'sdpa/torch':>11}")
+    for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:3]:
+        q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32)
+        k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
+        v = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
+        dout = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32)
+        flops = 14 * B * Hq * Nq * Nk * D / (2 if causal else 1)
+
+        def ours():
+            out, lse = sdpa.attention(q, k, v, causal=causal, return_lse=True)
+            sdpa.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+        t_sdpa = median_time(ours, args.reps)
+        t_torch = None
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+            tdout = torch.from_numpy(dout)
+
+            def theirs():
+                F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tdout)
+
+            t_torch = median_time(theirs, args.reps)
+        name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
+        g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
+        r = f"{t_torch / t_sdpa:10.2f}x" if t_torch else f"{'n/a':>11}"
+        print(f"{name:34} {g(t_sdpa)} {g(t_torch)} {r}", flush=True)
+
+
 def main():
     rng = np.random.default_rng(0)
     print(f"threads={args.threads}  sdpa {sdpa.__version__}  numpy {np.__version__}  "
@@ -93,6 +125,7 @@ def main():
         g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
         r = lambda t: f"{t / t_sdpa:10.2f}x" if t else f"{'n/a':>11}"
         print(f"{name:34} {g(t_sdpa)} {g(t_np)} {g(t_torch)} {r(t_np)} {r(t_torch)}", flush=True)
+    forward_backward(rng)
 
 
 if __name__ == "__main__":
