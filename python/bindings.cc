@@ -54,6 +54,18 @@ sdpa::Backend parse_backend(const std::string& name) {
   throw nb::value_error(("backend must be 'auto', 'flash', 'reference' or 'naive', got '" + name + "'").c_str());
 }
 
+sdpa::Options make_options(std::optional<double> scale, const std::string& causal, int64_t window_left,
+                           int64_t window_right, const std::string& backend, double dropout_p, uint64_t seed) {
+  sdpa::Options opt;
+  opt.scale = scale;
+  opt.causal = parse_causal(causal);
+  opt.window = {window_left, window_right};
+  opt.backend = parse_backend(backend);
+  opt.dropout_p = dropout_p;
+  opt.seed = seed;
+  return opt;
+}
+
 void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
                const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
@@ -64,13 +76,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (weights) outs.weights = to_view(*weights, "weights");
   if (lse) outs.lse = to_view(*lse, "lse");
-  sdpa::Options opt;
-  opt.scale = scale;
-  opt.causal = parse_causal(causal);
-  opt.window = {window_left, window_right};
-  opt.backend = parse_backend(backend);
-  opt.dropout_p = dropout_p;
-  opt.seed = seed;
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -85,13 +91,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
                          dout_view = to_view(dout, "dout");
   const sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
-  sdpa::Options opt;
-  opt.scale = scale;
-  opt.causal = parse_causal(causal);
-  opt.window = {window_left, window_right};
-  opt.backend = parse_backend(backend);
-  opt.dropout_p = dropout_p;
-  opt.seed = seed;
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }

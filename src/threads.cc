@@ -1,6 +1,4 @@
 // The thread count every kernel uses: OpenMP's (OMP_NUM_THREADS) unless set explicitly.
-#include "threads.h"
-
 #include <atomic>
 
 #include "sdpa/attention.h"
@@ -29,7 +27,4 @@ int num_threads() {
 #endif
 }
 
-namespace internal {
-int num_threads() { return sdpa::num_threads(); }
-}  // namespace internal
 }  // namespace sdpa

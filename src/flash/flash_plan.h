@@ -10,7 +10,6 @@
 #include <limits>
 
 #include "problem.h"
-#include "threads.h"
 
 namespace sdpa::internal {
 
@@ -76,12 +75,13 @@ struct Plan {
   int64_t mq = 1;           // rows per block = qv · lanes
   int64_t rows_per_head = 0, blocks_per_head = 0, blocks = 0;
   int64_t Hkv = 1;
+  int64_t heads = 0;        // B · Hkv
   int64_t chunks = 1, chunk_keys = 1;  // keys split into `chunks` pieces of chunk_keys
   int64_t group_blocks = 1, groups_per_head = 0;  // blocks of one kv head swept together
   int threads = 1;
 
   // A unit of parallel work: one group of blocks and one key chunk.
-  int64_t units() const { return p_heads() * groups_per_head * chunks; }
+  int64_t units() const { return heads * groups_per_head * chunks; }
   bool needs_merge() const { return chunks > 1; }
   BlockRows block(int64_t bi) const {
     const int64_t per_batch = Hkv * blocks_per_head;
@@ -96,14 +96,12 @@ struct Plan {
     for (int64_t g = 0; g < count; ++g) out[g] = block(head * blocks_per_head + first + g);
     return static_cast<size_t>(count);
   }
-
- private:
-  int64_t p_heads() const { return blocks_per_head ? blocks / blocks_per_head : 0; }
 };
 
 inline Plan make_plan(const Problem& p, int64_t lanes) {
   Plan plan;
   plan.Hkv = p.Hkv;
+  plan.heads = p.B * p.Hkv;
   plan.rows_per_head = p.Nq * p.group;
   plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
   plan.mq = plan.qv * lanes;

@@ -1,4 +1,0 @@
-#pragma once
-namespace sdpa::internal {
-int num_threads();  // see sdpa::num_threads
-}
