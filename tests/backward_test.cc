@@ -32,40 +32,11 @@ constexpr DType kF32 = DType::kFloat32;
 constexpr DType kF64 = DType::kFloat64;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-double eps(DType dtype) { return dtype == kF32 ? FLT_EPSILON : DBL_EPSILON; }
-
 const char* backend_name(Backend b) {
   return b == Backend::kAuto ? "Auto" : b == Backend::kFlash ? "Flash" : b == Backend::kNaive ? "Naive" : "Reference";
 }
 
-double max_abs_finite(const std::vector<double>& xs) {
-  double m = 0;
-  for (double x : xs) {
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  }
-  return m;
-}
-
 // ---- One backward problem: inputs, the forward's out and lse, the incoming gradient ----
-
-struct Dims {
-  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
-};
-
-Dims dims_of(const Tensors& t) {
-  const auto &q = t.q.shape(), &k = t.k.shape(), &v = t.v.shape();
-  const int r = t.q.rank();
-  Dims d{};
-  d.B = r == 4 ? q[0] : 1;
-  d.Hq = r >= 3 ? q[r - 3] : 1;
-  d.Hkv = r >= 3 ? k[r - 3] : 1;
-  d.Nq = q[r - 2];
-  d.Dk = q[r - 1];
-  d.Nk = k[r - 2];
-  d.Dv = v[r - 1];
-  d.group = d.Hkv > 0 ? d.Hq / d.Hkv : 1;
-  return d;
-}
 
 std::vector<int64_t> out_shape(const Tensors& t) {
   std::vector<int64_t> s = t.q.shape();

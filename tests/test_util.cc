@@ -31,12 +31,16 @@ const void* sentinel(DType dtype) {
   return &kSentinel8;
 }
 
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+}  // namespace
+
 double eps(DType dtype) { return dtype == DType::kFloat32 ? FLT_EPSILON : DBL_EPSILON; }
 
-// The problem's dims, read from the shapes the way the header defines them.
-struct Dims {
-  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
-};
 Dims dims_of(const Tensors& t) {
   const auto &q = t.q.shape(), &k = t.k.shape(), &v = t.v.shape();
   const int r = t.q.rank();
@@ -52,7 +56,6 @@ Dims dims_of(const Tensors& t) {
   return d;
 }
 
-// The additive bias the mask puts on score (b, h, i, j): 0 / -inf for bool, the value for float.
 double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!t.mask) return 0.0;
   const double m = t.mask->at(b, h, i, j);
@@ -66,6 +69,8 @@ double max_abs_finite(const std::vector<double>& xs) {
   }
   return m;
 }
+
+namespace {
 
 // The largest |a - b| where both are finite. Fails where they are not finite at the same
 // places (a NaN, or an infinity the other lacks): then no tolerance can be derived from them.
@@ -81,12 +86,6 @@ testing::AssertionResult max_error(const char* what, const std::vector<double>& 
     }
   }
   return testing::AssertionSuccess();
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
-  return h;
 }
 
 }  // namespace

@@ -118,6 +118,19 @@ Values values(const Outs& outs);
 // independently of src/.
 bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
 
+double eps(DType dtype);  // FLT_EPSILON or DBL_EPSILON
+
+// The problem's dims, read from the shapes the way the header defines them.
+struct Dims {
+  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
+};
+Dims dims_of(const Tensors& t);
+
+// The additive bias the mask puts on score (b, h, i, j): 0 / -inf for bool, the value for float.
+double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j);
+
+double max_abs_finite(const std::vector<double>& xs);  // over the finite entries
+
 // Attention computed the obvious way in float64 straight from the header's contract,
 // independently of src/ (its own indexing, broadcasting, causal and window rules).
 Values oracle(const Tensors& t, const sdpa::Options& options);
