@@ -2,6 +2,7 @@
 #include "problem.h"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -75,8 +76,13 @@ void check_basic(const char* name, const TensorView& t, int min_rank, int max_ra
     fail(std::string(name) + " has rank " + std::to_string(t.rank) + " but must have rank " +
          std::to_string(min_rank) + ".." + std::to_string(max_rank));
   }
+  int64_t numel = 1;
   for (int d = 0; d < t.rank; ++d) {
     if (t.shape[d] < 0) fail(std::string(name) + " has a negative dim: " + t.shape_string());
+    // numel() and every offset the kernels compute must fit int64_t.
+    if (__builtin_mul_overflow(numel, t.shape[d], &numel)) {
+      fail(std::string(name) + " has shape " + t.shape_string() + ", more elements than int64_t counts");
+    }
   }
   if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
 }
@@ -117,6 +123,33 @@ void check_shape(const char* name, const TensorView& t, const int64_t* expected,
     fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape_string(expected, rank) +
          " = " + meaning);
   }
+}
+
+// A float mask holds biases added to the scores: finite values, or -inf to block. NaN or
+// +inf would make a row's softmax undefined (inf - inf), so they are refused with the
+// index of the first one. Reads each stored element once (broadcast dims are not expanded).
+template <typename T>
+void check_mask_values(const TensorView& m) {
+  int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  const int pad = 4 - m.rank;
+  for (int d = 0; d < m.rank; ++d) {
+    shape[pad + d] = m.shape[d];
+    strides[pad + d] = m.strides[d];
+  }
+  const T* base = static_cast<const T*>(m.data);
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c) {
+        const T* row = base + a * strides[0] + b * strides[1] + c * strides[2];
+        for (int64_t e = 0; e < shape[3]; ++e) {
+          const T x = row[e * strides[3]];
+          if (std::isnan(x) || x == std::numeric_limits<T>::infinity()) {
+            const int64_t index[4] = {a, b, c, e};
+            fail(std::string("mask has ") + (std::isnan(x) ? "NaN" : "+inf") + " at index " +
+                 shape_string(index + pad, m.rank) + "; a float mask holds finite biases, or -inf to block");
+          }
+        }
+      }
 }
 
 }  // namespace
@@ -231,6 +264,8 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
       }
       mv.shape[d] = full_weights[d];  // broadcast dims already have stride 0
     }
+    if (m.dtype == DType::kFloat32) check_mask_values<float>(m);
+    if (m.dtype == DType::kFloat64) check_mask_values<double>(m);
     p.mask = mv;
   }
 

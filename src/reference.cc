@@ -14,6 +14,7 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   // 1. Scores s_j = (q_i · k_j) * scale + bias_ij, -inf outside causal/window.
   const KeyRange range = p.key_range(i);
   Acc row_max = neg_inf;
+  bool any_allowed = false;  // a score other than -inf (NaN counts: it must propagate)
   for (int64_t j = 0; j < p.Nk; ++j) {
     Acc s = neg_inf;
     if (j >= range.begin && j < range.end) {
@@ -23,10 +24,11 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
     }
     prob[j] = s;
     row_max = std::max(row_max, s);
+    any_allowed |= s != neg_inf;
   }
-  // 2. Stable softmax: subtract the row max. A row with no allowed key stays all zero.
+  // 2. Stable softmax: subtract the row max. A row with no allowed key stays all zero; a NaN
+  //    score makes the sum, and so the whole row, NaN.
   Acc sum = 0;
-  const bool any_allowed = row_max != neg_inf;
   for (int64_t j = 0; j < p.Nk; ++j) {
     prob[j] = any_allowed ? std::exp(prob[j] - row_max) : Acc(0);
     sum += prob[j];

@@ -482,6 +482,47 @@ TEST_P(Semantics, FullyMaskedRowsGiveZeroAndMinusInfinity) {
   }
 }
 
+// A NaN in q or k is not a blocked key: every row whose scores it reaches comes out NaN (out,
+// weights and lse), the other rows exactly as without it. Sizes reach the few-rows kernel
+// (Nq = 5), the lanes-are-rows kernel (Nq = 40) and the key split with its merge (Nk = 4096).
+TEST_P(Semantics, NanInputsPropagateToTheRowsTheyReach) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{5, 5}, {40, 40}, {1, 4096}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      const int64_t bad_key = nk - 3;  // the last 3 rows (bottom-right causal) see it
+      sdpa::Options o = opts();
+      o.causal = Causal::kBottomRight;
+      const Tensors clean = random_qkv(dt, {2, nq, 8}, {1, nk, 8}, {1, nk, 4}, 21);
+      const Values want = values(run(clean, o));
+      for (const char* which : {"q", "k"}) {
+        SCOPED_TRACE(which);
+        Tensors t = random_qkv(dt, {2, nq, 8}, {1, nk, 8}, {1, nk, 4}, 21);
+        if (which[0] == 'q') {
+          t.q.set((nq + (nq - 1)) * 8 + 5, nan);  // head 1, last row
+        } else {
+          t.k.set(bad_key * 8 + 2, nan);
+        }
+        const Values got = values(run(t, o));
+        for (int64_t h = 0; h < 2; ++h) {
+          for (int64_t i = 0; i < nq; ++i) {
+            const int64_t row = h * nq + i;
+            const bool reached = which[0] == 'q' ? (h == 1 && i == nq - 1) : i + nk - nq >= bad_key;
+            if (reached) {
+              EXPECT_TRUE(std::isnan(got.lse[row])) << "row " << row;
+              for (int64_t e = 0; e < 4; ++e) EXPECT_TRUE(std::isnan(got.out[row * 4 + e])) << "row " << row;
+              EXPECT_TRUE(std::isnan(got.weights[row * nk])) << "row " << row;
+            } else {
+              EXPECT_EQ(got.lse[row], want.lse[row]) << "row " << row;
+              for (int64_t e = 0; e < 4; ++e) EXPECT_EQ(got.out[row * 4 + e], want.out[row * 4 + e]) << "row " << row;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(Semantics, EmptyQueriesOrHeadsWriteNothing) {
   for (DType dt : kDTypes) {
     SCOPED_TRACE(sdpa::dtype_name(dt));

@@ -234,6 +234,30 @@ TEST_F(Validation, MaskOfAnotherFloatDtype) {
   expect_error({"mask has dtype float64 but must be bool or q's dtype float32"});
 }
 
+TEST_F(Validation, FloatMaskWithNanOrPlusInfinity) {
+  // -inf blocks and is fine; +inf and NaN have no softmax. Both dtypes, a broadcast shape.
+  for (DType dt : {kF32, DType::kFloat64}) {
+    GuardedTensor q(dt, q_.shape()), k(dt, k_.shape()), v(dt, v_.shape()), out(dt, out_.shape());
+    GuardedTensor m(dt, {4, 1, 5});
+    for (GuardedTensor* t : {&q, &k, &v, &m}) fill(*t);
+    in = {q.view(), k.view(), v.view(), m.view()};
+    outs = {out.view(), std::nullopt, std::nullopt};
+    m.set(2 * 5 + 1, -std::numeric_limits<double>::infinity());
+    EXPECT_NO_THROW(sdpa::attention(in, outs, options));
+    m.set(3 * 5 + 4, std::numeric_limits<double>::infinity());
+    expect_error({"mask has +inf at index (3, 0, 4)", "finite biases, or -inf to block"});
+    m.set(3 * 5 + 4, 0.0);
+    m.set(1 * 5 + 0, std::numeric_limits<double>::quiet_NaN());
+    expect_error({"mask has NaN at index (1, 0, 0)"});
+  }
+}
+
+TEST_F(Validation, ShapeWhoseElementCountOverflows) {
+  in.k.shape[1] = int64_t{1} << 40;
+  in.k.shape[2] = int64_t{1} << 40;
+  expect_error({"k has shape", "more elements than int64_t counts"});
+}
+
 TEST_F(Validation, NonFiniteScale) {
   for (double s : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
                    std::numeric_limits<double>::quiet_NaN()}) {

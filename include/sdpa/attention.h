@@ -12,7 +12,10 @@
 //   lse     (B, Hq,  Nq)          optional: log-sum-exp of each row's biased, scaled scores
 //
 // A row with no allowed key (everything masked, or Nk == 0) gives out = 0, weights = 0 and
-// lse = -inf: never NaN. See docs/ARCHITECTURE.md for the layers behind this header.
+// lse = -inf: never NaN. NaN inputs are not blocked keys: a NaN in q, k or v makes every row
+// that attends to it NaN (a NaN in the value row of a key a row blocks may reach it too, as
+// 0 · NaN). A float mask holds finite biases or -inf; NaN or +inf there is an Error.
+// See docs/ARCHITECTURE.md for the layers behind this header.
 #pragma once
 
 #include <cstdint>

@@ -18,8 +18,16 @@ from . import _core
 __all__ = ["attention", "dropout_mask", "attention_backward", "set_num_threads", "num_threads"]
 __version__ = "0.1.0"
 
-_CAUSAL = {False: "none", None: "none", "none": "none", True: "bottom_right",
-           "bottom_right": "bottom_right", "top_left": "top_left"}
+_CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
+           "top_left": "top_left"}
+
+
+def _asarray(name, a):
+    """np.asarray(a), with a ragged nested list reported under the argument's name."""
+    try:
+        return np.asarray(a)
+    except ValueError as e:
+        raise ValueError(f"{name} is not a rectangular array: {e}") from None
 
 
 def _check_real(name, a):
@@ -54,11 +62,12 @@ def _prepared(a, dtype, unit_last_stride=True):
 
 
 def _prepared_mask(mask, dtype):
-    mask = np.asarray(mask)
+    mask = _asarray("mask", mask)
     if mask.dtype == np.bool_:
         return mask
     if mask.dtype.kind == "f":
-        return np.asarray(mask, dtype=dtype)
+        with np.errstate(over="ignore"):  # a huge negative bias becomes -inf: still "blocked"
+            return np.asarray(mask, dtype=dtype)
     raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
                     "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
 
@@ -82,7 +91,7 @@ def _window_bounds(window):
 
 def _prepared_inputs(q, k, v, mask):
     """(compute dtype, q, k, v, mask) ready for _core: the dtype policy of ``attention``."""
-    arrays = [np.asarray(x) for x in (q, k, v)]
+    arrays = [_asarray(name, x) for name, x in zip("qkv", (q, k, v))]
     for name, a in zip("qkv", arrays):
         _check_kind(name, a)
     dtype = _compute_dtype(*arrays)
@@ -94,14 +103,17 @@ def _prepared_inputs(q, k, v, mask):
 
 def _parsed_options(causal, scale, window, backend):
     """(causal code, scale or None, window left, window right) for _core, validated."""
-    try:
-        causal_code = _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}") from None
+    # Only bools (Python or NumPy) and the names: 1, 0.0 and the like are more likely slips.
+    key = bool(causal) if causal is None or isinstance(causal, (bool, np.bool_)) else causal
+    if not isinstance(key, (bool, str)) or key not in _CAUSAL:
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
+    causal_code = _CAUSAL[key]
     if not isinstance(backend, str):
         raise ValueError(f"backend must be 'auto', 'flash', 'reference' or 'naive', got {backend!r}")
+    if isinstance(scale, np.ndarray) and scale.ndim == 0:
+        scale = scale[()]  # a 0-d array is a number
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number, got {scale!r}")
         scale = float(scale)
         if not math.isfinite(scale):
@@ -144,9 +156,13 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
     Args:
         q, k, v: arrays or array-likes (nested lists work). float32 inputs compute and return
             float32 (float32 accumulation); float64, integer or bool inputs compute and return
-            float64. Complex or object arrays raise TypeError.
+            float64; float16 computes in float32 when all three are float16 or float32, and
+            long double in float64. Complex or object arrays raise TypeError. NaN is never
+            mistaken for a blocked key: a NaN in q, in k or in v makes every row that attends
+            to it NaN (a NaN value row of a key a row blocks may reach it too: 0 · NaN).
         mask: bool (True = attend, False = block) or floating point, added to the scaled
-            scores (-inf blocks). Blocking happens before the softmax, never after.
+            scores: finite biases, or -inf to block (NaN and +inf raise ValueError). Blocking
+            happens before the softmax, never after.
         causal: False; True or "bottom_right"; or "top_left". With Nq=2, Nk=4 (x = attend)::
 
                 bottom_right (True)      top_left
@@ -179,8 +195,9 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
 
     Raises:
         TypeError: complex, object or string inputs; a mask that is neither bool nor float.
-        ValueError: shapes that do not fit together, a mask that does not broadcast, an
-            unknown causal mode or backend, a non-finite scale. Messages name the argument.
+        ValueError: shapes that do not fit together, a ragged nested list, a mask that does
+            not broadcast or holds NaN or +inf, an unknown causal mode or backend, a
+            non-finite scale. Messages name the argument.
     """
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
@@ -245,7 +262,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     """
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
-    arrays = {"dout": np.asarray(dout), "out": np.asarray(out), "lse": np.asarray(lse)}
+    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
     for name, a in arrays.items():
         _check_real(name, a)
     dout = _prepared(arrays["dout"], dtype)

@@ -83,7 +83,7 @@ def _attention(q, k, v, mask, causal, scale, window, dtype):
     for bi in range(b):
         for h in range(hq):
             scores = (q4[bi, h] @ k4[bi, h].T) * scale + bias[bi, h]  # (Nq, Nk)
-            ok = allowed[bi, h] & (scores > -np.inf)  # a -inf bias blocks, like False
+            ok = allowed[bi, h] & (scores != -np.inf)  # a -inf bias blocks, like False; NaN stays
             for i in range(nq):
                 if not ok[i].any():
                     continue  # no allowed key: out 0, weights 0, lse -inf

@@ -774,3 +774,36 @@ def test_backends_agree(opts, dtype):
     # "auto" is documented to pick the fastest exact kernel, today "flash": the same numbers.
     for a, b in zip(results["auto"], results["flash"]):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference", "naive"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("nq,nk", [(5, 5), (40, 40), (1, 4096)])
+def test_nan_inputs_propagate_to_the_rows_they_reach(nq, nk, dtype, backend):
+    # NaN is not a blocked key: rows whose scores or values it reaches are NaN, others as before.
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, nq, 8)).astype(dtype)
+    k = rng.standard_normal((1, nk, 8)).astype(dtype)
+    v = rng.standard_normal((1, nk, 4)).astype(dtype)
+    clean, clean_lse = sdpa.attention(q, k, v, causal=True, backend=backend, return_lse=True)
+    bad_key = nk - 3  # bottom-right causal: only the last three query rows see it
+    reached = np.arange(nq) + (nk - nq) >= bad_key
+    for which in "qkv":
+        qq, kk, vv = q.copy(), k.copy(), v.copy()
+        if which == "q":
+            qq[1, -1, 5] = np.nan
+            rows = np.zeros((2, nq), bool)
+            rows[1, -1] = True
+        else:
+            (kk if which == "k" else vv)[0, bad_key, 2] = np.nan
+            rows = np.broadcast_to(reached, (2, nq))
+        out, w, lse = sdpa.attention(qq, kk, vv, causal=True, backend=backend, return_weights=True, return_lse=True)
+        if which == "v":
+            # Only that value feature; weights and lse do not involve v. A row that blocks the
+            # key may get NaN too (the fused kernel multiplies whole tiles, 0 · NaN = NaN).
+            assert np.isnan(out[..., 2][rows]).all()
+            np.testing.assert_array_equal(lse, clean_lse)
+            continue
+        assert np.isnan(out[rows]).all() and np.isnan(lse[rows]).all() and np.isnan(w[rows][:, 0]).all()
+        np.testing.assert_array_equal(out[~rows], clean[~rows])
+        np.testing.assert_array_equal(lse[~rows], clean_lse[~rows])

@@ -44,9 +44,24 @@ def test_nested_list_of_strings_raises_type_error():
         sdpa.attention([["a", "b"]], [[1.0, 2.0]], [[1.0]])
 
 
-def test_ragged_nested_list_is_rejected():
-    with pytest.raises((TypeError, ValueError)):
-        sdpa.attention([[1.0, 2.0], [3.0]], [[1.0, 2.0]], [[1.0]])
+@pytest.mark.parametrize("which", ["q", "k", "v", "mask"])
+def test_ragged_nested_list_names_the_argument(which):
+    args = {"q": [[1.0, 2.0]], "k": [[1.0, 2.0]], "v": [[1.0]], "mask": None}
+    args[which] = [[1.0, 2.0], [3.0]]
+    with pytest.raises(ValueError, match=rf"^{which} is not a rectangular array"):
+        sdpa.attention(args["q"], args["k"], args["v"], args["mask"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad,word", [(np.inf, r"\+inf"), (np.nan, "NaN")])
+def test_float_mask_with_plus_inf_or_nan(bad, word, dtype):
+    q, k, v = (a.astype(dtype) for a in _qkv())
+    mask = np.zeros((3, 5), dtype)
+    mask[1, 0] = -np.inf  # blocks: fine
+    sdpa.attention(q, k, v, mask)
+    mask[2, 3] = bad
+    with pytest.raises(ValueError, match=rf"^mask has {word} at index \(2, 3\)"):
+        sdpa.attention(q, k, v, mask)
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint8, np.int8])
@@ -151,7 +166,8 @@ def test_mask_with_more_dims_than_q():
 # ---------------------------------------------------------------- options
 
 
-@pytest.mark.parametrize("causal", ["yes", "bottom-right", "TOP_LEFT", 2, -1, 0.5, "causal", [True]])
+@pytest.mark.parametrize("causal", ["yes", "bottom-right", "TOP_LEFT", 2, -1, 0.5, "causal", [True], 1, 0, 1.0,
+                                    np.int64(1), {}])
 def test_unknown_causal_mode(causal):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"^causal must be"):
@@ -165,6 +181,19 @@ def test_bad_window(window):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"^window\b"):
         sdpa.attention(q, k, v, window=window)
+
+
+@pytest.mark.parametrize("causal,code", [(np.True_, True), (np.False_, False), (None, False)])
+def test_causal_accepts_numpy_bools_and_none(causal, code):
+    q, k, v = _qkv()
+    np.testing.assert_array_equal(sdpa.attention(q, k, v, causal=causal), sdpa.attention(q, k, v, causal=code))
+
+
+def test_scale_accepts_zero_dim_arrays():
+    q, k, v = _qkv()
+    np.testing.assert_array_equal(sdpa.attention(q, k, v, scale=np.array(0.5)), sdpa.attention(q, k, v, scale=0.5))
+    with pytest.raises(TypeError, match=r"^scale must be a real number"):
+        sdpa.attention(q, k, v, scale=np.array([0.5]))
 
 
 def test_window_accepts_numpy_integers():

@@ -128,7 +128,12 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     for (int64_t r = 0; r < R; ++r) {
       T* row = st + r * kTileKeys;
       V mx = hn::Set(d, neg_inf);
-      for (int64_t j = 0; j < n_vec; j += N) mx = hn::Max(mx, hn::Load(d, row + j));
+      auto nan = hn::IsNaN(mx);  // no lane yet: Max and Exp drop NaN, so NaN scores are flagged
+      for (int64_t j = 0; j < n_vec; j += N) {
+        const V s = hn::Load(d, row + j);
+        mx = hn::Max(mx, s);
+        nan = hn::Or(nan, hn::IsNaN(s));
+      }
       const T mnew = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
       const T msafe = mnew == neg_inf ? T(0) : mnew;  // nothing allowed yet: exp(-inf - 0) = 0
       const V vmsafe = hn::Set(d, msafe);
@@ -140,6 +145,7 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
       }
       alpha[r] = m[r] == neg_inf ? T(0) : hn::GetLane(hn::Exp(d, hn::Set(d, m[r] - msafe)));
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+      if (!hn::AllFalse(d, nan)) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
       m[r] = mnew;
     }
     if (p.dropout.enabled()) {  // after the sums: the softmax normalises the undropped weights
@@ -176,7 +182,7 @@ void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* l
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
     for (int64_t r = 0; r < R; ++r) {
-      if (!(l[r] > 0)) continue;  // no allowed key: the row stays zero
+      if (l[r] == 0) continue;  // no allowed key: the row stays zero
       const T inv = T(1) / l[r];
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, std::exp(st[r * kTileKeys + j] - m[r]) * inv);

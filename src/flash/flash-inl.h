@@ -196,9 +196,20 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, int
 
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   V mnew[QV], msafe[QV], alpha[QV], sum[QV];
-  for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Load(d, bs.m + q * N);
-  for (int64_t j = 0; j < n; ++j)
-    for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Max(mnew[q], hn::Load(d, st + j * mq + q * N));
+  // Lanes with a NaN score: Max and Exp drop NaN (Exp(NaN) = 0), so they are flagged here and
+  // their sum made NaN below, which carries to out and lse as NaN (never a "blocked" zero).
+  hn::Mask<D> nan[QV];
+  for (size_t q = 0; q < QV; ++q) {
+    mnew[q] = hn::Load(d, bs.m + q * N);
+    nan[q] = hn::IsNaN(mnew[q]);  // an earlier tile's NaN score may sit in m
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (size_t q = 0; q < QV; ++q) {
+      const V s = hn::Load(d, st + j * mq + q * N);
+      mnew[q] = hn::Max(mnew[q], s);
+      nan[q] = hn::Or(nan[q], hn::IsNaN(s));
+    }
+  }
   for (size_t q = 0; q < QV; ++q) {
     // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
     msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
@@ -214,7 +225,10 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, int
       hn::Store(pj, d, row);
     }
   }
-  for (size_t q = 0; q < QV; ++q) hn::Store(hn::MulAdd(hn::Load(d, bs.l + q * N), alpha[q], sum[q]), d, bs.l + q * N);
+  for (size_t q = 0; q < QV; ++q) {
+    sum[q] = hn::IfThenElse(nan[q], hn::Set(d, std::numeric_limits<T>::quiet_NaN()), sum[q]);
+    hn::Store(hn::MulAdd(hn::Load(d, bs.l + q * N), alpha[q], sum[q]), d, bs.l + q * N);
+  }
   if (p.dropout.enabled()) {  // after the sum: the softmax normalises the undropped weights
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t lane = 0; lane < bs.blk.rows; ++lane) {
@@ -269,7 +283,7 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true);
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
-      if (!(l[lane] > 0)) continue;  // no allowed key: the row stays zero
+      if (l[lane] == 0) continue;  // no allowed key: the row stays zero
       const T inv = T(1) / l[lane];
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, std::exp(s.st[j * mq + lane] - m[lane]) * inv);

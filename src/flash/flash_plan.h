@@ -144,7 +144,8 @@ void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0,
 }
 
 // Merges a block's per-chunk results (ot, m, l), stored one after another, in chunk order:
-// rescale each chunk to the common max, then add. m is 0 and l is 0 where a chunk saw no key.
+// rescale each chunk to the common max, then add. m is 0 and l is 0 where a chunk saw no key;
+// l is NaN where a NaN reached the chunk's scores, and the merge keeps it NaN.
 template <typename T>
 void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* ot, T* m, T* l) {
   const int64_t stride = (Dv + 2) * mq;
@@ -152,31 +153,32 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
     T mmax = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < chunks; ++c) {
       const T* pc = partial + c * stride;
-      if (pc[(Dv + 1) * mq + lane] > 0) mmax = std::max(mmax, pc[Dv * mq + lane]);
+      if (pc[(Dv + 1) * mq + lane] != 0) mmax = std::max(mmax, pc[Dv * mq + lane]);
     }
     T sum = 0;
     for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] = 0;
     for (int64_t c = 0; c < chunks; ++c) {
       const T* pc = partial + c * stride;
       const T lc = pc[(Dv + 1) * mq + lane];
-      if (!(lc > 0)) continue;
+      if (lc == 0) continue;
       const T w = std::exp(pc[Dv * mq + lane] - mmax);
       sum += lc * w;
       for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] += pc[e * mq + lane] * w;
     }
-    m[lane] = sum > 0 ? mmax : T(0);
+    m[lane] = sum != 0 ? mmax : T(0);
     l[lane] = sum;
   }
 }
 
 // Normalises a block's output rows and writes out and lse. A lane with no allowed key
-// (l == 0) gets zeros and lse = -inf.
+// (l == 0; otherwise l >= 1, the max's own term) gets zeros and lse = -inf; l = NaN (a NaN
+// in its scores) gives NaN.
 template <typename T>
 void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
                   const LaneRow* lanes) {
   for (int64_t lane = 0; lane < blk.rows; ++lane) {
     const LaneRow& r = lanes[lane];
-    const bool any = l[lane] > 0;
+    const bool any = l[lane] != 0;
     const T inv = any ? T(1) / l[lane] : T(0);
     T* out = p.out.at<T>(blk.b, r.h, r.i);
     for (int64_t e = 0; e < p.Dv; ++e) out[e] = ot[e * mq + lane] * inv;
