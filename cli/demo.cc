@@ -73,9 +73,7 @@ void demo_command(std::ostream& os) {
   sdpa::Outputs outputs{TensorView::contiguous(out, DType::kFloat64, {Nq, Dv}),
                         TensorView::contiguous(weights, DType::kFloat64, {Nq, Nk}),
                         TensorView::contiguous(lse, DType::kFloat64, {Nq})};
-  sdpa::Options options;
-  options.scale = scale;
-  sdpa::attention(inputs, outputs, options);
+  sdpa::attention(inputs, outputs);  // the default scale, 1/sqrt(Dk): `scale` is for display
 
   // The scores are not an output of the library; recomputed here only to be shown.
   double scores[Nq * Nk];

@@ -55,18 +55,21 @@ void check_rank(const char* name, const std::string& path, const NpyArray& a) {
   }
 }
 
-// A float mask of the other float dtype is converted to q's dtype, as the library requires.
-void convert_float_mask(NpyArray& mask, sdpa::DType to) {
+// A float array of the other float dtype is converted to `to`: float32 inputs beside a
+// float64 one compute in float64 (the Python package's rule), and a float mask takes the
+// inputs' dtype, as the library requires. Bool (and any other dtype) is left for it to judge.
+void convert_float(NpyArray& a, sdpa::DType to) {
   using sdpa::DType;
-  if (mask.dtype == DType::kBool || mask.dtype == to || to == DType::kBool) return;
-  NpyArray converted = NpyArray::zeros(to, mask.shape);
-  const int64_t n = mask.numel();
+  const bool is_float = a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64;
+  if (!is_float || a.dtype == to || to == DType::kBool) return;
+  NpyArray converted = NpyArray::zeros(to, a.shape);
+  const int64_t n = a.numel();
   if (to == DType::kFloat32) {
-    std::copy_n(mask.values<double>(), n, converted.values<float>());  // narrowing is intended
+    std::copy_n(a.values<double>(), n, converted.values<float>());  // narrowing is intended
   } else {
-    std::copy_n(mask.values<float>(), n, converted.values<double>());
+    std::copy_n(a.values<float>(), n, converted.values<double>());
   }
-  mask = std::move(converted);
+  a = std::move(converted);
 }
 
 // Shape of q with its last dim replaced (or dropped, for lse).
@@ -106,13 +109,13 @@ void write_all(const std::vector<std::pair<std::string, const NpyArray*>>& outpu
 
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* run = app.add_subcommand("run", "Compute attention on .npy files: out = softmax(q k^T * scale + mask) v");
-  run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), float32 or float64, rank 2..4")
+  run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), float32 or float64 (any float64 input makes all float64), rank 2..4")
       ->type_name("FILE")
       ->required();
-  run->add_option("--k", o.k, "Keys (..., Hkv, Nk, Dk), q's dtype; Hq must be a multiple of Hkv")
+  run->add_option("--k", o.k, "Keys (..., Hkv, Nk, Dk); Hq must be a multiple of Hkv")
       ->type_name("FILE")
       ->required();
-  run->add_option("--v", o.v, "Values (..., Hkv, Nk, Dv), q's dtype")->type_name("FILE")->required();
+  run->add_option("--v", o.v, "Values (..., Hkv, Nk, Dv)")->type_name("FILE")->required();
   run->add_option("--mask", o.mask, "Bool mask (true = attend) or float bias, broadcast to (..., Hq, Nq, Nk)")
       ->type_name("FILE");
   run->add_option("--causal", o.causal,
@@ -122,7 +125,7 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   run->add_option("--window", o.window, "Sliding window L,R: keys i'-L..i'+R where i' = i + Nk - Nq; -1 = unbounded")
       ->type_name("L,R");
   run->add_option("--scale", o.scale, "Score scale (default 1/sqrt(Dk))")->type_name("S");
-  run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in q's dtype")
+  run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in the inputs' dtype")
       ->type_name("FILE")
       ->required();
   run->add_option("--weights", o.weights, "Also write the softmax weights (..., Hq, Nq, Nk)")->type_name("FILE");
@@ -152,10 +155,15 @@ void run_command(const RunOptions& o) {
   check_rank("q", o.q, q);
   check_rank("k", o.k, k);
   check_rank("v", o.v, v);
+  const bool any_f64 = q.dtype == sdpa::DType::kFloat64 || k.dtype == sdpa::DType::kFloat64 ||
+                      v.dtype == sdpa::DType::kFloat64;
+  if (any_f64) {
+    for (NpyArray* a : {&q, &k, &v}) convert_float(*a, sdpa::DType::kFloat64);
+  }
   std::optional<NpyArray> mask;
   if (!o.mask.empty()) {
     mask = read_npy(o.mask);
-    convert_float_mask(*mask, q.dtype);
+    convert_float(*mask, q.dtype);
   }
 
   NpyArray out = NpyArray::zeros(q.dtype, q_shape_with_last(q, v.shape.back()));
