@@ -33,6 +33,7 @@ std::vector<BenchCase> default_cases() {
       prefill("prefill d128 causal", 2048, 128, Causal::kBottomRight),
       prefill("prefill d64 bool mask", 2048, 64, Causal::kNone, MaskKind::kBool),
       prefill("prefill d64 additive mask", 2048, 64, Causal::kNone, MaskKind::kAdditive),
+      prefill("prefill d64 key padding", 2048, 64, Causal::kNone, MaskKind::kKeyPadding),
       prefill("prefill d64 gqa 8:2", 2048, 64, Causal::kNone, MaskKind::kNone, 2),
       BenchCase{"decode gqa 32:8 d128", 1, 32, 8, 1, 32768, 128},
       BenchCase{"decode mha 8 d64 (4 tokens)", 1, 8, 8, 4, 16384, 64},
@@ -77,6 +78,9 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   if (c.mask == MaskKind::kBool) {
     mask_.resize(c.Nq * c.Nk);
     for (auto& m : mask_) m = (rng() % 8) != 0;  // 1 in 8 keys blocked
+  } else if (c.mask == MaskKind::kKeyPadding) {
+    mask_.resize(c.B * c.Nk);
+    for (int64_t i = 0; i < c.B * c.Nk; ++i) mask_[i] = i % c.Nk < c.Nk - c.Nk / 8;
   } else if (c.mask == MaskKind::kAdditive) {
     mask_.resize(c.Nq * c.Nk * es);
     const size_t n = c.Nq * c.Nk;
@@ -105,7 +109,9 @@ Inputs CaseData::inputs() const {
   in.q = TensorView::contiguous(self->q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
   in.k = TensorView::contiguous(self->k_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
   in.v = TensorView::contiguous(self->v_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});
-  if (c_.mask != MaskKind::kNone) {
+  if (c_.mask == MaskKind::kKeyPadding) {
+    in.mask = TensorView::contiguous(self->mask_.data(), DType::kBool, {c_.B, 1, 1, c_.Nk});
+  } else if (c_.mask != MaskKind::kNone) {
     in.mask = TensorView::contiguous(self->mask_.data(), c_.mask == MaskKind::kBool ? DType::kBool : c_.dtype,
                                      {c_.Nq, c_.Nk});
   }

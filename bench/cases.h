@@ -10,12 +10,17 @@
 
 namespace sdpa::bench {
 
-enum class MaskKind { kNone, kBool, kAdditive };
+enum class MaskKind {
+  kNone,
+  kBool,        // (Nq, Nk), 1 in 8 entries blocked at random, broadcast over batch and heads
+  kAdditive,    // (Nq, Nk) biases, 1 in 8 -inf at random
+  kKeyPadding,  // (B, 1, 1, Nk) bool: the last Nk / 8 keys blocked (padded), the common case
+};
 
 struct BenchCase {
   std::string name;
   int64_t B = 1, Hq = 1, Hkv = 1, Nq = 1, Nk = 1, D = 64;
-  MaskKind mask = MaskKind::kNone;  // a full (Nq, Nk) mask broadcast over batch and heads
+  MaskKind mask = MaskKind::kNone;
   Causal causal = Causal::kNone;
   DType dtype = DType::kFloat32;
   bool backward = false;  // time attention_backward (given out and lse) instead of attention

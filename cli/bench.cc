@@ -21,6 +21,7 @@ const char* mask_name(sdpa::bench::MaskKind m) {
     case sdpa::bench::MaskKind::kNone: return "none";
     case sdpa::bench::MaskKind::kBool: return "bool";
     case sdpa::bench::MaskKind::kAdditive: return "additive";
+    case sdpa::bench::MaskKind::kKeyPadding: return "keypad";
   }
   return "?";
 }

@@ -156,10 +156,24 @@ HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY
       }
     }
   }
-  if (p.mask) {
-    for (int64_t l = 0; l < bs.blk.rows; ++l) {
-      add_mask_row(p, bs.blk.b, bs.lanes[l].h, bs.lanes[l].i, j0, n, st + l, static_cast<int64_t>(mq));
+  if (!p.mask) return;
+  if (p.mask->strides[1] == 0 && p.mask->strides[2] == 0) {
+    // One mask row for every lane (a key-padding mask, (B, 1, 1, Nk) or (Nk,)): read it once
+    // and add each key's bias to all lanes with SIMD. Padding lanes take it too, harmlessly.
+    T bias[kTileKeys] = {};
+    add_mask_row(p, bs.blk.b, 0, 0, j0, n, bias, 1);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      if (bias[jj] == T(0)) continue;
+      const auto b = hn::Set(d, bias[jj]);
+      for (size_t v = 0; v < QV; ++v) {
+        T* row = st + jj * static_cast<int64_t>(mq) + v * hn::Lanes(d);
+        hn::Store(hn::Add(hn::Load(d, row), b), d, row);
+      }
     }
+    return;
+  }
+  for (int64_t l = 0; l < bs.blk.rows; ++l) {
+    add_mask_row(p, bs.blk.b, bs.lanes[l].h, bs.lanes[l].i, j0, n, st + l, static_cast<int64_t>(mq));
   }
 }
 
