@@ -1,65 +1,84 @@
 // Bitwise equality of every output across thread counts (1, 2, 3) and across calls, for each
 // way the fused kernel cuts work: many-row blocks, few-row (decode) blocks, key chunks merged
-// by lse, GQA, causal, masks, weights. Also the program the ThreadSanitizer build runs.
+// by lse, GQA, causal, masks, weights, dropout; and of the backward's gradients (its key-block
+// and query-block passes), with and without dropout. Also the program the ThreadSanitizer
+// build runs.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <cstring>
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "sdpa/attention.h"
 
 namespace {
 
+constexpr uint64_t kSeed = 0x0123456789abcdefull;  // dropout's seed, both halves non-zero
+
+template <typename T>
+constexpr sdpa::DType dtype_of() {
+  return sizeof(T) == 4 ? sdpa::DType::kFloat32 : sdpa::DType::kFloat64;
+}
+
+template <typename T>
+std::vector<uint8_t> bytes(const std::vector<T>& x) {
+  std::vector<uint8_t> b(x.size() * sizeof(T));
+  if (!x.empty()) std::memcpy(b.data(), x.data(), b.size());
+  return b;
+}
+
+// ---- Forward ----
+
 struct Shape {
   const char* name;
   int64_t B, Hq, Hkv, Nq, Nk, D;
   sdpa::Causal causal;
   bool mask, weights;
+  double dropout_p = 0;
+  bool f64 = false;
 };
 
 struct Result {
-  std::vector<float> out, lse, weights;
+  std::vector<uint8_t> out, lse, weights;  // the outputs' bytes
 };
 
-Result run(const Shape& s, int threads) {
+template <typename T>
+Result run_as(const Shape& s, int threads) {
+  constexpr sdpa::DType dt = dtype_of<T>();
   std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  std::vector<float> q(s.B * s.Hq * s.Nq * s.D), k(s.B * s.Hkv * s.Nk * s.D), v(k.size());
+  std::normal_distribution<T> normal;
+  std::vector<T> q(s.B * s.Hq * s.Nq * s.D), k(s.B * s.Hkv * s.Nk * s.D), v(k.size());
   for (auto* t : {&q, &k, &v})
-    for (float& x : *t) x = normal(rng);
+    for (T& x : *t) x = normal(rng);
   std::vector<uint8_t> mask(s.Nq * s.Nk);
   for (auto& m : mask) m = rng() % 4 != 0;
-  Result r;
-  r.out.resize(s.B * s.Hq * s.Nq * s.D);
-  r.lse.resize(s.B * s.Hq * s.Nq);
-  if (s.weights) r.weights.resize(s.B * s.Hq * s.Nq * s.Nk);
+  std::vector<T> out(s.B * s.Hq * s.Nq * s.D), lse(s.B * s.Hq * s.Nq), weights;
+  if (s.weights) weights.resize(s.B * s.Hq * s.Nq * s.Nk);
 
   sdpa::Inputs in;
-  in.q = sdpa::TensorView::contiguous(q.data(), sdpa::DType::kFloat32, {s.B, s.Hq, s.Nq, s.D});
-  in.k = sdpa::TensorView::contiguous(k.data(), sdpa::DType::kFloat32, {s.B, s.Hkv, s.Nk, s.D});
-  in.v = sdpa::TensorView::contiguous(v.data(), sdpa::DType::kFloat32, {s.B, s.Hkv, s.Nk, s.D});
+  in.q = sdpa::TensorView::contiguous(q.data(), dt, {s.B, s.Hq, s.Nq, s.D});
+  in.k = sdpa::TensorView::contiguous(k.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
+  in.v = sdpa::TensorView::contiguous(v.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
   if (s.mask) in.mask = sdpa::TensorView::contiguous(mask.data(), sdpa::DType::kBool, {s.Nq, s.Nk});
   sdpa::Outputs outs;
-  outs.out = sdpa::TensorView::contiguous(r.out.data(), sdpa::DType::kFloat32, {s.B, s.Hq, s.Nq, s.D});
-  outs.lse = sdpa::TensorView::contiguous(r.lse.data(), sdpa::DType::kFloat32, {s.B, s.Hq, s.Nq});
-  if (s.weights) {
-    outs.weights = sdpa::TensorView::contiguous(r.weights.data(), sdpa::DType::kFloat32, {s.B, s.Hq, s.Nq, s.Nk});
-  }
+  outs.out = sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.D});
+  outs.lse = sdpa::TensorView::contiguous(lse.data(), dt, {s.B, s.Hq, s.Nq});
+  if (s.weights) outs.weights = sdpa::TensorView::contiguous(weights.data(), dt, {s.B, s.Hq, s.Nq, s.Nk});
   sdpa::Options opt;
   opt.causal = s.causal;
+  opt.dropout_p = s.dropout_p;
+  opt.seed = kSeed;
   sdpa::set_num_threads(threads);
   sdpa::attention(in, outs, opt);
   sdpa::set_num_threads(0);
-  return r;
+  return {bytes(out), bytes(lse), bytes(weights)};
 }
 
-bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size()) return false;
-  return a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+Result run(const Shape& s, int threads) { return s.f64 ? run_as<double>(s, threads) : run_as<float>(s, threads); }
 
 void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }  // names, not bytes, in test logs
 
@@ -70,21 +89,123 @@ TEST_P(Threads, OutputsAreBitwiseIdenticalForAnyThreadCount) {
   const Result one = run(s, 1);
   for (int threads : {1, 2, 3}) {
     const Result other = run(s, threads);
-    EXPECT_TRUE(bitwise_equal(one.out, other.out)) << "out differs with " << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(one.lse, other.lse)) << "lse differs with " << threads << " threads";
-    EXPECT_TRUE(bitwise_equal(one.weights, other.weights)) << "weights differ with " << threads << " threads";
+    EXPECT_TRUE(one.out == other.out) << "out differs with " << threads << " threads";
+    EXPECT_TRUE(one.lse == other.lse) << "lse differs with " << threads << " threads";
+    EXPECT_TRUE(one.weights == other.weights) << "weights differ with " << threads << " threads";
   }
 }
 
 // Sizes are kept small enough for the ThreadSanitizer build, while still crossing tiles
 // (128 keys), blocks (16-32 rows) and key chunks (decode with few blocks and Nk >= 2048).
+// The dropout cases repeat the cuts with dropout on (its decisions are drawn inside each
+// tile, block and chunk), in float32 and float64.
 INSTANTIATE_TEST_SUITE_P(
     Cuts, Threads,
     testing::Values(Shape{"prefill", 2, 4, 2, 97, 300, 32, sdpa::Causal::kNone, false, false},
                     Shape{"prefill_causal_mask_weights", 1, 2, 1, 70, 260, 16, sdpa::Causal::kBottomRight, true, true},
                     Shape{"decode_split_keys", 1, 2, 1, 1, 5000, 64, sdpa::Causal::kNone, false, false},
                     Shape{"decode_split_keys_mask_weights", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft, true, true},
-                    Shape{"many_heads", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false}),
+                    Shape{"many_heads", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false},
+                    Shape{"prefill_dropout", 2, 4, 2, 97, 300, 32, sdpa::Causal::kNone, false, false, 0.3},
+                    Shape{"prefill_causal_mask_weights_dropout_f64", 1, 2, 1, 70, 260, 16, sdpa::Causal::kBottomRight,
+                          true, true, 0.5, true},
+                    Shape{"decode_split_keys_dropout", 1, 2, 1, 1, 5000, 64, sdpa::Causal::kNone, false, false, 0.2},
+                    Shape{"decode_split_keys_mask_weights_dropout_f64", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft,
+                          true, true, 0.4, true},
+                    Shape{"many_heads_dropout", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false, 0.7}),
     [](const testing::TestParamInfo<Shape>& info) { return std::string(info.param.name); });
+
+// ---- Backward ----
+
+struct BackwardShape {
+  const char* name;
+  int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv;
+  sdpa::Causal causal;
+  bool mask;
+};
+
+void PrintTo(const BackwardShape& s, std::ostream* os) { *os << s.name; }
+
+struct Gradients {
+  std::vector<uint8_t> out, lse, dq, dk, dv;  // bytes: the forward's out and lse, then the gradients
+};
+
+// The forward (for out and lse, as a caller chains the calls) and the backward, both with
+// `threads` threads.
+template <typename T>
+Gradients run_backward_as(const BackwardShape& s, double dropout_p, int threads) {
+  constexpr sdpa::DType dt = dtype_of<T>();
+  std::mt19937 rng(11);
+  std::normal_distribution<T> normal;
+  std::vector<T> q(s.B * s.Hq * s.Nq * s.Dk), k(s.B * s.Hkv * s.Nk * s.Dk), v(s.B * s.Hkv * s.Nk * s.Dv);
+  std::vector<T> dout(s.B * s.Hq * s.Nq * s.Dv);
+  for (auto* t : {&q, &k, &v, &dout})
+    for (T& x : *t) x = normal(rng);
+  std::vector<uint8_t> mask(s.Nq * s.Nk);
+  for (auto& m : mask) m = rng() % 4 != 0;
+  std::vector<T> out(dout.size()), lse(s.B * s.Hq * s.Nq), dq(q.size()), dk(k.size()), dv(v.size());
+
+  sdpa::Inputs in;
+  in.q = sdpa::TensorView::contiguous(q.data(), dt, {s.B, s.Hq, s.Nq, s.Dk});
+  in.k = sdpa::TensorView::contiguous(k.data(), dt, {s.B, s.Hkv, s.Nk, s.Dk});
+  in.v = sdpa::TensorView::contiguous(v.data(), dt, {s.B, s.Hkv, s.Nk, s.Dv});
+  if (s.mask) in.mask = sdpa::TensorView::contiguous(mask.data(), sdpa::DType::kBool, {s.Nq, s.Nk});
+  sdpa::Outputs outs;
+  outs.out = sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.Dv});
+  outs.lse = sdpa::TensorView::contiguous(lse.data(), dt, {s.B, s.Hq, s.Nq});
+  sdpa::Gradients grads;
+  grads.dq = sdpa::TensorView::contiguous(dq.data(), dt, {s.B, s.Hq, s.Nq, s.Dk});
+  grads.dk = sdpa::TensorView::contiguous(dk.data(), dt, {s.B, s.Hkv, s.Nk, s.Dk});
+  grads.dv = sdpa::TensorView::contiguous(dv.data(), dt, {s.B, s.Hkv, s.Nk, s.Dv});
+  sdpa::Options opt;
+  opt.causal = s.causal;
+  opt.dropout_p = dropout_p;
+  opt.seed = kSeed;
+  sdpa::set_num_threads(threads);
+  sdpa::attention(in, outs, opt);
+  sdpa::attention_backward(in, outs.out, *outs.lse,
+                           sdpa::TensorView::contiguous(dout.data(), dt, {s.B, s.Hq, s.Nq, s.Dv}), grads, opt);
+  sdpa::set_num_threads(0);
+  return {bytes(out), bytes(lse), bytes(dq), bytes(dk), bytes(dv)};
+}
+
+// (shape, float64, dropout_p)
+using BackwardParam = std::tuple<BackwardShape, bool, double>;
+
+class BackwardThreads : public testing::TestWithParam<BackwardParam> {};
+
+TEST_P(BackwardThreads, GradientsAreBitwiseIdenticalForAnyThreadCount) {
+  const BackwardShape& s = std::get<0>(GetParam());
+  const bool f64 = std::get<1>(GetParam());
+  const double p = std::get<2>(GetParam());
+  auto run = [&](int threads) {
+    return f64 ? run_backward_as<double>(s, p, threads) : run_backward_as<float>(s, p, threads);
+  };
+  const Gradients one = run(1);
+  for (int threads : {1, 2, 3}) {
+    const Gradients other = run(threads);
+    EXPECT_TRUE(one.out == other.out) << "out differs with " << threads << " threads";
+    EXPECT_TRUE(one.lse == other.lse) << "lse differs with " << threads << " threads";
+    EXPECT_TRUE(one.dq == other.dq) << "dq differs with " << threads << " threads";
+    EXPECT_TRUE(one.dk == other.dk) << "dk differs with " << threads << " threads";
+    EXPECT_TRUE(one.dv == other.dv) << "dv differs with " << threads << " threads";
+  }
+}
+
+// The backward splits its work into key blocks (dk, dv) and query blocks (dq) of 2 SIMD
+// vectors of lanes: 16 or 32 (float32), 8 or 16 (float64). Every shape here gives each pass
+// several blocks per thread; the first crosses a 128-row query tile in the key-block pass.
+INSTANTIATE_TEST_SUITE_P(
+    Cuts, BackwardThreads,
+    testing::Combine(
+        testing::Values(BackwardShape{"gqa_causal_top_left_mask", 2, 4, 2, 150, 170, 24, 16, sdpa::Causal::kTopLeft, true},
+                        BackwardShape{"mqa_causal_bottom_right", 1, 3, 1, 70, 300, 32, 40, sdpa::Causal::kBottomRight,
+                                      false},
+                        BackwardShape{"one_row_many_keys_mask", 1, 4, 2, 1, 700, 16, 8, sdpa::Causal::kNone, true}),
+        testing::Bool(), testing::Values(0.0, 0.3)),
+    [](const testing::TestParamInfo<BackwardParam>& info) {
+      return std::string(std::get<0>(info.param).name) + (std::get<1>(info.param) ? "_f64" : "_f32") +
+             (std::get<2>(info.param) > 0 ? "_dropout" : "");
+    });
 
 }  // namespace

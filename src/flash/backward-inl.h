@@ -40,6 +40,7 @@ struct BackwardScratch {
         gv(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dv) * mq)),
         pt(hwy::AllocateAligned<T>(kTileKeys * mq)),
         dpt(hwy::AllocateAligned<T>(kTileKeys * mq)),
+        mask_rows(hwy::AllocateAligned<T>(kTileKeys * mq)),
         m(hwy::AllocateAligned<T>(mq)),
         l(hwy::AllocateAligned<T>(mq)),
         lane_lse(hwy::AllocateAligned<T>(mq)),
@@ -47,7 +48,7 @@ struct BackwardScratch {
         lanes(mq) {}
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
-  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, m, l;
+  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, AddMaskTile's rows, BeginBlock's m, l
   hwy::AlignedFreeUniquePtr<T[]> lane_lse, lane_D;  // per query lane: lse and D
   std::vector<LaneRow> lanes;
 };
@@ -189,7 +190,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
     T* pt = s.pt.get();
     T* dpt = s.dpt.get();
-    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial);
+    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, s.mask_rows.get());
     OuterScores<QV>(d, s.yt.get(), mq, v_head + j0 * vs, vs, p.Dv, n, dpt);  // dp = dout · vᵀ
     if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor
       for (int64_t j = 0; j < n; ++j)

@@ -133,13 +133,22 @@ void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0,
                   int64_t dst_stride) {
   const View4& mask = *p.mask;
   const int64_t js = mask.strides[3];
+  const bool unit = js == 1 && dst_stride == 1;  // the common case, in loops the compiler vectorises
   if (mask.dtype == DType::kBool) {
     const uint8_t* row = mask.at<uint8_t>(b, h, i, j0);
     const T blocked = -std::numeric_limits<T>::infinity();
-    for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js] ? T(0) : blocked;  // no branch
+    if (unit) {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] += row[jj] ? T(0) : blocked;
+    } else {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js] ? T(0) : blocked;  // no branch
+    }
   } else {
     const T* row = mask.at<T>(b, h, i, j0);
-    for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js];
+    if (unit) {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] += row[jj];
+    } else {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js];
+    }
   }
 }
 
