@@ -4,7 +4,7 @@ process, on the same threads. GFLOP/s = 4·B·Hq·Nq·Nk·D / time (halved for c
 
     .venv/bin/python bench/compare.py [--threads 2] [--reps 5]
 
-torch is optional (pip install torch --index-url https://download.pytorch.org/whl/cpu); without
+torch is optional (.venv/bin/pip install torch: the default PyPI wheel, as in README.md); without
 it its column says "n/a"."""
 
 import argparse

@@ -61,15 +61,33 @@ def _prepared(a, dtype, unit_last_stride=True):
     return a
 
 
-def _prepared_mask(mask, dtype):
+def _prepared_mask(mask, dtype, scores_shape):
+    """mask as bool or as `dtype`, its rank checked against the scores' (B, Hq, Nq, Nk)."""
     mask = _asarray("mask", mask)
+    if mask.ndim > 4:  # _core only takes up to 4 dims and would not say which shape it got
+        raise ValueError(f"mask has shape {mask.shape}, more dims than the scores {scores_shape}; "
+                         "a mask has at most 4 dims, (B, Hq, Nq, Nk)")
     if mask.dtype == np.bool_:
         return mask
-    if mask.dtype.kind == "f":
-        with np.errstate(over="ignore"):  # a huge negative bias becomes -inf: still "blocked"
-            return np.asarray(mask, dtype=dtype)
-    raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
-                    "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
+    if mask.dtype.kind != "f":
+        raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
+                        "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
+    if mask.dtype.itemsize <= dtype.itemsize:
+        return np.asarray(mask, dtype=dtype)  # exact: float16 -> float32, float32 -> float64, ...
+    # Narrowing (float64 -> float32, long double -> float64): a bias below the compute dtype's
+    # lowest value becomes -inf, which blocks, as documented; one above its largest value
+    # would become +inf, a value the caller never passed, so it is refused here by name.
+    with np.errstate(over="ignore"):
+        converted = np.asarray(mask, dtype=dtype)
+    overflowed = np.isposinf(converted)
+    if overflowed.any():
+        overflowed &= ~np.isposinf(mask)  # a +inf passed as such is reported by _core as +inf
+        if overflowed.any():
+            index = tuple(int(i) for i in np.argwhere(overflowed)[0])
+            raise ValueError(f"mask has {str(mask[index])} at index {index}, which does not fit in {dtype} "
+                             f"(largest {str(np.finfo(dtype).max)}), the dtype q, k and v compute in; "
+                             "pass a smaller bias, or -inf to block")
+    return converted
 
 
 def _window_bounds(window):
@@ -97,7 +115,7 @@ def _prepared_inputs(q, k, v, mask):
     dtype = _compute_dtype(*arrays)
     q, k, v = (_prepared(a, dtype) for a in arrays)
     if mask is not None:
-        mask = _prepared_mask(mask, dtype)
+        mask = _prepared_mask(mask, dtype, q.shape[:-1] + k.shape[-2:-1])
     return dtype, q, k, v, mask
 
 
@@ -162,13 +180,29 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
             to it NaN (a NaN value row of a key a row blocks may reach it too: 0 · NaN).
         mask: bool (True = attend, False = block) or floating point, added to the scaled
             scores: finite biases, or -inf to block (NaN and +inf raise ValueError). Blocking
-            happens before the softmax, never after.
+            happens before the softmax, never after. A float mask is converted to the compute
+            dtype: a float64 mask with float32 q, k, v becomes float32, where a bias above
+            float32's largest value (about 3.4e38) raises ValueError (it would become +inf)
+            and one below its lowest (e.g. -1e300) becomes -inf, i.e. blocks. That equals the
+            float64 result unless every key of a row has such a bias: float64 still weighs
+            that row's keys (the least negative biases win), float32 gives it the fully
+            masked row's zeros and lse = -inf.
         causal: False; True or "bottom_right"; or "top_left". With Nq=2, Nk=4 (x = attend)::
 
                 bottom_right (True)      top_left
                   k0 k1 k2 k3             k0 k1 k2 k3
               q0   x  x  x  .         q0   x  .  .  .
               q1   x  x  x  x         q1   x  x  .  .
+
+            and with Nq=4, Nk=2, where bottom_right leaves the first Nq - Nk rows without
+            any key (zeros out, lse = -inf)::
+
+                bottom_right (True)      top_left
+                  k0 k1                   k0 k1
+              q0   .  .               q0   x  .
+              q1   .  .               q1   x  x
+              q2   x  .               q2   x  x
+              q3   x  x               q3   x  x
 
             "bottom_right" lets query i see keys j <= i + (Nk - Nq), so the last query sees
             every key (the KV-cache convention of FlashAttention); "top_left" lets query i see
@@ -196,8 +230,9 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
     Raises:
         TypeError: complex, object or string inputs; a mask that is neither bool nor float.
         ValueError: shapes that do not fit together, a ragged nested list, a mask that does
-            not broadcast or holds NaN or +inf, an unknown causal mode or backend, a
-            non-finite scale. Messages name the argument.
+            not broadcast, has more than 4 dims, holds NaN or +inf, or a value too large for
+            the compute dtype, an unknown causal mode or backend, a non-finite scale.
+            Messages name the argument.
     """
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)

@@ -7,30 +7,39 @@ autograd through sdpa's fused backward.
 
 PyTorch's semantics, with these limits:
 
-- Shapes: (..., L, E) for the query and (..., S, E) / (..., S, Ev) for key and value, with at
-  most two leading dims (batch, heads), the same number of dims for all three (no rank
-  broadcasting) and the same batch size. Key and value have the same number of heads: that
-  of the query, or 1 (broadcast, as PyTorch does), or with ``enable_gqa`` a divisor of it.
-  Other head counts raise RuntimeError, the type PyTorch raises (PyTorch alone broadcasts a
-  one-head query, or a key and value with different head counts).
-- ``is_causal`` is top-left (query i sees keys j <= i), as in PyTorch; it excludes
-  ``attn_mask``.
-- ``attn_mask`` is applied as in PyTorch: broadcastable to (..., L, S); bool (True = take
-  part) or float (added to the scaled scores, -inf blocks). A query row with no allowed key
-  gives zeros in the output and zero gradients, as PyTorch 2.15 does. The mask gets no
-  gradient: a float mask that requires grad raises ValueError (sdpa never materialises the
-  L x S matrix the mask gradient would be); pass ``attn_mask.detach()``.
+- Shapes: (..., L, E) for the query and (..., S, E) / (..., S, Ev) for key and value, as in
+  PyTorch: any number of leading dims, broadcast against each other (a missing or size-1
+  dim is read with stride 0, not copied), dim -3 being the heads. Without ``enable_gqa``
+  the head counts broadcast too (1 or the largest); with it, key's and value's head counts
+  must divide query's (query head h reads kv head h // (Hq / Hkv)). Leading dims are
+  flattened into one batch dim for sdpa: a view where their strides allow, else a copy of
+  that tensor (when a dim broadcast with stride 0 has to be merged with one that is not).
+  With ``enable_gqa`` and key and value head counts that differ (neither 1), both are
+  repeated to a common head count (copies). Shapes that do not fit raise RuntimeError, the
+  type PyTorch raises.
+- ``is_causal`` is top-left (query i sees keys j <= i), as in PyTorch; together with
+  ``attn_mask`` it raises RuntimeError, as PyTorch does.
+- ``attn_mask`` is applied as in PyTorch: broadcastable to the output's (..., L, S); bool
+  (True = take part) or float (added to the scaled scores, -inf blocks): float32 or the
+  query's dtype (other dtypes raise RuntimeError, as in PyTorch). A query row with no
+  allowed key gives zeros in the output and zero gradients, as PyTorch 2.15 does. The mask
+  gets no gradient: a float mask that requires grad raises ValueError (sdpa never
+  materialises the L x S matrix the mask gradient would be); pass ``attn_mask.detach()``.
 - ``dropout_p`` must be in [0, 1); other values raise ValueError (PyTorch also takes 1.0 and
   returns zeros). When it is > 0, the dropout seed is drawn from torch's global generator, so
   ``torch.manual_seed`` reproduces it, and it is reused in the backward pass. The dropped
   weights differ from PyTorch's (a different generator).
 - float32 and float64 CPU tensors, passed to sdpa without copies where their strides allow
-  (last dim contiguous).
+  (last dim contiguous; a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied).
+- First derivatives only: the backward is marked ``once_differentiable``, so asking for a
+  second derivative (double backward) raises RuntimeError.
 
 torch is an optional dependency: importing ``sdpa`` never imports it; this module does.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -48,6 +57,8 @@ def _numpy(t):
 
 
 class _Attention(torch.autograd.Function):
+    """sdpa on 4-D (B, H, N, D) tensors; scaled_dot_product_attention maps other shapes to it."""
+
     @staticmethod
     def forward(ctx, query, key, value, mask, causal, scale, dropout_p, seed):
         m = None if mask is None else _numpy(mask)
@@ -61,6 +72,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # sdpa's backward is not itself differentiable
     def backward(ctx, dout):
         query, key, value, mask, out, lse = ctx.saved_tensors
         m = None if mask is None else _numpy(mask)
@@ -70,19 +82,51 @@ class _Attention(torch.autograd.Function):
         return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None
 
 
-def _check_heads(query, key, value, enable_gqa):
-    """Raises RuntimeError, like PyTorch, for head counts sdpa cannot pair up."""
-    if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
-        return  # sdpa's own checks name the mismatch
-    hq, hk, hv = query.size(-3), key.size(-3), value.size(-3)
-    # Key/value with one head are broadcast by PyTorch even without enable_gqa; sdpa's GQA
-    # with a single kv head computes exactly that.
-    if hk == hv and (hk == 1 or hk == hq or (enable_gqa and hk and hq % hk == 0)):
-        return
-    rule = ("key and value must have the same number of heads, dividing query's" if enable_gqa else
-            "key and value must have query's number of heads or 1 (enable_gqa=True for grouped-query attention)")
-    raise RuntimeError(f"{rule}; got query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                       f"value {tuple(value.shape)}")
+def _heads(t):
+    return t.size(-3) if t.dim() >= 3 else 1
+
+
+def _shape_error(rule, query, key, value):
+    return RuntimeError(f"{rule}; got query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}")
+
+
+def _layout(query, key, value, enable_gqa):
+    """(batch dims, query heads, kv heads for sdpa, output shape) of PyTorch's broadcasting
+    rules; RuntimeError, like PyTorch, for shapes that do not fit together."""
+    try:
+        batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3]))
+    except RuntimeError:
+        raise _shape_error("the leading (batch) dims of query, key and value do not broadcast",
+                           query, key, value) from None
+    hq, hk, hv = _heads(query), _heads(key), _heads(value)
+    if enable_gqa:
+        if not (hk and hv and hq % hk == 0 and hq % hv == 0):
+            raise _shape_error("key and value must have numbers of heads that divide query's", query, key, value)
+        heads = hq
+    else:
+        heads = max(hq, hk, hv)
+        if any(h not in (1, heads) for h in (hq, hk, hv)):
+            raise _shape_error("key and value must have query's number of heads or 1 (enable_gqa=True for "
+                               "grouped-query attention)", query, key, value)
+    # sdpa pairs query head h with kv head h // (heads / kv_heads), one kv_heads for k and v.
+    kv_heads = hk if hk == hv else math.lcm(hk, hv)
+    lead = batch + (heads,) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
+    return batch, heads, kv_heads, lead + (query.size(-2), value.size(-1))
+
+
+def _as_4d(t, batch, heads):
+    """t (..., N, D) as (B, heads, N, D), B the product of `batch`; a view when strides allow.
+
+    Missing and size-1 leading dims are broadcast with stride 0 (no copy); a head count that
+    is neither 1 nor `heads` (grouped-query attention with different key and value head
+    counts) is repeated head by head, a copy. Merging the batch dims into one is a view
+    unless a stride-0 (broadcast) dim has to be merged with a real one; then reshape copies,
+    since sdpa's kernels take one stride per dim."""
+    h = _heads(t)
+    if h not in (1, heads):
+        t = t.repeat_interleave(heads // h, dim=-3)  # copy: GQA with key and value head counts that differ
+    t = t.expand(*batch, heads, t.size(-2), t.size(-1))
+    return t.reshape(math.prod(batch), heads, t.size(-2), t.size(-1))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -96,16 +140,38 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if t.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32 or float64")
     if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
-    _check_heads(query, key, value, enable_gqa)
-    if attn_mask is not None and is_causal:
-        raise ValueError("attn_mask and is_causal cannot both be set (as in PyTorch)")
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        # Silently returning no gradient would be worse than refusing.
-        raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
-                         "matrix they need); pass attn_mask.detach() if the mask is a constant")
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
-        attn_mask = attn_mask.to(query.dtype)
+        raise RuntimeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if min(query.dim(), key.dim(), value.dim()) < 2:
+        raise _shape_error("query, key and value must have at least 2 dims, (..., L, E)", query, key, value)
+    batch, heads, kv_heads, out_shape = _layout(query, key, value, enable_gqa)
+    if attn_mask is not None:
+        if is_causal:
+            raise RuntimeError("attn_mask and is_causal cannot both be set (PyTorch raises RuntimeError too)")
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError("attn_mask must be a torch.Tensor")
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+            raise RuntimeError(f"attn_mask has dtype {attn_mask.dtype}, but must be bool, float32 or query's "
+                               f"dtype {query.dtype} (as in PyTorch)")
+        scores = out_shape[:-1] + (key.size(-2),)
+        try:
+            fits = tuple(torch.broadcast_shapes(attn_mask.shape, scores)) == scores
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
+                               f"scores' {scores}")
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            # Silently returning no gradient would be worse than refusing.
+            raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
+                             "matrix they need); pass attn_mask.detach() if the mask is a constant")
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(query.dtype)  # float32 -> float64 is exact
+        if attn_mask.dim() > 3:  # else sdpa broadcasts it against (B, H, L, S) as it is
+            attn_mask = _as_4d(attn_mask, batch, attn_mask.size(-3))
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
     causal = "top_left" if is_causal else False
-    return _Attention.apply(query, key, value, attn_mask, causal, scale, float(dropout_p), seed)
+    # Autograd sees the expand/reshape views around _Attention, and sums the gradients of
+    # broadcast dims back into the shapes of query, key and value.
+    out = _Attention.apply(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
+                           attn_mask, causal, scale, float(dropout_p), seed)
+    return out.reshape(out_shape)

@@ -1,5 +1,7 @@
 """Invalid arguments raise TypeError / ValueError, and each message names the argument."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,73 @@ def test_mask_with_more_dims_than_q():
         sdpa.attention(q, k, v, np.ones((1, 2, 4, 3, 5), bool))
 
 
+@pytest.mark.parametrize("kind", [bool, np.float64, np.float32])
+@pytest.mark.parametrize("rank", [2, 4])
+def test_mask_with_five_dims_names_its_shape(kind, rank):
+    # Checked in Python: _core would only say "more than 4 dims", without the shape.
+    q, k, v = _qkv(rank=rank)
+    scores = {2: r"\(3, 5\)", 4: r"\(2, 4, 3, 5\)"}[rank]
+    for fn in (lambda m: sdpa.attention(q, k, v, m),
+               lambda m: sdpa.attention_backward(np.ones((*q.shape[:-1], 6)), q, k, v, np.ones((*q.shape[:-1], 6)),
+                                                 np.zeros(q.shape[:-1]), m)):
+        with pytest.raises(ValueError, match=rf"^mask has shape \(1, 2, 4, 3, 5\), more dims than the scores "
+                                             rf"{scores}; a mask has at most 4 dims"):
+            fn(np.ones((1, 2, 4, 3, 5), dtype=kind))
+
+
+@pytest.mark.parametrize("big", [1e300, 3.5e38, np.finfo(np.float64).max])
+def test_float64_mask_too_large_for_float32_raises(big):
+    # float32 q, k, v compute in float32, so a float64 mask is converted; a finite bias above
+    # float32's max would become +inf, which the caller never passed: refused by name.
+    q, k, v = (a.astype(np.float32) for a in _qkv())
+    mask = np.zeros((3, 5))
+    mask[0, 1] = -np.inf
+    mask[2, 3] = big
+    with pytest.raises(ValueError, match=rf"^mask has {re.escape(str(np.float64(big)))} at index \(2, 3\), "
+                                         r"which does not fit in float32"):
+        sdpa.attention(q, k, v, mask)
+    with pytest.raises(ValueError, match=r"^mask has .* at index \(2, 3\), which does not fit in float32"):
+        sdpa.attention_backward(np.ones((2, 4, 3, 6), np.float32), q, k, v, np.ones((2, 4, 3, 6), np.float32),
+                                np.zeros((2, 4, 3), np.float32), mask)
+    mask[2, 3] = np.float32(3.4e38)  # the largest values that fit are fine
+    mask[2, 4] = np.finfo(np.float32).max
+    sdpa.attention(q, k, v, mask)
+    mask[2, 3] = np.inf  # a real +inf is still reported as +inf
+    mask[2, 4] = 0
+    with pytest.raises(ValueError, match=r"^mask has \+inf at index \(2, 3\)"):
+        sdpa.attention(q, k, v, mask)
+
+
+def test_float64_mask_too_large_for_float32_in_a_broadcast_mask():
+    q, k, v = (a.astype(np.float32) for a in _qkv())
+    mask = np.zeros((4, 1, 5))
+    mask[3, 0, 2] = 1e39
+    with pytest.raises(ValueError, match=r"^mask has 1e\+39 at index \(3, 0, 2\), which does not fit in float32"):
+        sdpa.attention(q, k, v, mask)
+    sdpa.attention(q.astype(np.float64), k, v, mask)  # float64 computes in float64: it fits
+
+
+def test_float64_mask_too_negative_for_float32_blocks():
+    # Documented: a bias below float32's lowest value becomes -inf, i.e. blocks ...
+    q, k, v = (a.astype(np.float32) for a in _qkv())
+    mask = np.zeros((3, 5))
+    mask[0, 1] = mask[1, 4] = -1e300
+    mask[2] = -1e300  # every key of row 2
+    blocked = np.where(mask == -1e300, -np.inf, mask)
+    out, w, lse = sdpa.attention(q, k, v, mask, return_weights=True, return_lse=True)
+    want = sdpa.attention(q, k, v, blocked.astype(np.float32), return_weights=True, return_lse=True)
+    for got, ref in zip((out, w, lse), want):
+        np.testing.assert_array_equal(got, ref)
+    assert (w[..., 0, 1] == 0).all() and (w[..., 1, 4] == 0).all()
+    # ... so a row whose every key has such a bias is the fully masked row: zeros, lse = -inf,
+    assert (out[..., 2, :] == 0).all() and (lse[..., 2] == -np.inf).all()
+    # ... while the other rows are those of float64, where -1e300 is finite but as good as -inf.
+    out64, lse64 = sdpa.attention(*(a.astype(np.float64) for a in (q, k, v)), mask, return_lse=True)
+    np.testing.assert_allclose(out[..., :2, :], out64[..., :2, :], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(lse[..., :2], lse64[..., :2], rtol=0, atol=1e-5)
+    assert np.isfinite(lse64[..., 2]).all()  # float64 still weighs row 2's keys
+
+
 # ---------------------------------------------------------------- options
 
 
@@ -216,11 +285,18 @@ def test_unknown_backend(backend):
         sdpa.attention(q, k, v, backend=backend)
 
 
-def test_errors_leave_nothing_half_done():
-    # An error is raised before anything is computed: a bad option after good inputs still
-    # raises, and a later valid call is unaffected.
+def test_later_calls_work_after_an_error():
+    # A failed call leaves no state behind: the next valid call gives the same result as
+    # before it, and the inputs are untouched.
     q, k, v = _qkv()
+    copies = [a.copy() for a in (q, k, v)]
     good = sdpa.attention(q, k, v)
     with pytest.raises(ValueError):
         sdpa.attention(q, k, v, causal="sideways")
+    with pytest.raises(ValueError):
+        sdpa.attention(q, k, v[:, :, :4])  # fails inside _core
+    with pytest.raises(ValueError):
+        sdpa.attention(q, k, v, np.full((3, 5), np.nan))
+    for a, b in zip((q, k, v), copies):
+        np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(sdpa.attention(q, k, v), good)

@@ -12,6 +12,20 @@ F = torch.nn.functional
 from sdpa.torch import scaled_dot_product_attention  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """sdpa's and torch's results do not depend on the thread count, but with tiny tensors on a
+    busy machine their thread pools cost far more than the arithmetic (gradcheck makes
+    hundreds of calls): run this module on one thread each."""
+    import sdpa
+    before = sdpa.num_threads(), torch.get_num_threads()
+    sdpa.set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    sdpa.set_num_threads(before[0])
+    torch.set_num_threads(before[1])
+
+
 def tensors(shapes, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g, dtype=dtype, requires_grad=True) for s in shapes]
@@ -27,6 +41,16 @@ CASES = [  # (q shape, k shape, v shape, kwargs)
     ((2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), {"attn_mask": "bool_empty_rows"}),
     ((2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), {"attn_mask": "float_empty_rows"}),
     ((2, 4, 9, 8), (2, 1, 12, 8), (2, 1, 12, 8), {}),  # one kv head: torch broadcasts it
+    ((2, 4, 9, 8), (2, 1, 12, 8), (2, 1, 12, 8), {"enable_gqa": True}),
+    ((2, 4, 9, 8), (2, 1, 12, 8), (2, 4, 12, 8), {}),  # key broadcast, value not
+    ((2, 1, 9, 8), (2, 3, 12, 8), (2, 3, 12, 8), {}),  # one query head broadcast
+    ((1, 8, 9, 8), (1, 2, 12, 8), (1, 4, 12, 6), {"enable_gqa": True}),  # GQA, key and value head counts differ
+    ((1, 6, 9, 8), (1, 2, 12, 8), (1, 3, 12, 6), {"enable_gqa": True, "is_causal": True}),
+    ((2, 4, 9, 8), (1, 4, 12, 8), (2, 4, 12, 8), {}),  # batch broadcast
+    ((17, 8), (23, 8), (23, 5), {"is_causal": True}),  # rank 2
+    ((2, 3, 2, 9, 8), (2, 3, 2, 12, 8), (2, 3, 2, 12, 8), {"attn_mask": "float"}),  # rank 5
+    ((2, 3, 4, 9, 8), (3, 2, 12, 8), (1, 2, 12, 8), {"enable_gqa": True, "attn_mask": "bool"}),  # rank 5 vs 4
+    ((4, 9, 8), (2, 4, 12, 8), (2, 4, 12, 8), {}),  # rank 3 query against rank 4 key and value
 ]
 
 
@@ -124,3 +148,167 @@ def test_no_copy_for_contiguous_inputs():
     q = torch.randn(2, 3, 4)
     from sdpa.torch import _numpy
     assert np.shares_memory(_numpy(q), q.numpy())
+
+
+# ---------------------------------------------------------------- layouts, without copies
+
+
+def _spy_on_core(monkeypatch):
+    """Records the NumPy arrays sdpa hands to its C++ kernels (name -> data pointer)."""
+    import sdpa._core as core
+    calls = []
+    for fn, names in (("attention", ("q", "k", "v", "mask")),
+                      ("attention_backward", ("q", "k", "v", "mask", "out", "lse", "dout"))):
+        original = getattr(core, fn)
+
+        def spy(*args, _original=original, _names=names, _fn=fn):
+            calls.append((_fn, {n: (None if a is None else a.ctypes.data) for n, a in zip(_names, args)}))
+            return _original(*args)
+
+        monkeypatch.setattr(core, fn, spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_blhe_transposed_inputs_reach_the_kernel_without_copies(monkeypatch, dtype):
+    # (B, L, H, E) tensors, as a projection produces them, transposed to (B, H, L, E): only the
+    # last dim is contiguous, which is all sdpa needs, so forward and backward read them in place.
+    calls = _spy_on_core(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, 4, 8, generator=g, dtype=dtype).transpose(1, 2).requires_grad_()
+               for n in (9, 12, 12))
+    assert not q.is_contiguous()
+    mask = torch.rand(2, 1, 9, 12, generator=g) > 0.2
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.sum().backward()
+    assert [c[0] for c in calls] == ["attention", "attention_backward"]
+    for _, ptrs in calls:
+        assert ptrs["q"] == q.data_ptr() and ptrs["k"] == k.data_ptr() and ptrs["v"] == v.data_ptr()
+        assert ptrs["mask"] == mask.data_ptr()
+    assert calls[1][1]["out"] == out.data_ptr()
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask)
+    ref.sum().backward()
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    for a, b in ((q, q2), (k, k2), (v, v2)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol)
+
+
+def test_leading_dims_are_flattened_without_copies(monkeypatch):
+    calls = _spy_on_core(monkeypatch)
+    q = torch.randn(2, 3, 4, 9, 8)
+    k = torch.randn(2, 3, 4, 12, 8)
+    mask = torch.zeros(9, 12)
+    kv_one_head = torch.randn(2, 3, 1, 12, 8)  # broadcast over the heads with stride 0: no copy
+    scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    scaled_dot_product_attention(q, kv_one_head, kv_one_head)
+    q3 = torch.randn(4, 9, 8)  # rank 3: a batch of 1 is added
+    scaled_dot_product_attention(q3, q3, q3)
+    assert [c[1]["q"] for c in calls] == [q.data_ptr(), q.data_ptr(), q3.data_ptr()]
+    assert [c[1]["k"] for c in calls] == [k.data_ptr(), kv_one_head.data_ptr(), q3.data_ptr()]
+    assert calls[0][1]["mask"] == mask.data_ptr()
+
+
+LAYOUTS = {  # name -> a function of a contiguous (B, H, N, D) tensor giving a strided one
+    "blhe_transposed": lambda t: t.transpose(1, 2).contiguous().transpose(1, 2),
+    "heads_first": lambda t: t.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3),
+    "sliced_rows": lambda t: t.repeat_interleave(2, dim=2)[:, :, ::2],  # stride 2·D along N
+    "padded_last_dim": lambda t: torch.nn.functional.pad(t, (0, 3))[..., :t.size(-1)],
+    "non_contiguous_last_dim": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),  # copied by sdpa.torch
+}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_strided_inputs_match_torch_forward_and_backward(layout, dtype, tol):
+    g = torch.Generator().manual_seed(8)
+    base = [torch.randn(s, generator=g, dtype=dtype) for s in ((2, 4, 9, 8), (2, 2, 13, 8), (2, 2, 13, 5))]
+    strided = [LAYOUTS[layout](t).requires_grad_() for t in base]
+    plain = [t.clone().requires_grad_() for t in base]
+    for a, b in zip(strided, base):
+        assert torch.equal(a, b)
+    mask = torch.rand(9, 13, generator=g) > 0.3
+    ours = scaled_dot_product_attention(*strided, attn_mask=mask, enable_gqa=True)
+    theirs = F.scaled_dot_product_attention(*plain, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
+    dout = LAYOUTS[layout](torch.randn(ours.shape, generator=g, dtype=dtype))  # a strided gradient too
+    ours.backward(dout)
+    theirs.backward(dout)
+    for a, b in zip(strided, plain):
+        torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- gradcheck, more shapes
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("shapes,kwargs", [
+    (((2, 5, 4), (2, 7, 4), (2, 7, 3)), {}),
+    (((1, 4, 5, 4), (1, 2, 7, 4), (1, 2, 7, 3)), {"enable_gqa": True}),
+    (((1, 2, 5, 4), (1, 1, 7, 4), (1, 1, 7, 3)), {}),  # one kv head, broadcast
+    (((2, 1, 2, 5, 4), (2, 1, 2, 7, 4), (1, 3, 2, 7, 3)), {}),  # rank 5 with broadcast batch dims
+], ids=["rank3", "gqa", "one_kv_head", "rank5"])
+def test_gradcheck_float64_with_mask(shapes, kwargs, mask_kind):
+    q, k, v = tensors(shapes, torch.float64, seed=6)
+    g = torch.Generator().manual_seed(9)
+    allowed = torch.rand(5, 7, generator=g) > 0.4
+    allowed[:, 0] = True
+    allowed[2] = False  # a row with no allowed key: zero gradient
+    mask = allowed if mask_kind == "bool" else torch.randn(5, 7, generator=g, dtype=torch.float64).masked_fill(
+        ~allowed, float("-inf"))
+    fn = lambda q, k, v: scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    torch.testing.assert_close(fn(q, k, v), F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs))
+
+
+def test_five_dim_mask_matches_torch():
+    q, k, v = tensors(((2, 3, 2, 9, 8), (2, 3, 2, 12, 8), (2, 3, 2, 12, 8)), torch.float64, seed=10)
+    mask = torch.randn(3, 1, 9, 12, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    ours = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- errors like torch's
+
+
+def test_double_backward_raises():
+    q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float64)
+    out = scaled_dot_product_attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
+def test_is_causal_with_attn_mask_raises_like_torch():
+    q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float32)
+    mask = torch.ones(5, 7, dtype=torch.bool)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    with pytest.raises(RuntimeError, match="attn_mask and is_causal"):
+        scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+
+
+@pytest.mark.parametrize("qs,ks,vs,kwargs", [
+    ((2, 4, 5, 8), (3, 4, 7, 8), (3, 4, 7, 8), {}),  # batch 2 vs 3
+    ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 8), {}),  # heads 4 vs 2 without enable_gqa
+    ((2, 1, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8), {"enable_gqa": True}),  # 4 does not divide 1
+    ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8), {"attn_mask": torch.ones(3, 5, 7, dtype=torch.bool)}),
+    ((5, 8), (7, 8), (7, 8), {"attn_mask": torch.ones(3, 5, 7, dtype=torch.bool)}),  # mask would enlarge out
+    ((5, 8), (7, 8), (7, 8), {"attn_mask": torch.zeros(5, 7, dtype=torch.float64)}),  # float64 mask, float32 q
+    ((5, 8), (7, 8), (7, 8), {"attn_mask": torch.zeros(5, 7, dtype=torch.int64)}),
+    ((8,), (7, 8), (7, 8), {}),  # rank 1
+], ids=["batch", "heads", "gqa_heads", "mask_shape", "mask_enlarges", "mask_float64", "mask_int", "rank1"])
+def test_shapes_and_mask_dtypes_torch_refuses_raise_runtime_error(qs, ks, vs, kwargs):
+    q, k, v = (torch.randn(s) for s in (qs, ks, vs))
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, **kwargs)
+    with pytest.raises(RuntimeError):
+        scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def test_float32_mask_with_float64_query_is_accepted_like_torch():
+    q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float64)
+    mask = torch.randn(5, 7)
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
