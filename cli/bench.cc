@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -44,8 +45,11 @@ struct Row {
 
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   CLI::App* cmd = app.add_subcommand("bench", "Time the benchmark table: GFLOP/s, share of peak, bandwidth");
-  cmd->add_option("--threads", options.threads, "Threads (default: OpenMP's, i.e. all cores)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--reps", options.reps, "Timed runs per case; the median is reported")->check(CLI::PositiveNumber);
+  // CLI::Range rather than CLI::PositiveNumber, whose error message spells out DBL_MAX.
+  constexpr int kMaxInt = std::numeric_limits<int>::max();
+  cmd->add_option("--threads", options.threads, "Threads (default: OpenMP's, i.e. all cores)")
+      ->check(CLI::Range(0, kMaxInt));
+  cmd->add_option("--reps", options.reps, "Timed runs per case; the median is reported")->check(CLI::Range(1, kMaxInt));
   cmd->add_option("--filter", options.filter, "Only cases whose name contains this text");
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
   cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");

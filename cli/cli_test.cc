@@ -4,8 +4,10 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -206,14 +208,75 @@ TEST_F(CliTest, BadInputsAndOptionsFailWithOneLine) {
   EXPECT_EQ(files(), before);
 }
 
-TEST_F(CliTest, ParseErrorsUseCli11Reporting) {
+TEST_F(CliTest, ParseErrorsAreOneLineWithExitStatus2) {
+  // What CLI11 rejects is one "sdpa: error: ..." line too (not CLI11's two, "... Run with
+  // --help for more information."), with status 2 (a usage error) rather than CLI11's > 100.
+  const auto expect_parse_error = [](const Result& r, const std::string& fragment) {
+    EXPECT_EQ(r.status, 2) << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_EQ(r.err.rfind("sdpa: error: ", 0), 0u) << r.err;
+    EXPECT_EQ(count_lines(r.err), 1) << r.err;
+    EXPECT_EQ(r.err.find("Run with --help"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(fragment), std::string::npos) << "expected \"" << fragment << "\" in: " << r.err;
+  };
   const Result missing = sdpa("run --q q.npy");
-  EXPECT_NE(missing.status, 0);
-  EXPECT_NE(missing.status, -1);
-  EXPECT_NE(missing.err.find("required"), std::string::npos) << missing.err;
-  const Result unknown = sdpa("frobnicate");
-  EXPECT_NE(unknown.status, 0);
-  EXPECT_NE(unknown.status, -1);
+  expect_parse_error(missing, "required");
+  expect_parse_error(missing, "(see sdpa run --help)");
+  expect_parse_error(sdpa("frobnicate"), "frobnicate");
+  expect_parse_error(sdpa(""), "subcommand");
+  expect_parse_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --scale x"), "--scale");
+  expect_parse_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --frobnicate"), "--frobnicate");
+  expect_parse_error(sdpa("bench --reps 0"), "--reps");
+  expect_parse_error(sdpa("demo extra"), "extra");
+  EXPECT_EQ(files(), std::vector<std::string>{});
+}
+
+TEST_F(CliTest, VersionExitsZero) {
+  const Result r = sdpa("--version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(count_lines(r.out), 1) << r.out;
+  EXPECT_NE(r.out.find('.'), std::string::npos) << r.out;  // "0.1.0"
+}
+
+// An array with a zero dim, so an empty file whatever its other dims: the shapes of crafted
+// headers that make outputs huge.
+void save_empty(const std::string& path, std::vector<int64_t> shape) {
+  NpyArray a;
+  a.dtype = DType::kFloat32;
+  a.shape = std::move(shape);
+  write_npy(path, a);
+}
+
+TEST_F(CliTest, HugeOutputShapesFailWithOneLineNamingTheOutput) {
+  constexpr int64_t k2to62 = int64_t{1} << 62, k2to30 = int64_t{1} << 30, k2to40 = int64_t{1} << 40;
+  save_empty(path("q62.npy"), {k2to62, 0});
+  save_empty(path("q30.npy"), {k2to30, 0});
+  save_empty(path("q40.npy"), {k2to40, 0});
+  save_empty(path("k0.npy"), {0, 0});
+  save_empty(path("v40.npy"), {0, k2to40});
+  const auto before = files();
+  // Weights (2^62, 2^62): more elements than int64_t counts (no signed overflow on the way).
+  expect_one_line_error(sdpa("run --q q62.npy --k q62.npy --v q62.npy -o out.npy --weights w.npy"),
+                        "weights (w.npy) has shape (4611686018427387904, 4611686018427387904), more elements than "
+                        "int64_t counts");
+  // lse (2^62,) of float32: 2^64 bytes.
+  expect_one_line_error(sdpa("run --q q62.npy --k q62.npy --v q62.npy -o out.npy --lse l.npy"),
+                        "lse (l.npy) has shape (4611686018427387904,), more bytes than int64_t counts");
+  // out (2^40, 2^40) from q (2^40, 0) and v (0, 2^40).
+  expect_one_line_error(sdpa("run --q q40.npy --k k0.npy --v v40.npy -o out.npy"),
+                        "out (out.npy) has shape (1099511627776, 1099511627776), more elements than int64_t counts");
+  // Weights (2^30, 2^30): countable, 2^62 bytes, but no machine has that memory (not
+  // std::bad_alloc, which sanitizers would turn into an abort anyway).
+  expect_one_line_error(sdpa("run --q q30.npy --k q30.npy --v q30.npy -o out.npy --weights w.npy"),
+                        "weights (w.npy) has shape (1073741824, 1073741824): 4611686018427387904 bytes, more than "
+                        "this machine's memory");
+  EXPECT_EQ(files(), before);
+  // With only -o, every output is empty: a valid call that returns at once (it used to loop
+  // over the 2^62 empty rows) and writes out.npy of shape (2^62, 0).
+  const Result empty = sdpa("run --q q62.npy --k q62.npy --v q62.npy -o out.npy");
+  EXPECT_EQ(empty.status, 0) << empty.err;
+  EXPECT_TRUE(std::filesystem::exists(path("out.npy")));
 }
 
 TEST_F(CliTest, HelpDescribesEveryOption) {
@@ -228,6 +291,89 @@ TEST_F(CliTest, HelpDescribesEveryOption) {
     EXPECT_NE(run.out.find(option), std::string::npos) << option;
   }
   EXPECT_EQ(sdpa("demo --help").status, 0);
+  const Result bench = sdpa("bench --help");
+  EXPECT_EQ(bench.status, 0) << bench.err;
+  EXPECT_EQ(bench.err, "");
+  for (const char* option : {"--threads", "--reps", "--filter", "--json", "--no-avx512"}) {
+    EXPECT_NE(bench.out.find(option), std::string::npos) << option;
+  }
+}
+
+// A small JSON syntax check (RFC 8259 values; no \u escapes needed here): true if `text` is
+// exactly one JSON value, surrounding whitespace allowed.
+class JsonChecker {
+ public:
+  explicit JsonChecker(const std::string& text) : s_(text) {}
+  bool valid() {
+    const bool ok = value();
+    skip();
+    return ok && pos_ == s_.size();
+  }
+
+ private:
+  void skip() {
+    while (pos_ < s_.size() && std::string(" \t\r\n").find(s_[pos_]) != std::string::npos) ++pos_;
+  }
+  bool eat(char c) {
+    skip();
+    if (pos_ < s_.size() && s_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  bool string() {
+    if (!eat('"')) return false;
+    for (; pos_ < s_.size(); ++pos_) {
+      if (s_[pos_] == '\\') ++pos_;
+      else if (s_[pos_] == '"') return ++pos_, true;
+      else if (static_cast<unsigned char>(s_[pos_]) < 0x20) return false;
+    }
+    return false;
+  }
+  bool value() {
+    skip();
+    if (pos_ >= s_.size()) return false;
+    const char c = s_[pos_];
+    if (c == '"') return string();
+    if (c == '{' || c == '[') {
+      const char close = c == '{' ? '}' : ']';
+      ++pos_;
+      if (eat(close)) return true;
+      do {
+        if (c == '{' && !(string() && eat(':'))) return false;
+        if (!value()) return false;
+      } while (eat(','));
+      return eat(close);
+    }
+    for (const char* word : {"true", "false", "null"}) {
+      if (s_.compare(pos_, std::strlen(word), word) == 0) return pos_ += std::strlen(word), true;
+    }
+    const size_t start = pos_;
+    if (s_[pos_] == '-') ++pos_;
+    while (pos_ < s_.size() && std::string("0123456789.eE+-").find(s_[pos_]) != std::string::npos) ++pos_;
+    return pos_ > start && std::isdigit(static_cast<unsigned char>(s_[pos_ - 1]));
+  }
+
+  const std::string& s_;
+  size_t pos_ = 0;
+};
+
+TEST_F(CliTest, BenchJsonSmoke) {
+  // One small decode case, one run, one thread: a few seconds, most of it the machine probe.
+  const Result r = sdpa("bench --filter 'decode mha 8 d64' --reps 1 --threads 1 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(JsonChecker(r.out).valid()) << r.out;
+  for (const char* key : {"\"threads\": 1", "\"simd_target\":", "\"fma_peak_gflops\":", "\"read_bandwidth_gbs\":",
+                          "\"flops_formula\":", "\"cases\": [", "\"name\": \"decode mha 8 d64 (4 tokens)\"",
+                          "\"Nk\": 16384", "\"median_ms\":", "\"gflops\":", "\"peak_share\":", "\"kv_gbs\":",
+                          "\"bandwidth_share\":"}) {
+    EXPECT_NE(r.out.find(key), std::string::npos) << key << " in: " << r.out;
+  }
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '{'), 2) << "the run and exactly one case: " << r.out;
+  EXPECT_FALSE(JsonChecker("{\"a\": 1,}").valid());  // the checker does reject things
+  EXPECT_FALSE(JsonChecker("{\"a\": 1} {}").valid());
+  expect_one_line_error(sdpa("bench --filter 'no such case' --reps 1"), "--filter 'no such case' matches no case");
 }
 
 TEST_F(CliTest, DemoPrintsTheToyHead) {

@@ -1,5 +1,6 @@
 // `sdpa`: the command-line tool. Wires the subcommands together and turns every failure into
-// one line on stderr and exit status 1 (CLI11's own parse errors keep CLI11's reporting).
+// one line on stderr, "sdpa: error: ...", with exit status 2 for a bad command line (what
+// CLI11 rejects while parsing) and 1 for everything else. --help and --version exit 0.
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <iostream>
@@ -7,6 +8,22 @@
 #include <string>
 
 #include "commands.h"
+
+namespace {
+
+constexpr int kFailure = 1;     // the command ran and failed
+constexpr int kUsageError = 2;  // the command line is wrong (as getopt-style tools do)
+
+// One line whatever the message holds, so scripts can rely on it.
+void print_error(const std::string& message) {
+  std::string line = message;
+  for (char& c : line) {
+    if (c == '\n' || c == '\r') c = ' ';
+  }
+  std::cerr << "sdpa: error: " << line << '\n';
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"sdpa: exact scaled dot-product attention on the CPU", "sdpa"};
@@ -22,7 +39,23 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);  // prints help or the parse error, and picks CLI11's exit code
+    // --help and --version arrive as "errors" with exit code 0: CLI11 prints them. A real parse
+    // error gets our one line instead of CLI11's two ("... Run with --help for more
+    // information.") and its exit codes above 100.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::string help = "sdpa";  // "sdpa run" when the error is in run's options
+    for (const CLI::App* sub : app.get_subcommands()) help += " " + sub->get_name();
+    std::string message = e.what();
+    if (help == "sdpa" && argc > 1 && argv[1][0] != '-') {
+      // CLI11 says "A subcommand is required" for `sdpa frobnicate`: name the word instead.
+      std::string commands;
+      for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+        commands += (commands.empty() ? "" : ", ") + sub->get_name();
+      }
+      message = std::string("unknown command '") + argv[1] + "'; the commands are " + commands;
+    }
+    print_error(message + " (see " + help + " --help)");
+    return kUsageError;
   }
 
   try {
@@ -31,13 +64,8 @@ int main(int argc, char** argv) {
     if (*bench) sdpa_cli::bench_command(bench_options);
     if (!std::cout.flush()) throw std::runtime_error("cannot write to standard output");  // e.g. disk full
   } catch (const std::exception& e) {
-    // One line whatever the message holds, so scripts can rely on it.
-    std::string message = e.what();
-    for (char& c : message) {
-      if (c == '\n' || c == '\r') c = ' ';
-    }
-    std::cerr << "sdpa: error: " << message << '\n';
-    return 1;
+    print_error(e.what());
+    return kFailure;
   }
   return 0;
 }

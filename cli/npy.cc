@@ -1,11 +1,16 @@
 // .npy reading and writing; see npy.h for what is supported and why.
 #include "npy.h"
 
+#if defined(__linux__)
+#include <sys/sysinfo.h>
+#endif
+
 #include <bit>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <new>
 #include <stdexcept>
 #include <string_view>
 #include <system_error>
@@ -179,27 +184,73 @@ void read_exactly(std::ifstream& in, const fs::path& path, void* dst, size_t n) 
   if (n > 0 && !in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n))) fail(path, "read error");
 }
 
-}  // namespace
-
-NpyArray NpyArray::zeros(sdpa::DType dtype, std::vector<int64_t> shape) {
-  NpyArray a;
-  a.dtype = dtype;
-  a.shape = std::move(shape);
-  a.data.assign(static_cast<size_t>(a.numel() * sdpa::dtype_size(dtype)), std::byte{0});
-  return a;
-}
-
-int64_t NpyArray::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
-std::string NpyArray::shape_string() const {
+std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "(";
   for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
   return s + (shape.size() == 1 ? ",)" : ")");
 }
+
+// RAM plus swap in bytes, or 0 when unknown.
+uint64_t memory_bytes() {
+#if defined(__linux__)
+  struct sysinfo info {};
+  if (sysinfo(&info) == 0) {
+    return (static_cast<uint64_t>(info.totalram) + static_cast<uint64_t>(info.totalswap)) * info.mem_unit;
+  }
+#endif
+  return 0;
+}
+
+}  // namespace
+
+int64_t checked_numel(const std::string& name, const std::vector<int64_t>& shape) {
+  int64_t nonzero = 1;  // the product of the nonzero dims
+  bool empty = false;
+  for (int64_t d : shape) {
+    if (d < 0) throw std::runtime_error(name + " has a negative dim: " + shape_string(shape));
+    if (d == 0) {
+      empty = true;
+    } else if (__builtin_mul_overflow(nonzero, d, &nonzero)) {
+      throw std::runtime_error(name + " has shape " + shape_string(shape) + ", more elements than int64_t counts");
+    }
+  }
+  return empty ? 0 : nonzero;
+}
+
+int64_t checked_nbytes(const std::string& name, sdpa::DType dtype, const std::vector<int64_t>& shape) {
+  int64_t bytes = 0;
+  if (__builtin_mul_overflow(checked_numel(name, shape), sdpa::dtype_size(dtype), &bytes)) {
+    throw std::runtime_error(name + " has shape " + shape_string(shape) + ", more bytes than int64_t counts");
+  }
+  return bytes;
+}
+
+NpyArray NpyArray::zeros(sdpa::DType dtype, std::vector<int64_t> shape, const std::string& name) {
+  NpyArray a;
+  a.dtype = dtype;
+  a.shape = std::move(shape);
+  const int64_t bytes = checked_nbytes(name, dtype, a.shape);
+  // More than RAM and swap together cannot be allocated (Linux refuses it, or, overcommitting,
+  // lets the zero fill below run into the OOM killer): say so before trying. (Sanitizers abort
+  // on such requests instead of throwing std::bad_alloc, so this is also what keeps the error
+  // one line under them.)
+  const uint64_t memory = memory_bytes();
+  if (memory > 0 && static_cast<uint64_t>(bytes) > memory) {
+    throw std::runtime_error(name + " has shape " + a.shape_string() + ": " + std::to_string(bytes) +
+                             " bytes, more than this machine's memory (" + std::to_string(memory) + " bytes)");
+  }
+  try {
+    a.data.assign(static_cast<size_t>(bytes), std::byte{0});
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error(name + " has shape " + a.shape_string() + ": " + std::to_string(bytes) +
+                             " bytes cannot be allocated");
+  }
+  return a;
+}
+
+int64_t NpyArray::numel() const { return checked_numel("array", shape); }
+
+std::string NpyArray::shape_string() const { return sdpa_cli::shape_string(shape); }
 
 sdpa::TensorView NpyArray::view() {
   if (shape.size() > static_cast<size_t>(kMaxRank)) throw std::logic_error("NpyArray::view: rank > 4");
@@ -270,13 +321,13 @@ NpyArray read_npy(const fs::path& path) {
   }
   a.shape = header.shape;
 
-  // The data must be exactly numel * itemsize bytes. Compare in uintmax_t, guarding overflow.
-  uintmax_t expected = static_cast<uintmax_t>(sdpa::dtype_size(a.dtype));
-  for (int64_t d : a.shape) {
-    if (d != 0 && expected > std::numeric_limits<uintmax_t>::max() / static_cast<uintmax_t>(d)) {
-      fail(path, "shape " + a.shape_string() + " is too large");
-    }
-    expected *= static_cast<uintmax_t>(d);
+  // The data must be exactly numel * itemsize bytes. Both must fit int64_t (so every offset and
+  // stride of the array does too), even when a zero dim makes the array empty.
+  uintmax_t expected = 0;
+  try {
+    expected = static_cast<uintmax_t>(checked_nbytes("shape", a.dtype, a.shape));
+  } catch (const std::runtime_error&) {
+    fail(path, "shape " + a.shape_string() + " of " + header.descr + " is too large: its size does not fit int64_t");
   }
   const uintmax_t available = file_size - data_offset;
   if (available < expected) {
@@ -299,7 +350,7 @@ std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape
 }
 
 void write_npy(const fs::path& path, const NpyArray& array) {
-  if (array.data.size() != static_cast<size_t>(array.numel() * sdpa::dtype_size(array.dtype))) {
+  if (array.data.size() != static_cast<size_t>(array.numel()) * static_cast<size_t>(sdpa::dtype_size(array.dtype))) {
     throw std::logic_error("write_npy: data size does not match shape " + array.shape_string());
   }
   // Pad with spaces so that the data starts at a multiple of 64 bytes, as NumPy does.

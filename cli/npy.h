@@ -28,10 +28,13 @@ struct NpyArray {
   // Bytes from operator new, so aligned for double (16 bytes on the platforms we build for).
   std::vector<std::byte> data;
 
-  // A zero-filled array of the given dtype and shape.
-  static NpyArray zeros(sdpa::DType dtype, std::vector<int64_t> shape);
+  // A zero-filled array of the given dtype and shape. `name` is what an error calls it: a
+  // shape too large to count (checked_nbytes), or to allocate, is a std::runtime_error such as
+  // "weights has shape (65536, 65536, 65536): 1125899906842624 bytes, more than this machine's
+  // memory (...)"; never std::bad_alloc.
+  static NpyArray zeros(sdpa::DType dtype, std::vector<int64_t> shape, const std::string& name = "array");
 
-  int64_t numel() const;
+  int64_t numel() const;  // checked_numel("array", shape)
   std::string shape_string() const;  // "(2, 3)", "(4,)", "()" like NumPy
 
   // The array seen as T (float, double, or uint8_t for bool); T must match dtype.
@@ -47,6 +50,14 @@ struct NpyArray {
   // A C-order view for the sdpa API; rank must be at most 4 (which read_npy guarantees).
   sdpa::TensorView view();
 };
+
+// The number of elements of an array of this shape, checked: throws std::runtime_error
+// ("<name> has shape (...), more elements than int64_t counts") when a dim is negative or the
+// product of the nonzero dims overflows int64_t (NumPy's rule: so every C-order stride fits).
+int64_t checked_numel(const std::string& name, const std::vector<int64_t>& shape);
+// checked_numel times the dtype's size, checked the same way ("..., more bytes than int64_t
+// counts"): the bytes NpyArray::zeros(dtype, shape, name) allocates.
+int64_t checked_nbytes(const std::string& name, sdpa::DType dtype, const std::vector<int64_t>& shape);
 
 // Reads a .npy file. Throws std::runtime_error("<path>: <what is wrong>") on any problem.
 NpyArray read_npy(const std::filesystem::path& path);

@@ -206,6 +206,62 @@ TEST_F(NpyTest, ErrorShapeTooLarge) {
   EXPECT_NE(read_error(file("b.npy", npy_bytes(digits))).find("too large"), std::string::npos);
 }
 
+TEST_F(NpyTest, ErrorShapeWhoseNonzeroDimsOverflowEvenWhenEmpty) {
+  // (2^62, 2^62, 0) has no elements, but its C-order strides would overflow int64_t.
+  const std::string dict =
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 4611686018427387904, 0), }";
+  const std::string message = read_error(file("a.npy", npy_bytes(dict)));
+  EXPECT_NE(message.find("shape (4611686018427387904, 4611686018427387904, 0) of <f4 is too large"), std::string::npos)
+      << message;
+  // (2^62, 0) is fine: empty, and every stride fits.
+  const std::string empty = "{'descr': '<f4', 'fortran_order': False, 'shape': (4611686018427387904, 0), }";
+  const NpyArray a = read_npy(file("b.npy", npy_bytes(empty)));
+  EXPECT_EQ(a.numel(), 0);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{int64_t{1} << 62, 0}));
+}
+
+// The message of the std::runtime_error `f` throws ("" and a failure if none).
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const std::runtime_error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no std::runtime_error";
+  return "";
+}
+
+TEST(NpyCounts, CheckedNumelAndBytes) {
+  const int64_t big = int64_t{1} << 62;
+  EXPECT_EQ(checked_numel("x", {}), 1);
+  EXPECT_EQ(checked_numel("x", {2, 3, 4}), 24);
+  EXPECT_EQ(checked_numel("x", {big, 0}), 0);
+  EXPECT_EQ(checked_numel("x", {0, big, 1}), 0);
+  EXPECT_EQ(checked_numel("x", {big, 1}), big);
+  EXPECT_EQ(error_of([&] { checked_numel("weights", {big, 2}); }),
+            "weights has shape (4611686018427387904, 2), more elements than int64_t counts");
+  EXPECT_EQ(error_of([&] { checked_numel("weights", {0, big, big}); }),
+            "weights has shape (0, 4611686018427387904, 4611686018427387904), more elements than int64_t counts");
+  EXPECT_EQ(error_of([&] { checked_numel("q", {2, -1}); }), "q has a negative dim: (2, -1)");
+  EXPECT_EQ(checked_nbytes("x", DType::kFloat64, {3, 5}), 120);
+  EXPECT_EQ(checked_nbytes("x", DType::kFloat64, {big, 0}), 0);
+  EXPECT_EQ(error_of([&] { checked_nbytes("lse", DType::kFloat32, {big}); }),
+            "lse has shape (4611686018427387904,), more bytes than int64_t counts");
+}
+
+TEST(NpyCounts, ZerosThatCannotBeAllocatedSaySoByName) {
+  const int64_t n = int64_t{1} << 30;  // 2^60 float32 elements: 2^62 bytes, fits int64_t
+  const std::string message = error_of([&] { NpyArray::zeros(DType::kFloat32, {n, n}, "weights"); });
+  EXPECT_EQ(message.rfind("weights has shape (1073741824, 1073741824): 4611686018427387904 bytes, more than this "
+                          "machine's memory (", 0),
+            0u)
+      << message;
+  EXPECT_NE(error_of([&] { NpyArray::zeros(DType::kFloat64, {int64_t{1} << 62}, "out"); }).find("out has shape"),
+            std::string::npos);
+  EXPECT_EQ(NpyArray::zeros(DType::kFloat32, {int64_t{1} << 62, 0}, "out").data.size(), 0u);
+}
+
 TEST_F(NpyTest, ErrorHeaderGarbage) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"not a dict at all", "expected '{'"},

@@ -166,17 +166,31 @@ void run_command(const RunOptions& o) {
     convert_float(*mask, q.dtype);
   }
 
-  NpyArray out = NpyArray::zeros(q.dtype, q_shape_with_last(q, v.shape.back()));
+  // The outputs' shapes follow from q, k and v, whose files may be tiny while the outputs are
+  // not (q (N, 0) and k (N, 0) make weights (N, N)). Every size is counted with overflow
+  // checks before anything is allocated, and a failure names the output and its shape.
+  struct Planned {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Planned> planned = {{"out (" + o.out + ")", q_shape_with_last(q, v.shape.back())}};
+  if (!o.weights.empty()) {
+    planned.push_back({"weights (" + o.weights + ")", q_shape_with_last(q, k.shape[k.shape.size() - 2])});
+  }
+  if (!o.lse.empty()) planned.push_back({"lse (" + o.lse + ")", q_shape_with_last(q, std::nullopt)});
+  for (const Planned& p : planned) checked_nbytes(p.name, q.dtype, p.shape);
+
+  NpyArray out = NpyArray::zeros(q.dtype, planned.front().shape, planned.front().name);
   NpyArray weights, lse;
   sdpa::Inputs inputs{q.view(), k.view(), v.view(), std::nullopt};
   if (mask) inputs.mask = mask->view();
   sdpa::Outputs outputs{out.view(), std::nullopt, std::nullopt};
   if (!o.weights.empty()) {
-    weights = NpyArray::zeros(q.dtype, q_shape_with_last(q, k.shape[k.shape.size() - 2]));
+    weights = NpyArray::zeros(q.dtype, planned[1].shape, planned[1].name);  // right after out
     outputs.weights = weights.view();
   }
   if (!o.lse.empty()) {
-    lse = NpyArray::zeros(q.dtype, q_shape_with_last(q, std::nullopt));
+    lse = NpyArray::zeros(q.dtype, planned.back().shape, planned.back().name);  // always last
     outputs.lse = lse.view();
   }
 

@@ -55,7 +55,8 @@ sdpa::Backend parse_backend(const std::string& name) {
 }
 
 sdpa::Options make_options(std::optional<double> scale, const std::string& causal, int64_t window_left,
-                           int64_t window_right, const std::string& backend, double dropout_p, uint64_t seed) {
+                           int64_t window_right, const std::string& backend, double dropout_p,
+                           std::optional<uint64_t> seed) {
   sdpa::Options opt;
   opt.scale = scale;
   opt.causal = parse_causal(causal);
@@ -70,7 +71,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
                const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
-               double dropout_p, uint64_t seed) {
+               double dropout_p, std::optional<uint64_t> seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
@@ -85,7 +86,8 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         const std::optional<ConstArray>& mask, const ConstArray& out, const ConstArray& lse,
                         const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
-                        int64_t window_right, const std::string& backend, double dropout_p, uint64_t seed) {
+                        int64_t window_right, const std::string& backend, double dropout_p,
+                        std::optional<uint64_t> seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
@@ -103,11 +105,11 @@ NB_MODULE(_core, m) {
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
-        nb::arg("dropout_p"), nb::arg("seed"));
+        nb::arg("dropout_p"), nb::arg("seed").none());
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
-        nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed"));
+        nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none());
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

@@ -7,6 +7,7 @@ namespace sdpa {
 
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
   const internal::Problem p = internal::make_problem(inputs, outputs, options);
+  if (p.writes_nothing()) return;
   const bool f64 = p.dtype == DType::kFloat64;
   switch (options.backend) {
     case Backend::kReference:
@@ -26,6 +27,7 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options) {
   const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
+  if (bp.writes_nothing()) return;
   const bool f64 = bp.fwd.dtype == DType::kFloat64;
   switch (options.backend) {
     case Backend::kAuto:

@@ -2,6 +2,7 @@
 #include "problem.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -95,6 +96,31 @@ void check_unit_last_stride(const char* name, const TensorView& t) {
   }
 }
 
+std::string strides_string(const TensorView& t) {
+  std::string s = "(";
+  for (int d = 0; d < t.rank; ++d) {
+    if (d) s += ", ";
+    s += std::to_string(t.strides[d]);
+  }
+  return s + (t.rank == 1 ? ",)" : ")");
+}
+
+// A view that is written must not map two indices to one element: different threads write
+// different indices at once. Stride 0 on a dim of extent > 1 is the common way to get that
+// (a broadcast view passed as an output) and is refused; other self-overlapping strides are
+// the caller's promise (see TensorView in the public header). Dims of extent 1 never step, and
+// an empty view is never written, so their strides do not matter.
+void check_no_zero_stride(const char* name, const TensorView& t) {
+  if (t.numel() == 0) return;
+  for (int d = 0; d < t.rank; ++d) {
+    if (t.shape[d] > 1 && t.strides[d] == 0) {
+      fail(std::string(name) + " has stride 0 in dim " + std::to_string(d) + " (shape " + t.shape_string() +
+           ", strides " + strides_string(t) + "): an output must not overlap itself, or several threads would " +
+           "write one element");
+    }
+  }
+}
+
 void check_dtype(const char* name, const TensorView& t, DType expected) {
   if (t.dtype != expected) {
     fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but q has dtype " + dtype_name(expected));
@@ -164,7 +190,24 @@ Dropout make_dropout(double p, uint64_t seed) {
   return d;
 }
 
-Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
+namespace {
+
+// The shortest text that reads back as x: "0.1" rather than std::to_string's "0.100000".
+std::string number_string(double x) {
+  std::string text;
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream s;
+    s.precision(digits);
+    s << x;
+    text = s.str();
+    if (std::strtod(text.c_str(), nullptr) == x) break;
+  }
+  return text;
+}
+
+// The forward's checks. `written` says whether out and lse are outputs (forward) or inputs
+// the backward reads, which may overlap themselves (a broadcast lse, say).
+Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, bool written) {
   const TensorView &q = in.q, &k = in.k, &v = in.v, &out = outs.out;
   check_basic("q", q, 2, 4);
   check_basic("k", k, 2, 4);
@@ -218,6 +261,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
   check_unit_last_stride("k", k);
   check_unit_last_stride("v", v);
   check_unit_last_stride("out", out);
+  if (written) check_no_zero_stride("out", out);
 
   // Expected output shapes, in q's rank: (B, Hq, Nq, X) with the leading dims dropped.
   const int64_t full_out[4] = {p.B, p.Hq, p.Nq, p.Dv};
@@ -234,6 +278,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
     check_dtype("weights", w, q.dtype);
     check_shape("weights", w, full_weights + (4 - r), r,
                 r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
+    if (written) check_no_zero_stride("weights", w);
     p.weights = to_view4(w);
   }
   if (outs.lse) {
@@ -241,6 +286,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
     check_basic("lse", l, 1, 3);
     check_dtype("lse", l, q.dtype);
     check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
+    if (written) check_no_zero_stride("lse", l);
     p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
   }
 
@@ -276,13 +322,28 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
     // With Dk == 0 every score is an empty sum (0) whatever the scale; 1 avoids 1/sqrt(0).
     p.scale = p.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(p.Dk)) : 1.0;
   }
+  if (opt.backend != Backend::kAuto && opt.backend != Backend::kFlash && opt.backend != Backend::kReference &&
+      opt.backend != Backend::kNaive) {
+    fail("backend has an unknown value " + std::to_string(static_cast<int>(opt.backend)));
+  }
   if (opt.causal != Causal::kNone && opt.causal != Causal::kBottomRight && opt.causal != Causal::kTopLeft) {
     fail("causal has an unknown value " + std::to_string(static_cast<int>(opt.causal)));
   }
   p.causal = opt.causal;
   p.window = opt.window;
-  p.dropout = make_dropout(opt.dropout_p, opt.seed);
+  p.dropout = make_dropout(opt.dropout_p, opt.seed.value_or(0));
+  if (opt.dropout_p > 0 && !opt.seed) {
+    fail("dropout_p=" + number_string(opt.dropout_p) +
+         " needs a seed: set Options::seed, a new one for each training step and the same one for "
+         "attention_backward (there is no default, so that the same weights are not dropped every step)");
+  }
   return p;
+}
+
+}  // namespace
+
+Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
+  return make_problem(in, outs, opt, /*written=*/true);
 }
 
 BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, const TensorView& lse,
@@ -290,7 +351,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   Outputs outs;
   outs.out = out;
   outs.lse = lse;
-  BackwardProblem bp{make_problem(in, outs, opt), {}, {}, {}, {}};
+  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}};
   // Each gradient has the shape, dtype and layout needs of its forward twin.
   const std::pair<const char*, const TensorView*> pairs[] = {
       {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
@@ -304,6 +365,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     const std::string meaning = std::string("the shape of ") + (g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
     check_shape(name, t, like.shape, like.rank, meaning.c_str());
     check_unit_last_stride(name, t);
+    if (g > 0) check_no_zero_stride(name, t);  // dout is read; dq, dk and dv are written
   }
   bp.dout = to_view4(dout);
   bp.dq = to_view4(grads.dq);

@@ -77,6 +77,14 @@ struct Problem {
     return {begin, std::max(begin, end)};
   }
 
+  // True when every output has a zero extent, so there is nothing to compute. Checked by dims,
+  // not products: an empty view's other dims may be huge (e.g. q of shape (2^62, 0)), and the
+  // kernels would otherwise loop over all of its rows.
+  bool writes_nothing() const {
+    const bool no_rows = B == 0 || Hq == 0 || Nq == 0;
+    return (no_rows || Dv == 0) && (!weights || no_rows || Nk == 0) && (!lse || no_rows);
+  }
+
   // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool.
   template <typename T>
   T mask_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
@@ -100,6 +108,12 @@ struct BackwardProblem {
   Problem fwd;
   View4 dout;        // (B, Hq, Nq, Dv)
   View4 dq, dk, dv;  // shaped like q, k, v
+  // True when dq, dk and dv all have a zero extent (see Problem::writes_nothing).
+  bool writes_nothing() const {
+    const Problem& p = fwd;
+    const bool no_q = p.B == 0 || p.Hq == 0 || p.Nq == 0, no_kv = p.B == 0 || p.Hkv == 0 || p.Nk == 0;
+    return (no_q || p.Dk == 0) && (no_kv || p.Dk == 0) && (no_kv || p.Dv == 0);
+  }
 };
 
 BackwardProblem make_backward_problem(const Inputs& inputs, const TensorView& out, const TensorView& lse,

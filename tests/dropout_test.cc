@@ -500,7 +500,7 @@ void cancellation_magnitudes(const Problem& p, const sdpa::Options& options, dou
   sdpa::Options o = options;
   o.backend = Backend::kReference;
   const std::vector<double> w = run(p.t, o).weights->values();  // (B, Hq, Nq, Nk), before dropout
-  const std::vector<double> keep = keep_mask(p.t, o.dropout_p, o.seed);
+  const std::vector<double> keep = keep_mask(p.t, o.dropout_p, o.seed.value_or(0));
   const double zk = 1.0 / (1.0 - o.dropout_p);
   const std::vector<double> dout = p.dout.values(), out = p.out.values();
   const double scale = std::abs(o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0));

@@ -285,6 +285,146 @@ TEST_F(Validation, NullDataWithNonEmptyShape) {
   expect_error({"lse has no data but shape (2, 4, 3)"});
 }
 
+TEST_F(Validation, OutputWithStrideZeroOnADimOfExtentAboveOne) {
+  // Several indices on one element: threads would race writing it.
+  outs.out.strides[1] = 0;
+  expect_error({"out has stride 0 in dim 1 (shape (2, 4, 3, 6), strides (72, 0, 6, 1))", "overlap itself"});
+  outs.out = out_.view();
+  outs.weights->strides[2] = 0;
+  expect_error({"weights has stride 0 in dim 2 (shape (2, 4, 3, 5), strides (60, 15, 0, 1))"});
+  outs.weights = weights_.view();
+  outs.weights->strides[3] = 0;  // weights may have any last-dim stride, but not 0
+  expect_error({"weights has stride 0 in dim 3"});
+  outs.weights = weights_.view();
+  outs.lse->strides[0] = 0;
+  expect_error({"lse has stride 0 in dim 0 (shape (2, 4, 3), strides (0, 3, 1))"});
+  outs.lse = lse_.view();
+  for (int d = 0; d < 3; ++d) outs.out.strides[d] = 0;
+  expect_error({"out has stride 0 in dim 0"});
+}
+
+TEST_F(Validation, OutputStrideZeroIsFineOnDimsOfExtentOneAndWhenEmpty) {
+  // A dim of extent 1 never steps, so its stride is never used; an empty output is never written.
+  GuardedTensor q(kF32, {1, 4, 1, 4}), k(kF32, {1, 2, 5, 4}), v(kF32, {1, 2, 5, 6});
+  GuardedTensor out(kF32, {1, 4, 1, 6}), w(kF32, {1, 4, 1, 5}), l(kF32, {1, 4, 1});
+  for (GuardedTensor* t : {&q, &k, &v}) fill(*t);
+  in = {q.view(), k.view(), v.view(), std::nullopt};
+  outs = {out.view(), w.view(), l.view()};
+  outs.out.strides[0] = outs.out.strides[2] = 0;
+  outs.weights->strides[0] = outs.weights->strides[2] = 0;
+  outs.lse->strides[0] = outs.lse->strides[2] = 0;
+  EXPECT_NO_THROW(sdpa::attention(in, outs, options));
+  EXPECT_FALSE(out.untouched());
+  EXPECT_TRUE(out.guards_intact() && w.guards_intact() && l.guards_intact());
+
+  in = {q_.view(), k_.view(), v_.view(), std::nullopt};
+  in.q.shape[2] = 0;  // Nq = 0
+  outs = {out_.view(), weights_.view(), lse_.view()};
+  for (sdpa::TensorView* t : {&outs.out, &*outs.weights}) {
+    t->shape[2] = 0;
+    t->strides[0] = t->strides[1] = t->strides[2] = 0;
+  }
+  outs.lse->shape[2] = 0;
+  outs.lse->strides[0] = outs.lse->strides[1] = 0;
+  EXPECT_NO_THROW(sdpa::attention(in, outs, options));
+  EXPECT_TRUE(out_.untouched() && weights_.untouched() && lse_.untouched());
+}
+
+// attention_backward: the gradients it writes must not have stride 0 on a dim of extent > 1;
+// out, lse and dout, which it only reads, may (a broadcast dout, as torch gives for sum()).
+class BackwardStrideValidation : public Validation {
+ protected:
+  BackwardStrideValidation() {
+    outs.weights = std::nullopt;
+    in.mask = std::nullopt;
+    sdpa::attention(in, outs, options);  // out_ and lse_ for the backward
+    std::mt19937 rng(3);
+    fill_normal(dout_, rng);
+    grads = {dq_.view(), dk_.view(), dv_.view()};
+  }
+
+  void call() { sdpa::attention_backward(in, out_.view(), lse_.view(), dout, grads, options); }
+
+  void expect_backward_error(const std::vector<std::string>& substrings) {
+    try {
+      call();
+      ADD_FAILURE() << "no sdpa::Error thrown";
+    } catch (const sdpa::Error& e) {
+      for (const std::string& s : substrings) {
+        EXPECT_NE(std::string(e.what()).find(s), std::string::npos) << "message: " << e.what() << "\nmissing: " << s;
+      }
+    }
+    EXPECT_TRUE(dq_.untouched() && dk_.untouched() && dv_.untouched());
+  }
+
+  GuardedTensor dout_{kF32, {2, 4, 3, 6}}, dq_{kF32, {2, 4, 3, 4}}, dk_{kF32, {2, 2, 5, 4}}, dv_{kF32, {2, 2, 5, 6}};
+  sdpa::TensorView dout = dout_.view();
+  sdpa::Gradients grads;
+};
+
+TEST_F(BackwardStrideValidation, GradientWithStrideZero) {
+  grads.dq.strides[2] = 0;
+  expect_backward_error({"dq has stride 0 in dim 2 (shape (2, 4, 3, 4), strides (48, 12, 0, 1))"});
+  grads = {dq_.view(), dk_.view(), dv_.view()};
+  grads.dk.strides[0] = 0;
+  expect_backward_error({"dk has stride 0 in dim 0 (shape (2, 2, 5, 4)"});
+  grads = {dq_.view(), dk_.view(), dv_.view()};
+  grads.dv.strides[1] = 0;
+  expect_backward_error({"dv has stride 0 in dim 1 (shape (2, 2, 5, 6)"});
+}
+
+TEST_F(BackwardStrideValidation, InputsItOnlyReadsMayHaveStrideZero) {
+  GuardedTensor row(kF32, {6});  // one row of dout, broadcast to (2, 4, 3, 6)
+  std::mt19937 rng(4);
+  fill_normal(row, rng);
+  dout = row.view();
+  dout.rank = 4;
+  for (int d = 0; d < 4; ++d) dout.shape[d] = out_.shape()[static_cast<size_t>(d)];
+  dout.strides[0] = dout.strides[1] = dout.strides[2] = 0;
+  dout.strides[3] = 1;
+  EXPECT_NO_THROW(call());
+  EXPECT_FALSE(dq_.untouched());
+  EXPECT_TRUE(dq_.guards_intact() && dk_.guards_intact() && dv_.guards_intact());
+}
+
+TEST_F(Validation, DropoutNeedsASeed) {
+  // No default seed: a training loop that forgot it would drop the same weights every step.
+  options.dropout_p = 0.1;
+  expect_error({"dropout_p=0.1 needs a seed"});
+  options.dropout_p = 0.25;
+  expect_error({"dropout_p=0.25 needs a seed", "Options::seed"});
+  outs.weights = std::nullopt;
+  in.mask = std::nullopt;
+  {
+    // The backward pass too, before writing any gradient.
+    sdpa::Options no_dropout;
+    sdpa::attention(in, outs, no_dropout);
+    GuardedTensor dout(kF32, {2, 4, 3, 6}), dq(kF32, {2, 4, 3, 4}), dk(kF32, {2, 2, 5, 4}), dv(kF32, {2, 2, 5, 6});
+    fill(dout);
+    try {
+      sdpa::attention_backward(in, out_.view(), lse_.view(), dout.view(), {dq.view(), dk.view(), dv.view()}, options);
+      ADD_FAILURE() << "no sdpa::Error thrown";
+    } catch (const sdpa::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("dropout_p=0.25 needs a seed"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(dq.untouched() && dk.untouched() && dv.untouched());
+    options.seed = 0;  // any explicit seed, 0 included, is fine
+    const sdpa::Gradients grads{dq.view(), dk.view(), dv.view()};
+    EXPECT_NO_THROW(sdpa::attention_backward(in, out_.view(), lse_.view(), dout.view(), grads, options));
+  }
+  EXPECT_NO_THROW(sdpa::attention(in, outs, options));
+  // Without dropout no seed is needed (the base call), and an out-of-range dropout_p is
+  // reported as such even without a seed.
+  options.seed = std::nullopt;
+  options.dropout_p = 1.0;
+  try {
+    sdpa::attention(in, outs, options);
+    ADD_FAILURE() << "no sdpa::Error thrown";
+  } catch (const sdpa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dropout_p must be in [0, 1)"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Threads, NegativeCountIsAnError) {
   EXPECT_THROW(sdpa::set_num_threads(-1), sdpa::Error);
   EXPECT_GE(sdpa::num_threads(), 1);
@@ -301,6 +441,35 @@ TEST_F(Validation, NullDataIsFineWhenEmpty) {
   outs.out.data = nullptr;
   EXPECT_NO_THROW(sdpa::attention(in, outs, options));
   EXPECT_TRUE(weights_.untouched() && lse_.untouched());
+}
+
+}  // namespace
+
+namespace {
+
+// q, k, v of shape (2^62, 0) with an empty out: valid, and nothing to compute. The call must
+// return at once instead of looping over 2^62 empty rows (a regression would hang the test).
+TEST(EmptyOutputs, HugeEmptyProblemsReturnAtOnce) {
+  const int64_t huge = int64_t{1} << 62;
+  sdpa::Inputs in;
+  in.q = sdpa::TensorView::contiguous(nullptr, kF32, {huge, 0});
+  in.k = in.q;
+  in.v = in.q;
+  sdpa::Outputs outs;
+  outs.out = in.q;
+  EXPECT_NO_THROW(sdpa::attention(in, outs, sdpa::Options{}));
+  // The backward: dq, dk, dv are empty too (Dk = Dv = 0); lse (Nq,) would be huge, so Nq = 0
+  // there and the keys stay huge.
+  sdpa::Inputs bin = in;
+  bin.q = sdpa::TensorView::contiguous(nullptr, kF32, {0, 0});
+  const sdpa::TensorView out = bin.q, dout = bin.q;
+  const sdpa::TensorView lse = sdpa::TensorView::contiguous(nullptr, kF32, {0});
+  sdpa::Gradients grads{bin.q, in.k, in.v};
+  EXPECT_NO_THROW(sdpa::attention_backward(bin, out, lse, dout, grads, sdpa::Options{}));
+  // Skipping the work skips no check: an unknown backend is still an error.
+  sdpa::Options bad;
+  bad.backend = static_cast<sdpa::Backend>(9);
+  EXPECT_THROW(sdpa::attention(in, outs, bad), sdpa::Error);
 }
 
 }  // namespace

@@ -45,7 +45,11 @@ int64_t dtype_size(DType dtype);
 // or negative. Preconditions the caller promises:
 //   - q, k, v and out have stride 1 in their last dim (the kernels load rows with SIMD);
 //     mask, weights and lse may have any strides.
-//   - out, weights and lse do not overlap each other or any input.
+//   - Every view that is written (out, weights, lse; dq, dk, dv) maps distinct indices to
+//     distinct elements: threads write different indices at once, so a view that overlaps
+//     itself is a data race. Stride 0 on a dim of extent > 1 of such a view is an Error;
+//     other self-overlapping strides are not detected.
+//   - out, weights and lse (dq, dk and dv) do not overlap each other or any input.
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
@@ -78,9 +82,10 @@ enum class Backend : uint8_t {
   kAuto,       // the fastest exact kernel for the inputs' dtype (today: kFlash)
   kFlash,      // fused tiled kernel: online softmax, SIMD (runtime dispatch), threads;
                // extra memory O(threads × tile), independent of Nq and Nk
-  kReference,  // materialises the score matrix in float64: simple, slow, the oracle
-  kNaive,      // the same materialising algorithm in the inputs' own precision: the
-               // yardstick for tolerances ("error of a naive implementation")
+  kReference,  // the textbook algorithm in float64, one query row at a time (all of the
+               // row's scores, then softmax, then the weighted sum): simple, slow, the oracle
+  kNaive,      // the same algorithm in the inputs' own precision: the yardstick for
+               // tolerances ("error of a naive implementation")
 };
 
 struct Options {
@@ -93,8 +98,11 @@ struct Options {
   // weight (b, h, i, j) is a pure function of (seed, b, h, i, j) (Philox4x32-10), the same in
   // forward and backward, for any tiling and thread count. 0 (the default) is exactly no
   // dropout. The weights output shows the softmax before dropout; lse is unaffected.
+  // dropout_p > 0 needs a seed (else Error): pass a new one each training step, the same one
+  // to attention_backward. There is no default, so that forgetting it cannot drop the same
+  // weights every step. Without dropout the seed is ignored.
   double dropout_p = 0.0;  // in [0, 1)
-  uint64_t seed = 0;
+  std::optional<uint64_t> seed;
 };
 
 struct Inputs {
