@@ -717,10 +717,7 @@ TEST(Reference, MatchesIndependentOracleOnTheSmallSweepCases) {
 
 // ---- The sweep: kAuto against kReference on every case of the table ----
 
-class Sweep : public testing::TestWithParam<Case> {};
-
-TEST_P(Sweep, AutoMatchesReference) {
-  const Case& c = GetParam();
+void check_sweep_case(const Case& c) {
   const Tensors t = make_inputs(c);
   const sdpa::Options o = options(c, Backend::kAuto);
   const Outs got = run(t, o, c.layout);
@@ -734,7 +731,45 @@ TEST_P(Sweep, AutoMatchesReference) {
   EXPECT_TRUE(matches_reference(t, o, got));
 }
 
+class Sweep : public testing::TestWithParam<Case> {};
+
+TEST_P(Sweep, AutoMatchesReference) { check_sweep_case(GetParam()); }
+
 INSTANTIATE_TEST_SUITE_P(Table, Sweep, testing::ValuesIn(sweep_cases()),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// ---- The same sweep with AVX-512 disabled: the product's target machine has only AVX2 ----
+
+class SweepAvx2 : public testing::TestWithParam<Case> {};
+
+TEST_P(SweepAvx2, AutoMatchesReference) {
+  if (const std::string why = avx2_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  const Avx2Only avx2;
+  check_sweep_case(GetParam());
+  // The kernel really ran on AVX2, not on a better target left enabled.
+  EXPECT_EQ(dispatched_target(), "AVX2");
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, SweepAvx2, testing::ValuesIn(sweep_cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+TEST(SimdTargets, Avx2OnlyDispatchesToAvx2AndRestores) {
+  // Without this, SweepAvx2 could pass while running on AVX-512 all along.
+  if (const std::string why = avx2_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  const Tensors t = make_inputs(sweep_cases().front());
+  const sdpa::Options o = options(sweep_cases().front(), Backend::kFlash);
+  run(t, o);
+  const std::string best = dispatched_target();
+  EXPECT_NE(best, "AVX2") << "the CPU has AVX-512, so the normal pass should use it";
+  EXPECT_NE(best, "none");
+  {
+    const Avx2Only avx2;
+    EXPECT_EQ(dispatched_target(), "none") << "changing the targets resets the dispatch";
+    run(t, o);
+    EXPECT_EQ(dispatched_target(), "AVX2");
+  }
+  run(t, o);
+  EXPECT_EQ(dispatched_target(), best) << "the best target again after the AVX2-only pass";
+}
 
 }  // namespace

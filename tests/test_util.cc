@@ -11,6 +11,9 @@
 #include <stdexcept>
 #include <utility>
 
+#include "hwy/base.h"
+#include "hwy/targets.h"
+
 namespace sdpa_test {
 namespace {
 
@@ -546,6 +549,10 @@ std::string case_name(const Case& c) {
   if (c.scale) s << "_scale" << number(*c.scale);
   if (c.layout == Layout::kPadded) s << "_padded";
   if (c.layout == Layout::kPermuted) s << "_permuted";
+  if (c.blocked.end > c.blocked.begin) {
+    s << "_blocked" << c.blocked.begin << "_" << c.blocked.end;
+    if (c.blocked.rows >= 0) s << "_rows" << c.blocked.rows;
+  }
   return s.str();
 }
 
@@ -633,6 +640,87 @@ std::vector<Case> sweep_cases() {
          .mask_shape = MaskShape::kKey});
     add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 3, .Nk = 4100, .Dk = 16, .Dv = 16, .causal = Causal::kBottomRight,
          .window = {100, -1}});
+    // The few-rows kernel takes all rows of a block (up to kDecodeMaxRows = 8) in one pass over
+    // K/V: 5, 6 and 8 rows per kv head (GQA groups of 5 and 8, 2 tokens × group 3), so each
+    // row count has a case (1-4, 7 and 8 come from the cases above).
+    add({.rank = 4, .Hq = 5, .Hkv = 1, .Nq = 1, .Nk = 300, .Dk = 64, .Dv = 32, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kHeadKey});
+    add({.rank = 4, .B = 2, .Hq = 6, .Hkv = 2, .Nq = 2, .Nk = 4100, .Dk = 128, .Dv = 128,
+         .causal = Causal::kBottomRight, .window = {1000, -1}});
+    add({.rank = 4, .Hq = 16, .Hkv = 2, .Nq = 1, .Nk = 1025, .Dk = 128, .Dv = 128, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kKey});
+
+    // Chunked prefill: many rows (> kDecodeMaxRows per kv head, so the many-rows kernel) but
+    // fewer than 16 blocks, against more than 2048 keys: the keys are split into chunks merged
+    // by lse. Top-left causal leaves every chunk but the first empty; with the window {600, 0}
+    // (keys [i + 3400, i + 4000]) and 1152-key chunks, rows 0-55 see a few keys of the chunk
+    // that ends at 3456 and rows 56-99 none, so lanes of one block differ in which chunks they
+    // see; masks block a whole chunk for every row, or all but the first chunk for rows 0-49.
+    for (Causal causal : {Causal::kBottomRight, Causal::kTopLeft}) {
+      add({.rank = 3, .Nq = 100, .Nk = 4100, .Dk = 32, .Dv = 32, .causal = causal});
+    }
+    add({.rank = 3, .Nq = 100, .Nk = 4100, .Dk = 32, .Dv = 32, .window = {600, 0}});
+    add({.rank = 3, .Nq = 100, .Nk = 4100, .Dk = 32, .Dv = 32, .mask = MaskKind::kBool, .mask_shape = MaskShape::kKey,
+         .blocked = {1152, 2304}});
+    add({.rank = 3, .Nq = 100, .Nk = 4100, .Dk = 32, .Dv = 16, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kQueryKey, .causal = Causal::kBottomRight, .blocked = {1000, 4100, 50}});
+    add({.rank = 4, .Hq = 4, .Hkv = 1, .Nq = 25, .Nk = 4100, .Dk = 32, .Dv = 32, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kHeadKey, .window = {2000, 300}});
+
+    // Masks across several key tiles (kTileKeys = 128): every shape and kind at Nk = 300 and
+    // 1025, with causal (top-left: tiles past the first never visited), a window, and masks
+    // that block a whole tile ([128, 256)) for every row.
+    for (MaskKind kind : {MaskKind::kBool, MaskKind::kAdditive}) {
+      for (int s = 0; s < 4; ++s) {
+        const Causal causal = s == 1 ? Causal::kBottomRight : s == 3 ? Causal::kTopLeft : Causal::kNone;
+        add({.rank = 4, .B = 2, .Hq = 4, .Hkv = 2, .Nq = 33, .Nk = 300, .Dk = 32, .Dv = 32, .mask = kind,
+             .mask_shape = shapes[s], .causal = causal, .blocked = s == 0 ? KeyBlock{128, 256} : KeyBlock{}});
+        add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 40, .Nk = 1025, .Dk = 64, .Dv = 32, .mask = kind,
+             .mask_shape = shapes[s], .causal = s == 2 ? Causal::kBottomRight : Causal::kNone,
+             .window = s == 0 ? sdpa::Window{200, -1} : sdpa::Window{},
+             .blocked = s == 0 ? KeyBlock{} : KeyBlock{128, 256}});
+      }
+    }
+    // Windows and causal across tiles.
+    for (const sdpa::Window& w : {sdpa::Window{64, 0}, sdpa::Window{0, 64}, sdpa::Window{130, 130}}) {
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 300, .Nk = 300, .Dk = 32, .Dv = 32, .window = w});
+    }
+    add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 150, .Nk = 1025, .Dk = 32, .Dv = 32, .window = {64, 0}});
+    for (Causal causal : {Causal::kBottomRight, Causal::kTopLeft}) {
+      add({.rank = 3, .Nq = 260, .Nk = 1025, .Dk = 32, .Dv = 64, .causal = causal});
+    }
+    add({.rank = 3, .Nq = 260, .Nk = 1025, .Dk = 32, .Dv = 32, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kQueryKey, .causal = Causal::kTopLeft, .blocked = {128, 256}});
+
+    // Head dims 111 and 256 (Dv == Dk and Dv != Dk), across tiles, in decode and chunked decode.
+    for (int64_t d : {111, 256}) {
+      add({.rank = 2, .Nq = 17, .Nk = 33, .Dk = d, .Dv = d});
+      add({.rank = 4, .B = 2, .Hq = 2, .Hkv = 2, .Nq = 9, .Nk = 65, .Dk = d, .Dv = d == 111 ? 64 : 111,
+           .layout = Layout::kPermuted});
+      add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 65, .Nk = 300, .Dk = d, .Dv = d == 111 ? 256 : 8,
+           .mask = MaskKind::kBool, .mask_shape = MaskShape::kKey, .causal = Causal::kBottomRight});
+    }
+    add({.rank = 3, .Hq = 4, .Hkv = 1, .Nq = 1, .Nk = 257, .Dk = 256, .Dv = 256});
+    add({.rank = 3, .Hq = 2, .Hkv = 2, .Nq = 2, .Nk = 2500, .Dk = 111, .Dv = 111, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kQueryKey});
+    // Long cross-attention with masks: Nq > Nk (bottom-right causal: the first 825 rows see
+    // nothing) and Nq < Nk.
+    add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 1025, .Nk = 200, .Dk = 32, .Dv = 32, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kQueryKey, .causal = Causal::kBottomRight});
+    add({.rank = 4, .Hq = 2, .Hkv = 2, .Nq = 200, .Nk = 1025, .Dk = 32, .Dv = 32, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kFull});
+
+    // Shapes of the backward kernel's blocks (key blocks of 16 / 32 rows, 128-row query tiles,
+    // 128-key tiles), which the backward sweep runs on this same table.
+    for (const sdpa::Window& w : windows) {
+      add({.rank = 2, .Nq = 97, .Nk = 17, .Dk = 3, .Dv = 8, .causal = Causal::kTopLeft, .window = w});
+    }
+    add({.rank = 3, .Hq = 2, .Hkv = 1, .Nq = 1, .Nk = 97, .Dk = 80, .Dv = 8, .causal = Causal::kBottomRight});
+    add({.rank = 2, .Nq = 257, .Nk = 300, .Dk = 64, .Dv = 32, .causal = Causal::kBottomRight});
+    add({.rank = 3, .Hq = 4, .Hkv = 1, .Nq = 140, .Nk = 33, .Dk = 8, .Dv = 8, .mask = MaskKind::kAdditive,
+         .mask_shape = MaskShape::kQueryKey, .layout = Layout::kPadded});
+    add({.rank = 4, .Hq = 2, .Hkv = 1, .Nq = 1, .Nk = 700, .Dk = 128, .Dv = 128, .mask = MaskKind::kBool,
+         .mask_shape = MaskShape::kKey});
   }
   return cases;
 }
@@ -658,6 +746,18 @@ Tensors make_inputs(const Case& c) {
     // empty the whole output and leave nothing to compare.
     const int64_t rows = t.mask->numel() / std::max<int64_t>(1, shape.back());
     fill_mask(*t.mask, rng, 0.7, rows >= 8 ? 0.1 : 0.0);
+    if (c.blocked.end > c.blocked.begin) {
+      const bool has_rows = c.mask_shape == MaskShape::kFull || c.mask_shape == MaskShape::kQueryKey;
+      const double blocked = c.mask == MaskKind::kBool ? 0.0 : -std::numeric_limits<double>::infinity();
+      for (int64_t n = 0; n < t.mask->numel(); ++n) {
+        const int64_t j = n % c.Nk, i = has_rows ? n / c.Nk % c.Nq : 0;
+        if (j >= c.blocked.begin && j < c.blocked.end && (!has_rows || c.blocked.rows < 0 || i < c.blocked.rows)) {
+          t.mask->set(n, blocked);
+        }
+      }
+    }
+  } else if (c.blocked.end > c.blocked.begin) {
+    throw std::logic_error("case " + c.name + " blocks keys but has no mask");
   }
   return t;
 }
@@ -674,5 +774,46 @@ sdpa::Options options(const Case& c, sdpa::Backend backend) {
 int64_t work(const Case& c) { return c.B * c.Hq * c.Nq * c.Nk * (c.Dk + c.Dv); }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// ---- SIMD targets ----
+
+#if HWY_ARCH_X86
+// Every x86 target better than AVX2 (AVX3, AVX3_DL and any later one): the lower bits.
+constexpr int64_t kAboveAvx2 = HWY_AVX2 - 1;
+#endif
+
+Avx2Only::Avx2Only() {
+#if HWY_ARCH_X86
+  hwy::DisableTargets(kAboveAvx2);
+#endif
+}
+
+Avx2Only::~Avx2Only() { hwy::DisableTargets(0); }
+
+std::string avx2_pass_skip_reason() {
+#if HWY_ARCH_X86
+  const int64_t supported = hwy::SupportedTargets();
+  if (!(supported & HWY_AVX2)) return "this CPU has no AVX2";
+  if (!(supported & HWY_TARGETS & kAboveAvx2)) {
+    return "nothing better than AVX2 here (CPU or build): the normal pass already runs on AVX2";
+  }
+  return "";
+#else
+  return "not an x86 CPU";
+#endif
+}
+
+std::string dispatched_target() {
+  const hwy::ChosenTarget& chosen = hwy::GetChosenTarget();
+  if (!chosen.IsInitialized()) return "none";
+  const size_t index = chosen.GetIndex();  // into a HWY_EXPORT table; the same in every TU
+  for (int64_t targets = HWY_TARGETS; targets != 0; targets &= targets - 1) {
+    const int64_t target = targets & -targets;
+    const int64_t bit = HWY_CHOSEN_TARGET_SHIFT(target);
+    const int64_t want = bit != 0 ? bit : HWY_CHOSEN_TARGET_MASK_SCALAR;  // EMU128 / SCALAR: the last entry
+    if (hwy::Num0BitsBelowLS1Bit_Nonzero64(static_cast<uint64_t>(want)) == index) return hwy::TargetName(target);
+  }
+  return "index " + std::to_string(index);
+}
 
 }  // namespace sdpa_test

@@ -161,6 +161,13 @@ enum class MaskShape {
   kKey,       // (Nk,): a key-padding mask
 };
 
+// Keys [begin, end) blocked by the mask (bool false, additive -inf) on top of its random fill:
+// in every row of a mask without a query dim (kHeadKey, kKey), in query rows i < rows (every
+// row when rows < 0) of one with (kFull, kQueryKey). E.g. {128, 256} blocks a whole key tile.
+struct KeyBlock {
+  int64_t begin = 0, end = 0, rows = -1;
+};
+
 struct Case {
   std::string name = "";  // a valid GoogleTest name, set by sweep_cases()
   int rank = 4;      // 2 drops B and H, 3 drops B
@@ -172,16 +179,39 @@ struct Case {
   sdpa::Window window = {};
   std::optional<double> scale = std::nullopt;
   Layout layout = Layout::kContiguous;  // of every input and output
+  KeyBlock blocked = {};                // needs a mask
 };
 
 std::vector<Case> sweep_cases();
 // Random inputs for the case: q, k, v normal; masks with density 0.7 and, when they have 8
-// rows or more, 10% of rows fully blocked.
+// rows or more, 10% of rows fully blocked; then c.blocked.
 // Seeded from the case name, so each case always sees the same data.
 Tensors make_inputs(const Case& c);
 sdpa::Options options(const Case& c, sdpa::Backend backend);
 // B * Hq * Nq * Nk * (Dk + Dv): the multiply-adds of one materialising call.
 int64_t work(const Case& c);
 void PrintTo(const Case& c, std::ostream* os);  // GoogleTest prints the name, not the bytes
+
+// ---- SIMD targets ----
+//
+// The fused kernel is compiled for every Highway target and dispatched to the best one the CPU
+// has. The product's target machine has AVX2 but no AVX-512, so on a machine with AVX-512 the
+// sweeps run a second time with AVX-512 disabled.
+
+// While alive, Highway's dispatch may pick nothing better than AVX2 (hwy::DisableTargets of the
+// AVX-512 targets, as `sdpa bench --no-avx512` does); the destructor enables every target again.
+class Avx2Only {
+ public:
+  Avx2Only();
+  ~Avx2Only();
+  Avx2Only(const Avx2Only&) = delete;
+  Avx2Only& operator=(const Avx2Only&) = delete;
+};
+// Why an AVX2-only pass would add nothing here ("" when it is worth running): the CPU lacks
+// AVX2, or lacks AVX-512 (then the normal pass already runs on AVX2 or less).
+std::string avx2_pass_skip_reason();
+// The target the last HWY_DYNAMIC_DISPATCH chose (Highway's name for it, e.g. "AVX2"; "none"
+// when nothing has been dispatched since the targets last changed).
+std::string dispatched_target();
 
 }  // namespace sdpa_test

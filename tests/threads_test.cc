@@ -1,12 +1,14 @@
 // Bitwise equality of every output across thread counts (1, 2, 3) and across calls, for each
 // way the fused kernel cuts work: many-row blocks, few-row (decode) blocks, key chunks merged
-// by lse, GQA, causal, masks, weights, dropout; and of the backward's gradients (its key-block
-// and query-block passes), with and without dropout. Also the program the ThreadSanitizer
-// build runs.
+// by lse (decode and prefill), blocks grouped over long K/V, GQA, causal, windows, bool,
+// additive and key-padding masks, weights, dropout; and of the backward's gradients (its
+// key-block and query-block passes), with and without dropout. Also the program the
+// ThreadSanitizer build runs.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <ostream>
 #include <random>
 #include <string>
@@ -33,6 +35,10 @@ std::vector<uint8_t> bytes(const std::vector<T>& x) {
 
 // ---- Forward ----
 
+// What `mask` means: a (Nq, Nk) bool mask, a (Nq, Nk) additive one (normal values, a quarter
+// -inf), or a key-padding bool mask of shape (Nk,) or (B, 1, 1, Nk).
+enum class MaskForm { kBoolQueryKey, kAdditiveQueryKey, kBoolKey, kBoolBatchKey };
+
 struct Shape {
   const char* name;
   int64_t B, Hq, Hkv, Nq, Nk, D;
@@ -40,6 +46,8 @@ struct Shape {
   bool mask, weights;
   double dropout_p = 0;
   bool f64 = false;
+  sdpa::Window window = {};
+  MaskForm mask_form = MaskForm::kBoolQueryKey;
 };
 
 struct Result {
@@ -56,6 +64,11 @@ Result run_as(const Shape& s, int threads) {
     for (T& x : *t) x = normal(rng);
   std::vector<uint8_t> mask(s.Nq * s.Nk);
   for (auto& m : mask) m = rng() % 4 != 0;
+  std::vector<T> bias(s.Nq * s.Nk);  // the additive mask
+  for (T& b : bias) b = rng() % 4 != 0 ? normal(rng) : -std::numeric_limits<T>::infinity();
+  std::vector<uint8_t> keys(s.B * s.Nk);  // the key-padding masks: the last keys of each batch entry
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t j = 0; j < s.Nk; ++j) keys[b * s.Nk + j] = j < s.Nk - 37 * (b + 1) && rng() % 8 != 0;
   std::vector<T> out(s.B * s.Hq * s.Nq * s.D), lse(s.B * s.Hq * s.Nq), weights;
   if (s.weights) weights.resize(s.B * s.Hq * s.Nq * s.Nk);
 
@@ -63,13 +76,25 @@ Result run_as(const Shape& s, int threads) {
   in.q = sdpa::TensorView::contiguous(q.data(), dt, {s.B, s.Hq, s.Nq, s.D});
   in.k = sdpa::TensorView::contiguous(k.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
   in.v = sdpa::TensorView::contiguous(v.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
-  if (s.mask) in.mask = sdpa::TensorView::contiguous(mask.data(), sdpa::DType::kBool, {s.Nq, s.Nk});
+  if (s.mask) {
+    switch (s.mask_form) {
+      case MaskForm::kBoolQueryKey:
+        in.mask = sdpa::TensorView::contiguous(mask.data(), sdpa::DType::kBool, {s.Nq, s.Nk});
+        break;
+      case MaskForm::kAdditiveQueryKey: in.mask = sdpa::TensorView::contiguous(bias.data(), dt, {s.Nq, s.Nk}); break;
+      case MaskForm::kBoolKey: in.mask = sdpa::TensorView::contiguous(keys.data(), sdpa::DType::kBool, {s.Nk}); break;
+      case MaskForm::kBoolBatchKey:
+        in.mask = sdpa::TensorView::contiguous(keys.data(), sdpa::DType::kBool, {s.B, 1, 1, s.Nk});
+        break;
+    }
+  }
   sdpa::Outputs outs;
   outs.out = sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.D});
   outs.lse = sdpa::TensorView::contiguous(lse.data(), dt, {s.B, s.Hq, s.Nq});
   if (s.weights) outs.weights = sdpa::TensorView::contiguous(weights.data(), dt, {s.B, s.Hq, s.Nq, s.Nk});
   sdpa::Options opt;
   opt.causal = s.causal;
+  opt.window = s.window;
   opt.dropout_p = s.dropout_p;
   opt.seed = kSeed;
   sdpa::set_num_threads(threads);
@@ -112,7 +137,30 @@ INSTANTIATE_TEST_SUITE_P(
                     Shape{"decode_split_keys_dropout", 1, 2, 1, 1, 5000, 64, sdpa::Causal::kNone, false, false, 0.2},
                     Shape{"decode_split_keys_mask_weights_dropout_f64", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft,
                           true, true, 0.4, true},
-                    Shape{"many_heads_dropout", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false, 0.7}),
+                    Shape{"many_heads_dropout", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false, 0.7},
+                    // K and V of a head over 512 KiB (1100 keys · (64 + 64) · 4 bytes): blocks are
+                    // swept in groups of up to 4, fewer when there are few blocks per thread (with
+                    // 32-row blocks, the 12 blocks of the second are grouped by 4 for one thread and
+                    // by 2 for two or three).
+                    Shape{"grouped_blocks", 1, 2, 1, 400, 1100, 64, sdpa::Causal::kNone, false, false},
+                    Shape{"grouped_blocks_causal_mask", 1, 1, 1, 384, 1100, 64, sdpa::Causal::kBottomRight, true,
+                          false},
+                    Shape{"prefill_window", 2, 4, 2, 97, 300, 32, sdpa::Causal::kNone, false, false, 0, false,
+                          {64, 16}},
+                    Shape{"prefill_window_causal_weights_f64", 1, 2, 1, 70, 260, 16, sdpa::Causal::kBottomRight, false,
+                          true, 0, true, {100, -1}},
+                    Shape{"prefill_additive_mask_weights", 1, 2, 1, 70, 260, 16, sdpa::Causal::kNone, true, true, 0,
+                          false, {}, MaskForm::kAdditiveQueryKey},
+                    Shape{"prefill_key_padding", 2, 4, 2, 97, 300, 32, sdpa::Causal::kNone, true, false, 0, false, {},
+                          MaskForm::kBoolKey},
+                    Shape{"prefill_batch_key_padding_f64", 3, 2, 1, 40, 200, 16, sdpa::Causal::kTopLeft, true, false,
+                          0, true, {}, MaskForm::kBoolBatchKey},
+                    // Many rows against > 2048 keys in few blocks: keys split into chunks (prefill).
+                    Shape{"chunked_prefill", 1, 1, 1, 100, 4100, 32, sdpa::Causal::kBottomRight, false, false},
+                    Shape{"chunked_prefill_window_key_padding_weights", 1, 2, 1, 60, 4100, 16, sdpa::Causal::kNone,
+                          true, true, 0, false, {600, 0}, MaskForm::kBoolBatchKey},
+                    Shape{"chunked_prefill_additive_mask_f64", 1, 1, 1, 100, 3000, 16, sdpa::Causal::kTopLeft, true,
+                          false, 0, true, {}, MaskForm::kAdditiveQueryKey}),
     [](const testing::TestParamInfo<Shape>& info) { return std::string(info.param.name); });
 
 // ---- Backward ----
