@@ -4,7 +4,8 @@
 // here lanes run along the features instead:
 //   scores  s[r][j] = Σ_lanes q_r[d..d+N) · k_j[d..d+N)     (one horizontal sum per key)
 //   output  o_r[e..e+N) += p[r][j] · v_j[e..e+N)             (rows of V loaded once per key)
-// K and V rows are each read once per group of kDecodeRows rows: the kernel streams memory.
+// K and V rows are each read once per block (up to kDecodeMaxRows rows, e.g. all query heads of
+// a GQA group): the kernel streams memory.
 // It produces the same (ot, m, l) as RunBlock, so finishing and chunk merging are shared.
 
 #if defined(SDPA_FLASH_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -27,7 +28,19 @@ HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-inline constexpr int64_t kDecodeRows = 4;  // rows sharing one pass over a K/V tile
+// Vector registers of this target: AVX-512 (and the AVX3 family) has 32, AVX2 and SSE 16.
+// Other architectures are counted as 16, which only makes DecodeValues more conservative.
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+inline constexpr int64_t kVectorRegisters = 32;
+#else
+inline constexpr int64_t kVectorRegisters = 16;
+#endif
+
+// Feature vectors per DecodeValues call for R rows: 4, 2 or 1, the most that keep its R·C
+// accumulators and C value vectors in registers (AVX2: 4 up to three rows, 2 up to seven;
+// AVX-512: 4 up to seven rows).
+template <int64_t R>
+inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R + 1) * 2 <= kVectorRegisters ? 2 : 1;
 
 // s[r][j] for keys [j0, j0 + n): scaled dot products (q is pre-scaled), then causal/window
 // edges and the mask; the row is padded with -inf to whole vectors. Each score depends only on
@@ -51,14 +64,14 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
     for (int64_t c = 0; c < p.Dk; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(kj + kTileKeys * ks + c);
     for (int64_t c = 0; c < p.Dv; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(vj + c);
     V acc[R];
-#pragma GCC unroll 4  // fully unrolled, the accumulators stay in registers
+#pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
     for (int64_t c = 0; c < dk_full; c += N) {
       const V kv = hn::LoadU(d, kj + c);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
       for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj[c];
@@ -152,9 +165,10 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
       for (int64_t r = 0; r < R; ++r)
         for (int64_t j = 0; j < n; ++j) st[r * kTileKeys + j] *= p.dropout.factor<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j);
     }
-    // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of 4 (then 1) vectors of features.
+    // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of C (then 1) vectors of features.
+    constexpr int64_t C = kDecodeChunk<R>;
     int64_t e0 = 0;
-    for (; e0 + 4 * N <= dv_full; e0 += 4 * N) DecodeValues<R, 4>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
+    for (; e0 + C * N <= dv_full; e0 += C * N) DecodeValues<R, C>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
     for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
     for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
       for (int64_t e = dv_full; e < p.Dv; ++e) {
@@ -191,9 +205,9 @@ void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* l
   }
 }
 
-// Whole block with the few-rows kernel, in groups of kDecodeRows rows. Without weights it
-// leaves (ot, m, l) in RunBlock's layout; with weights it reads the final m, l (per lane)
-// and writes the weights.
+// Whole block with the few-rows kernel, all its rows (at most kDecodeMaxRows) in one pass over
+// K and V. Without weights it leaves (ot, m, l) in RunBlock's layout; with weights it reads
+// the final m, l (per lane) and writes the weights.
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                  bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
@@ -201,33 +215,33 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
   const T scale = static_cast<T>(p.scale);
-  for (int64_t r0 = 0; r0 < blk.rows; r0 += kDecodeRows) {
-    // The visited keys of just these rows; pack their queries pre-scaled and zero-padded.
-    BlockRows sub = blk;
-    sub.r0 = blk.r0 + r0;
-    sub.rows = std::min(kDecodeRows, blk.rows - r0);
-    const LaneSpan span = describe_lanes(p, sub, key_begin, key_end, lanes + r0);
-    std::fill(qbuf, qbuf + sub.rows * dkp, T(0));
-    for (int64_t r = 0; r < sub.rows; ++r) {
-      const T* q = p.q.at<T>(blk.b, lanes[r0 + r].h, lanes[r0 + r].i);
-      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
+  // The visited keys of the block's rows; pack their queries pre-scaled and zero-padded.
+  const LaneSpan span = describe_lanes(p, blk, key_begin, key_end, lanes);
+  std::fill(qbuf, qbuf + blk.rows * dkp, T(0));
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    const T* q = p.q.at<T>(blk.b, lanes[r].h, lanes[r].i);
+    for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
+  }
+  const auto rows = [&](auto r_const) {
+    constexpr int64_t R = decltype(r_const)::value;
+    if (weights) {
+      DecodeWeights<R>(d, p, blk, lanes, span, qbuf, dkp, st, m, l);
+      return;
     }
-    const auto rows = [&](auto r_const) {
-      constexpr int64_t R = decltype(r_const)::value;
-      if (weights) {
-        DecodeWeights<R>(d, p, sub, lanes + r0, span, qbuf, dkp, st, m + r0, l + r0);
-        return;
-      }
-      DecodeRows<R>(d, p, sub, lanes + r0, span, qbuf, dkp, obuf, dvp, st, m + r0, l + r0);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r0 + r] = obuf[r * dvp + e];
-    };
-    switch (sub.rows) {
-      case 1: rows(std::integral_constant<int64_t, 1>{}); break;
-      case 2: rows(std::integral_constant<int64_t, 2>{}); break;
-      case 3: rows(std::integral_constant<int64_t, 3>{}); break;
-      default: rows(std::integral_constant<int64_t, 4>{}); break;
-    }
+    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l);
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];
+  };
+  static_assert(kDecodeMaxRows == 8, "one case per row count below");
+  switch (blk.rows) {
+    case 1: rows(std::integral_constant<int64_t, 1>{}); break;
+    case 2: rows(std::integral_constant<int64_t, 2>{}); break;
+    case 3: rows(std::integral_constant<int64_t, 3>{}); break;
+    case 4: rows(std::integral_constant<int64_t, 4>{}); break;
+    case 5: rows(std::integral_constant<int64_t, 5>{}); break;
+    case 6: rows(std::integral_constant<int64_t, 6>{}); break;
+    case 7: rows(std::integral_constant<int64_t, 7>{}); break;
+    default: rows(std::integral_constant<int64_t, 8>{}); break;
   }
 }
 

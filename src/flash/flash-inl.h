@@ -60,8 +60,8 @@ struct Scratch {
         ot(hwy::AllocateAligned<T>(std::max<size_t>(1, group * Dv * mq))),
         m(hwy::AllocateAligned<T>(group * mq)),
         l(hwy::AllocateAligned<T>(group * mq)),
-        decode_q(hwy::AllocateAligned<T>(kDecodeRows * (p.Dk + lanes_per_vector))),
-        decode_o(hwy::AllocateAligned<T>(kDecodeRows * (p.Dv + lanes_per_vector))),
+        decode_q(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dk + lanes_per_vector))),
+        decode_o(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
     return {BlockRows{}, LaneSpan{}, qt.get() + g * Dk * mq, ot.get() + g * Dv * mq, m.get() + g * mq,
