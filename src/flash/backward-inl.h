@@ -87,11 +87,13 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   V ones[QV];
   for (size_t q = 0; q < QV; ++q) ones[q] = hn::Set(d, T(1));
 
+  // Only rows in [rows.first, rows.last) can see a key of the block (causal and windows).
+  const RowInterval rows = rows_seeing_keys(p, j0, j0 + nk);
   for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
-    for (int64_t i0 = 0; i0 < p.Nq; i0 += kTileKeys) {
+    for (int64_t i0 = rows.first; i0 < rows.last; i0 += kTileKeys) {
       // Rows of this tile that see any key of the block; the others contribute nothing.
       int64_t first = -1, last = -1;
-      for (int64_t i = i0; i < std::min(p.Nq, i0 + kTileKeys); ++i) {
+      for (int64_t i = i0; i < std::min(rows.last, i0 + kTileKeys); ++i) {
         const KeyRange kr = p.key_range(i);
         if (std::max(kr.begin, j0) < std::min(kr.end, j0 + nk) && rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
           if (first < 0) first = i;
