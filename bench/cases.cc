@@ -8,8 +8,31 @@
 
 namespace sdpa::bench {
 
+bool has_window(const BenchCase& c) { return c.window.left >= 0 || c.window.right >= 0; }
+
+namespace {
+
+// The (i, j) pairs that causal and the window allow: the header's rules, summed row by row.
+double allowed_pairs(const BenchCase& c) {
+  double pairs = 0;
+  for (int64_t i = 0; i < c.Nq; ++i) {
+    const int64_t aligned = i + c.Nk - c.Nq;  // i aligned bottom-right
+    int64_t begin = 0, end = c.Nk;
+    if (c.causal == Causal::kBottomRight) end = std::min(end, aligned + 1);
+    if (c.causal == Causal::kTopLeft) end = std::min(end, i + 1);
+    if (c.window.right >= 0) end = std::min(end, aligned + c.window.right + 1);
+    if (c.window.left >= 0) begin = std::max(begin, aligned - c.window.left);
+    pairs += static_cast<double>(std::max<int64_t>(0, end - begin));
+  }
+  return pairs;
+}
+
+}  // namespace
+
 double flop_count(const BenchCase& c) {
-  const double f = (c.backward ? 10.0 : 4.0) * c.B * c.Hq * c.Nq * c.Nk * c.D;
+  const double per_pair = (c.backward ? 10.0 : 4.0) * c.B * c.Hq * c.D;
+  if (has_window(c)) return per_pair * allowed_pairs(c);
+  const double f = per_pair * c.Nq * c.Nk;
   return c.causal == Causal::kNone ? f : f / 2;
 }
 
@@ -20,6 +43,10 @@ bool is_decode(const BenchCase& c) { return c.Nq * (c.Hq / std::max<int64_t>(c.H
 std::vector<BenchCase> default_cases() {
   const auto backward = [](BenchCase c) {
     c.backward = true;
+    return c;
+  };
+  const auto windowed = [](BenchCase c) {
+    c.window = {255, 0};  // with causal: the row's own key and the 255 before it
     return c;
   };
   const auto prefill = [](std::string name, int64_t N, int64_t D, Causal causal = Causal::kNone,
@@ -36,10 +63,14 @@ std::vector<BenchCase> default_cases() {
       prefill("prefill d64 key padding", 2048, 64, Causal::kNone, MaskKind::kKeyPadding),
       prefill("prefill d64 gqa 8:2", 2048, 64, Causal::kNone, MaskKind::kNone, 2),
       BenchCase{"decode gqa 32:8 d128", 1, 32, 8, 1, 32768, 128},
+      BenchCase{"decode gqa 64:8 d128", 1, 64, 8, 1, 32768, 128},
       BenchCase{"decode mha 8 d64 (4 tokens)", 1, 8, 8, 4, 16384, 64},
       backward(prefill("backward d64", 2048, 64)),
       backward(prefill("backward d64 causal", 2048, 64, Causal::kBottomRight)),
       backward(prefill("backward d128", 2048, 128)),
+      // A sliding window over a long sequence: time follows the 256 keys a row sees, not N.
+      windowed(prefill("prefill d64 window 256", 8192, 64, Causal::kBottomRight)),
+      backward(windowed(prefill("backward d64 window 256", 8192, 64, Causal::kBottomRight))),
   };
 }
 
@@ -96,6 +127,7 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   if (c.backward) {  // out and lse of these inputs, which the backward pass takes as given
     Options opt;
     opt.causal = c.causal;
+    opt.window = c.window;
     Outputs outs;
     outs.out = TensorView::contiguous(out_.data(), c.dtype, {c.B, c.Hq, c.Nq, c.D});
     outs.lse = TensorView::contiguous(lse_.data(), c.dtype, {c.B, c.Hq, c.Nq});
@@ -121,6 +153,7 @@ Inputs CaseData::inputs() const {
 void CaseData::run(Backend backend) {
   Options opt;
   opt.causal = c_.causal;
+  opt.window = c_.window;
   opt.backend = backend;
   Outputs outs;
   outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});

@@ -24,11 +24,14 @@ struct BenchCase {
   Causal causal = Causal::kNone;
   DType dtype = DType::kFloat32;
   bool backward = false;  // time attention_backward (given out and lse) instead of attention
+  Window window = {};     // sliding window (left, right); -1 = unbounded
 };
 
 // Forward: 4·B·Hq·Nq·Nk·D (two products of 2·Nq·Nk·D flops per head). Backward:
 // 10·B·Hq·Nq·Nk·D (five products: q·kᵀ recomputed, dout·vᵀ, dv, dq, dk). Halved for causal.
+// With a window, Nq·Nk becomes the number of (i, j) pairs that causal and the window allow.
 double flop_count(const BenchCase& c);
+bool has_window(const BenchCase& c);
 // Bytes of K and V, which a decode step (small Nq) must stream from memory.
 double kv_bytes(const BenchCase& c);
 bool is_decode(const BenchCase& c);  // Nq·(Hq/Hkv) small: bandwidth, not flops, is the measure

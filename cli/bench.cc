@@ -92,16 +92,18 @@ void bench_command(const BenchOptions& options) {
   if (options.json) {
     std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"fma_peak_gflops\": %.2f, \"read_bandwidth_gbs\": %.2f,\n",
                 threads, target.c_str(), peak, bandwidth);
-    std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D (backward: 10*B*Hq*Nq*Nk*D), halved for causal\",\n \"cases\": [\n");
+    std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D (backward: 10*B*Hq*Nq*Nk*D), halved for causal; with a window, "
+                "Nq*Nk counts the (i, j) pairs it and causal allow\",\n \"cases\": [\n");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       std::printf(
           "  {\"name\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
-          "\"mask\": \"%s\", \"causal\": \"%s\", \"median_ms\": %.4f, \"gflops\": %.2f, \"peak_share\": %.4f, "
-          "\"kv_gbs\": %.2f, \"bandwidth_share\": %.4f}%s\n",
+          "\"mask\": \"%s\", \"causal\": \"%s\", \"window\": [%lld, %lld], \"median_ms\": %.4f, "
+          "\"gflops\": %.2f, \"peak_share\": %.4f, \"kv_gbs\": %.2f, \"bandwidth_share\": %.4f}%s\n",
           r.c.name.c_str(), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv, (long long)r.c.Nq,
-          (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), r.seconds * 1e3,
-          r.gflops, r.gflops / peak, r.kv_gbs, r.kv_gbs / bandwidth, i + 1 < rows.size() ? "," : "");
+          (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), (long long)r.c.window.left,
+          (long long)r.c.window.right, r.seconds * 1e3, r.gflops, r.gflops / peak, r.kv_gbs, r.kv_gbs / bandwidth,
+          i + 1 < rows.size() ? "," : "");
     }
     std::printf(" ]}\n");
     return;
@@ -112,6 +114,7 @@ void bench_command(const BenchOptions& options) {
               peak, bandwidth);
   std::printf(
       "GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (backward: 10*B*Hq*Nq*Nk*D), halved for causal;\n"
+      "  with a window, Nq*Nk counts the (i, j) pairs it and causal allow;\n"
       "KV GB/s = bytes of K and V / time\n\n");
   std::printf("%-28s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "B", "Hq", "Hkv", "Nq",
               "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
