@@ -114,18 +114,22 @@ HWY_INLINE void AccumulateValues(D d, const T* HWY_RESTRICT p, int64_t keys, siz
     for (size_t q = 0; q < QV; ++q) hn::Store(acc[e][q], d, ot + e * mq + q * N);
 }
 
-// Register blocking: 12 accumulators + QV loads + 1 broadcast fit AVX2's 16 registers.
+// Register blocking: KB·QV accumulators + QV loads + 1 broadcast within the target's vector
+// registers: 12 (QV = 2) or 8 (QV = 1) accumulators of AVX2's 16, twice that of AVX-512's 32.
 template <size_t QV>
-constexpr size_t kBlockRows = QV == 1 ? 8 : 12 / QV;
+constexpr size_t kBlockRows = (kVectorRegisters >= 32 ? 2 : 1) * (QV == 1 ? 8 : 12 / QV);
 
 // out[j][lane] = Σ_c rows[j][c] · xt[c][lane] for n rows (rows[j] at rows + j·stride): the
 // scores q·kᵀ (xt = queries, rows = keys), and in the backward pass dout·vᵀ and the like.
+// The rows left over after whole blocks of KB go in blocks of 4, 2 and 1.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void OuterScores(D d, const T* HWY_RESTRICT xt, size_t mq, const T* HWY_RESTRICT rows, int64_t stride,
                             int64_t depth, int64_t n, T* HWY_RESTRICT out) {
   constexpr size_t KB = kBlockRows<QV>;
   int64_t j = 0;
   for (; j + static_cast<int64_t>(KB) <= n; j += KB) ScoreKeys<KB, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
+  for (; j + 4 <= n; j += 4) ScoreKeys<4, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
+  for (; j + 2 <= n; j += 2) ScoreKeys<2, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
   for (; j < n; ++j) ScoreKeys<1, QV>(d, xt, mq, rows + j * stride, stride, depth, out + j * mq);
 }
 
@@ -138,6 +142,10 @@ HWY_INLINE void OuterAccumulate(D d, const T* HWY_RESTRICT p, int64_t n, size_t 
   int64_t e = 0;
   for (; e + static_cast<int64_t>(EB) <= width; e += EB)
     AccumulateValues<EB, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
+  // The columns left over in blocks of 4, 2 and 1: each block re-reads the whole p tile, so a
+  // column at a time would be load-bound (D = 64 with EB = 6 leaves 4 columns).
+  for (; e + 4 <= width; e += 4) AccumulateValues<4, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
+  for (; e + 2 <= width; e += 2) AccumulateValues<2, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
   for (; e < width; ++e) AccumulateValues<1, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
 }
 
