@@ -2,7 +2,11 @@
 """sdpa against NumPy float32 attention and PyTorch's scaled_dot_product_attention, in one
 process, on the same threads. GFLOP/s = 4·B·Hq·Nq·Nk·D / time (halved for causal).
 
-    .venv/bin/python bench/compare.py [--threads 2] [--reps 5]
+    .venv/bin/python bench/compare.py [--threads 2] [--reps 5] [--no-avx512]
+
+--no-avx512 caps every library at AVX2, as on a CPU without AVX-512 (the project's reference
+machine, a Zen 3): sdpa through Highway, torch through ATEN_CPU_CAPABILITY, MKL and oneDNN
+through their own variables, NumPy's OpenBLAS through OPENBLAS_CORETYPE.
 
 torch is optional (.venv/bin/pip install torch: the default PyPI wheel, as in README.md); without
 it its column says "n/a"."""
@@ -17,6 +21,7 @@ def parse():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-avx512", action="store_true", help="cap sdpa, torch and NumPy at AVX2")
     return ap.parse_args()
 
 
@@ -24,6 +29,9 @@ args = parse()
 # Thread pools read these at import: set them before numpy/torch load.
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = str(args.threads)
+if args.no_avx512:
+    os.environ.update(ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2",
+                      OPENBLAS_CORETYPE="Haswell")
 
 import numpy as np  # noqa: E402
 
@@ -37,6 +45,8 @@ except ImportError:
     torch = None
 
 sdpa.set_num_threads(args.threads)
+if args.no_avx512:
+    sdpa._core._limit_simd_to_avx2(True)
 
 
 def numpy_attention(q, k, v, causal):
@@ -103,7 +113,10 @@ def forward_backward(rng):
 def main():
     rng = np.random.default_rng(0)
     print(f"threads={args.threads}  sdpa {sdpa.__version__}  numpy {np.__version__}  "
-          f"torch {torch.__version__ if torch else 'not installed'}")
+          f"torch {torch.__version__ if torch else 'not installed'}"
+          f"{'  (all capped at AVX2)' if args.no_avx512 else ''}")
+    if torch is not None:
+        print(f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}")
     print("GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal)")
     head = f"{'case':34} {'sdpa':>9} {'numpy':>9} {'torch':>9} {'sdpa/numpy':>11} {'sdpa/torch':>11}"
     print(head)

@@ -7,6 +7,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include "hwy/targets.h"
 #include "sdpa/attention.h"
 
 namespace nb = nanobind;
@@ -115,4 +116,13 @@ NB_MODULE(_core, m) {
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);
+  // For benchmarks (bench/compare.py --no-avx512): dispatch to AVX2 at most, as on a CPU
+  // without AVX-512, or (False) to the best target again. Results are the same either way.
+  m.def("_limit_simd_to_avx2", [](bool on) {
+#if HWY_ARCH_X86
+    hwy::DisableTargets(on ? HWY_AVX2 - 1 : 0);  // HWY_AVX2 - 1: every x86 target above AVX2
+#else
+    (void)on;
+#endif
+  }, nb::arg("on"));
 }
