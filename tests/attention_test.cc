@@ -18,7 +18,7 @@
 namespace sdpa {
 // GoogleTest prints parameters in test names: a backend by its name, not its byte.
 void PrintTo(Backend b, std::ostream* os) {
-  *os << (b == Backend::kAuto ? "Auto" : b == Backend::kFlash ? "Flash" : b == Backend::kNaive ? "Naive" : "Reference");
+  *os << sdpa_test::backend_name(b);
 }
 }  // namespace sdpa
 
@@ -28,12 +28,7 @@ using namespace sdpa_test;
 using sdpa::Backend;
 using sdpa::Causal;
 
-constexpr DType kF32 = DType::kFloat32;
-constexpr DType kF64 = DType::kFloat64;
 constexpr DType kDTypes[] = {kF32, kF64};
-constexpr double kInf = std::numeric_limits<double>::infinity();
-
-double eps(DType dtype) { return dtype == kF32 ? FLT_EPSILON : DBL_EPSILON; }
 
 Tensors qkv(GuardedTensor q, GuardedTensor k, GuardedTensor v, std::optional<GuardedTensor> mask = std::nullopt) {
   return {std::move(q), std::move(k), std::move(v), std::move(mask)};

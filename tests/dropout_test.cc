@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "sdpa/attention.h"
+#include "backward_util.h"
 #include "test_util.h"
 // src/: the generator itself, for its known-answer test only (tests/CMakeLists.txt gives this
 // test, and only this one, src/ on its include path). Everything else uses the public API.
@@ -37,14 +38,7 @@ using namespace sdpa_test;
 using sdpa::Backend;
 using sdpa::Causal;
 
-constexpr DType kF32 = DType::kFloat32;
-constexpr DType kF64 = DType::kFloat64;
-constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-const char* backend_name(Backend b) {
-  return b == Backend::kAuto ? "Auto" : b == Backend::kFlash ? "Flash" : b == Backend::kNaive ? "Naive" : "Reference";
-}
 
 sdpa::Options with_dropout(sdpa::Options o, double p, uint64_t seed) {
   o.dropout_p = p;
@@ -53,19 +47,6 @@ sdpa::Options with_dropout(sdpa::Options o, double p, uint64_t seed) {
 }
 
 std::vector<int64_t> last(int rank, std::vector<int64_t> full) { return {full.end() - rank, full.end()}; }
-
-// The weights' shape for t: (Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk).
-std::vector<int64_t> weights_shape(const Tensors& t) {
-  const Dims d = dims_of(t);
-  return last(t.q.rank(), {d.B, d.Hq, d.Nq, d.Nk});
-}
-
-// dropout_mask for t's weights: 1 = kept, 0 = dropped, in C order (b, h, i, j).
-std::vector<double> keep_mask(const Tensors& t, double p, uint64_t seed) {
-  GuardedTensor m(DType::kBool, weights_shape(t));
-  sdpa::dropout_mask(p, seed, m.view());
-  return m.values();
-}
 
 bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
   if (a.size() != b.size()) return false;
@@ -139,63 +120,6 @@ sdpa::Options case_options(const DropoutCase& dc, Backend backend) {
   return with_dropout(options(dc.c, backend), dc.p, dc.seed);
 }
 
-// ---- The tolerance rule, with dropout ----
-//
-// test_util's matches_reference: tol = factor · (max error of kNaive against kReference) +
-// floor, per output. Its floor for out, 4 eps max|v|, rests on |out| <= max|v| (each row a convex
-// combination of v rows). Dropout scales the kept weights by 1 / (1 - p), so |out| <= max|v| /
-// (1 - p), and the floor must scale with it: with p = 0.9 a float64 out of 12 from v within ±3.3
-// got 0.4 ulp of floor and a correct kernel failed by 2 ulp. This is matches_reference with that
-// one change (weights and lse: unchanged, dropout does not touch them); at p = 0 it is
-// matches_reference exactly. TODO: make the change in test_util.cc and use it from here.
-testing::AssertionResult max_error(const char* what, const std::vector<double>& a, const std::vector<double>& b,
-                                   double& err) {
-  if (a.size() != b.size()) return testing::AssertionFailure() << what << ": sizes differ";
-  for (size_t n = 0; n < a.size(); ++n) {
-    if (std::isfinite(a[n]) && std::isfinite(b[n])) {
-      err = std::max(err, std::abs(a[n] - b[n]));
-    } else if (!(a[n] == b[n])) {
-      return testing::AssertionFailure() << what << "[" << n << "]: kNaive gives " << a[n] << " but kReference " << b[n];
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-testing::AssertionResult matches_reference_with_dropout(const Tensors& t, const sdpa::Options& options,
-                                                        const Outs& got) {
-  auto measure = [&](const Tensors& in, double scale, Values& ref, double (&err)[3]) {
-    sdpa::Options o = options;
-    o.backend = Backend::kReference;
-    ref = values(run(in, o));
-    o.backend = Backend::kNaive;
-    const Values naive = values(run(in, o));
-    double e[3] = {0, 0, 0};
-    if (auto r = max_error("out", naive.out, ref.out, e[0]); !r) return r;
-    if (auto r = max_error("weights", naive.weights, ref.weights, e[1]); !r) return r;
-    if (auto r = max_error("lse", naive.lse, ref.lse, e[2]); !r) return r;
-    for (int n = 0; n < 3; ++n) err[n] = std::max(err[n], e[n] * scale);
-    return testing::AssertionSuccess();
-  };
-  const DType dtype = t.q.dtype();
-  Values ref, ref32;
-  double err[3] = {0, 0, 0};
-  if (auto r = measure(t, 1.0, ref, err); !r) return r;
-  double factor = 2;
-  if (dtype == kF64) {
-    if (auto r = measure(t.converted(kF32), DBL_EPSILON / FLT_EPSILON, ref32, err); !r) return r;
-    factor = 3;
-  }
-  const Values g = values(got);
-  const double e = eps(dtype);
-  const double out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p);  // the one change
-  if (auto r = all_close("out", g.out, ref.out, factor * err[0] + 4 * e * out_max); !r) return r;
-  if (got.weights) {
-    if (auto r = all_close("weights", g.weights, ref.weights, factor * err[1] + 4 * e); !r) return r;
-  }
-  if (got.lse) return all_close("lse", g.lse, ref.lse, factor * err[2] + 4 * e * (1 + max_abs_finite(ref.lse)));
-  return testing::AssertionSuccess();
-}
-
 // ---- Forward: kFlash and kAuto against kReference, the same dropout_p and seed ----
 
 class DropoutForward : public testing::TestWithParam<DropoutCase> {};
@@ -211,7 +135,7 @@ TEST_P(DropoutForward, FlashAndAutoMatchReference) {
     EXPECT_TRUE(got.guards_intact());
     for (const GuardedTensor* in : {&t.q, &t.k, &t.v}) EXPECT_TRUE(in->guards_intact());
     EXPECT_TRUE(blocked_are_exact(t, o, got));
-    EXPECT_TRUE(matches_reference_with_dropout(t, o, got));
+    EXPECT_TRUE(matches_reference(t, o, got));
     // The header: weights show the softmax before dropout and lse is unaffected; only out changes.
     const Values plain = values(run(t, options(dc.c, backend), dc.c.layout));
     const Values g = values(got);
@@ -313,6 +237,8 @@ Tensors one_hot_values(DType dt, int rank, int64_t B, int64_t Hq, int64_t Hkv, i
   return t;
 }
 
+// A shape of the decision tests (forward: one-hot values; backward: one-hot dout), its dropout_p
+// and seed.
 struct OneHotCase {
   const char* name;
   int rank;
@@ -371,198 +297,8 @@ TEST(DropoutDecisions, ForwardDropsExactlyTheMaskedWeightsInEveryBackend) {
 
 // ---- Backward: one problem, the tolerance rule of backward_test.cc ----
 //
-// Problem, Grads and the tolerance rule below are backward_test.cc's (which keeps them in its
-// own anonymous namespace), with the dropout factor z in the cancellation term.
-
-struct Problem {
-  Tensors t;
-  GuardedTensor out, lse, dout;
-
-  Problem converted(DType dtype) const {
-    return {t.converted(dtype), out.converted(dtype, out.layout()), lse.converted(dtype, lse.layout()),
-            dout.converted(dtype, dout.layout())};
-  }
-};
-
-// out and lse from kAuto with `options` (dropout included, as a caller chains the two calls);
-// dout normal, or set by the caller.
-Problem make_problem(Tensors t, sdpa::Options options, Layout layout, uint32_t seed) {
-  const DType dt = t.q.dtype();
-  std::vector<int64_t> os = t.q.shape(), ls = t.q.shape();
-  os.back() = t.v.shape().back();
-  ls.pop_back();
-  Problem p{std::move(t), GuardedTensor(dt, os, layout), GuardedTensor(dt, ls, layout, false),
-            GuardedTensor(dt, os, layout)};
-  options.backend = Backend::kAuto;
-  sdpa::Outputs outs;
-  outs.out = p.out.view();
-  outs.lse = p.lse.view();
-  sdpa::attention(p.t.inputs(), outs, options);
-  std::mt19937 rng(seed);
-  fill_normal(p.dout, rng);
-  return p;
-}
-
-struct Grads {
-  GuardedTensor dq, dk, dv;
-  sdpa::Gradients gradients() const { return {dq.view(), dk.view(), dv.view()}; }
-  testing::AssertionResult guards_intact() const {
-    if (auto r = dq.guards_intact(); !r) return r << " (dq)";
-    if (auto r = dk.guards_intact(); !r) return r << " (dk)";
-    if (auto r = dv.guards_intact(); !r) return r << " (dv)";
-    return testing::AssertionSuccess();
-  }
-  bool untouched() const { return dq.untouched() && dk.untouched() && dv.untouched(); }
-};
-
-Grads empty_grads(const Tensors& t, Layout layout) {
-  const DType dt = t.q.dtype();
-  return {GuardedTensor(dt, t.q.shape(), layout), GuardedTensor(dt, t.k.shape(), layout),
-          GuardedTensor(dt, t.v.shape(), layout)};
-}
-
-Grads backward(const Problem& p, const sdpa::Options& options, Layout layout = Layout::kContiguous) {
-  Grads g = empty_grads(p.t, layout);
-  sdpa::attention_backward(p.t.inputs(), p.out.view(), p.lse.view(), p.dout.view(), g.gradients(), options);
-  return g;
-}
-
-struct GradValues {
-  std::vector<double> g[3];  // dq, dk, dv in C order
-};
-constexpr const char* kGradNames[3] = {"dq", "dk", "dv"};
-
-GradValues values(const Grads& g) { return {{g.dq.values(), g.dk.values(), g.dv.values()}}; }
-
-testing::AssertionResult bitwise_equal(const GradValues& a, const GradValues& b) {
-  for (int n = 0; n < 3; ++n) {
-    if (!same_bits(a.g[n], b.g[n])) return testing::AssertionFailure() << kGradNames[n] << " not bitwise equal";
-  }
-  return testing::AssertionSuccess();
-}
-
-testing::AssertionResult no_nan(const GradValues& v) {
-  for (int n = 0; n < 3; ++n) {
-    for (size_t x = 0; x < v.g[n].size(); ++x) {
-      if (!std::isfinite(v.g[n][x])) return testing::AssertionFailure() << kGradNames[n] << "[" << x << "] = " << v.g[n][x];
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-// Element-wise |got - want| <= tol; NaN and infinities always fail (gradients are finite).
-testing::AssertionResult all_near(const char* what, const std::vector<double>& got, const std::vector<double>& want,
-                                  double tol) {
-  if (got.size() != want.size()) {
-    return testing::AssertionFailure() << what << ": " << got.size() << " elements, want " << want.size();
-  }
-  size_t bad = 0, first = 0;
-  double worst = 0;
-  for (size_t n = 0; n < got.size(); ++n) {
-    const double err = std::abs(got[n] - want[n]);
-    if (!(err <= tol) && bad++ == 0) first = n;
-    if (std::isfinite(err)) worst = std::max(worst, err);
-  }
-  if (bad == 0) return testing::AssertionSuccess();
-  return testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; first ["
-                                     << first << "] got " << got[first] << ", want " << want[first]
-                                     << "; worst finite |diff| " << worst << ", tol " << tol;
-}
-
-// The rule of backward_test.cc: tol = factor · (max error of kNaive against kReference) +
-// eps · (4 max(1, max|ref|) + 2 max|lse| max|ref| + M), factor 2 (float32) or 3 (float64,
-// kNaive's error measured in float32 and scaled by DBL_EPSILON / FLT_EPSILON); M the size of
-// the terms that cancel in dS = P (z dP - D), here with the dropout factor z.
-struct Expected {
-  GradValues ref;
-  double tol[3] = {0, 0, 0};
-};
-
-testing::AssertionResult measure_naive(const Problem& p, const sdpa::Options& options, double scale, GradValues& ref,
-                                       double (&err)[3]) {
-  sdpa::Options o = options;
-  o.backend = Backend::kReference;
-  ref = values(backward(p, o));
-  o.backend = Backend::kNaive;
-  const GradValues naive = values(backward(p, o));
-  if (auto r = no_nan(ref); !r) return r << " (kReference)";
-  if (auto r = no_nan(naive); !r) return r << " (kNaive)";
-  for (int n = 0; n < 3; ++n) {
-    double e = 0;
-    for (size_t x = 0; x < ref.g[n].size(); ++x) e = std::max(e, std::abs(naive.g[n][x] - ref.g[n][x]));
-    err[n] = std::max(err[n], e * scale);
-  }
-  return testing::AssertionSuccess();
-}
-
-void cancellation_magnitudes(const Problem& p, const sdpa::Options& options, double (&M)[3]) {
-  const Dims d = dims_of(p.t);
-  sdpa::Options o = options;
-  o.backend = Backend::kReference;
-  const std::vector<double> w = run(p.t, o).weights->values();  // (B, Hq, Nq, Nk), before dropout
-  const std::vector<double> keep = keep_mask(p.t, o.dropout_p, o.seed.value_or(0));
-  const double zk = 1.0 / (1.0 - o.dropout_p);
-  const std::vector<double> dout = p.dout.values(), out = p.out.values();
-  const double scale = std::abs(o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0));
-  const std::vector<double> vv = p.t.v.values(), kk = p.t.k.values(), qq = p.t.q.values();
-  std::vector<double> kmax(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), qmax(static_cast<size_t>(d.B * d.Hq * d.Nq), 0.0);
-  for (size_t x = 0; x < kmax.size(); ++x)
-    for (int64_t c = 0; c < d.Dk; ++c) kmax[x] = std::max(kmax[x], std::abs(kk[x * d.Dk + c]));
-  for (size_t x = 0; x < qmax.size(); ++x)
-    for (int64_t c = 0; c < d.Dk; ++c) qmax[x] = std::max(qmax[x], std::abs(qq[x * d.Dk + c]));
-  double row_max = 0;
-  std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0);
-  for (int64_t bh = 0; bh < d.B * d.Hq; ++bh) {
-    const int64_t kv = bh / d.Hq * d.Hkv + bh % d.Hq / d.group;
-    for (int64_t i = 0; i < d.Nq; ++i) {
-      const int64_t row = bh * d.Nq + i;
-      double D = 0;
-      for (int64_t e = 0; e < d.Dv; ++e) D += dout[row * d.Dv + e] * out[row * d.Dv + e];
-      double sum = 0;
-      for (int64_t j = 0; j < d.Nk; ++j) {
-        const double pij = w[row * d.Nk + j];
-        if (pij == 0) continue;
-        double dp = 0;
-        for (int64_t e = 0; e < d.Dv; ++e) dp += dout[row * d.Dv + e] * vv[(kv * d.Nk + j) * d.Dv + e];
-        const double mag = pij * (std::abs(keep[row * d.Nk + j] * zk * dp) + std::abs(D));
-        sum += mag * kmax[kv * d.Nk + j];
-        col[kv * d.Nk + j] += mag * qmax[row];
-      }
-      row_max = std::max(row_max, sum);
-    }
-  }
-  M[0] = scale * row_max;
-  M[1] = scale * max_abs_finite(col);
-  M[2] = 0;
-}
-
-testing::AssertionResult expected(const Problem& p, const sdpa::Options& options, Expected& e) {
-  const DType dt = p.t.q.dtype();
-  double err[3] = {0, 0, 0};
-  if (auto r = measure_naive(p, options, 1.0, e.ref, err); !r) return r;
-  double factor = 2;
-  if (dt == kF64) {
-    GradValues ref32;
-    if (auto r = measure_naive(p.converted(kF32), options, DBL_EPSILON / FLT_EPSILON, ref32, err); !r) return r;
-    factor = 3;
-  }
-  const double lse_max = max_abs_finite(p.lse.values());
-  double M[3];
-  cancellation_magnitudes(p, options, M);
-  for (int n = 0; n < 3; ++n) {
-    const double ref_max = max_abs_finite(e.ref.g[n]);
-    e.tol[n] = factor * err[n] + eps(dt) * (4 * std::max(1.0, ref_max) + 2 * lse_max * ref_max + M[n]);
-  }
-  return testing::AssertionSuccess();
-}
-
-testing::AssertionResult matches(const Expected& e, const Grads& got) {
-  const GradValues g = values(got);
-  for (int n = 0; n < 3; ++n) {
-    if (auto r = all_near(kGradNames[n], g.g[n], e.ref.g[n], e.tol[n]); !r) return r;
-  }
-  return testing::AssertionSuccess();
-}
+// Problem, Grads and the tolerance rule (expected(), matches()) are backward_util's, shared with
+// backward_test.cc; the rule takes the dropout factor z from the options' dropout_p and seed.
 
 uint32_t dout_seed(const DropoutCase& dc) {
   uint32_t h = 2166136261u;  // FNV-1a of the name
@@ -613,50 +349,15 @@ TEST_P(DropoutBackward, FlashAndAutoMatchReference) {
 INSTANTIATE_TEST_SUITE_P(Table, DropoutBackward, testing::ValuesIn(backward_cases()),
                          [](const testing::TestParamInfo<DropoutCase>& info) { return info.param.c.name; });
 
-// kReference's backward against the maths with dropout written out here in float64, on
-// test_util's oracle weights P (before dropout) and z = keep / (1 - p) from dropout_mask:
-//   dv_j = Σ_i z_ij P_ij dout_i;  dP_ij = z_ij dout_i · v_j;  D_i = dout_i · out_i (out as given,
-//   dropout included);  dS = P (dP - D);  dq_i = scale Σ_j dS_ij k_j;  dk_j = scale Σ_i dS_ij q_i.
-// Tolerance as backward_test.cc's oracle check: both compute in float64 from the same values.
+// kReference's backward against the maths with dropout written out in float64 (backward_util's
+// backward_oracle: test_util's oracle weights P, before dropout, and z = keep / (1 - p) from
+// dropout_mask). Tolerance as backward_test.cc's oracle check: both compute in float64 from the
+// same values.
 TEST_P(DropoutBackward, ReferenceMatchesDropoutAppliedByHand) {
   const DropoutCase& dc = GetParam();
   const Problem p = make_case(dc);
-  const Tensors& t = p.t;
-  const Dims d = dims_of(t);
   const sdpa::Options o = case_options(dc, Backend::kReference);
-  const double scale = o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
-  const std::vector<double> w = oracle(t, o).weights;
-  const std::vector<double> keep = keep_mask(t, dc.p, dc.seed);
-  const double zk = 1.0 / (1.0 - dc.p);
-  GradValues want;
-  want.g[0].assign(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Dk), 0.0);
-  want.g[1].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dk), 0.0);
-  want.g[2].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dv), 0.0);
-  for (int64_t b = 0; b < d.B; ++b) {
-    for (int64_t h = 0; h < d.Hq; ++h) {
-      const int64_t kvh = h / d.group;
-      for (int64_t i = 0; i < d.Nq; ++i) {
-        const int64_t row = (b * d.Hq + h) * d.Nq + i;
-        double D = 0;
-        for (int64_t e = 0; e < d.Dv; ++e) D += p.dout.at(b, h, i, e) * p.out.at(b, h, i, e);
-        for (int64_t j = 0; j < d.Nk; ++j) {
-          const double pij = w[static_cast<size_t>(row * d.Nk + j)];
-          if (pij == 0) continue;
-          const double z = keep[static_cast<size_t>(row * d.Nk + j)] * zk;
-          double dp = 0;
-          for (int64_t e = 0; e < d.Dv; ++e) {
-            dp += p.dout.at(b, h, i, e) * t.v.at(b, kvh, j, e);
-            want.g[2][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dv + e)] += z * pij * p.dout.at(b, h, i, e);
-          }
-          const double ds = pij * (z * dp - D);
-          for (int64_t c = 0; c < d.Dk; ++c) {
-            want.g[0][static_cast<size_t>(row * d.Dk + c)] += scale * ds * t.k.at(b, kvh, j, c);
-            want.g[1][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dk + c)] += scale * ds * t.q.at(b, h, i, c);
-          }
-        }
-      }
-    }
-  }
+  const GradValues want = backward_oracle(p, o);
   const GradValues got = values(backward(p, o, dc.c.layout));
   for (int n = 0; n < 3; ++n) {
     const double tol = (1e-12 + eps(dc.c.dtype)) * std::max(1.0, max_abs_finite(want.g[n]));
@@ -670,22 +371,13 @@ TEST_P(DropoutBackward, ReferenceMatchesDropoutAppliedByHand) {
 // forward's check above, the forward and backward of every backend drop the same weights:
 // dropout_mask's.
 TEST(DropoutDecisions, BackwardDropsExactlyTheMaskedWeightsInEveryBackend) {
-  struct Shape {
-    const char* name;
-    int rank;
-    int64_t B, Hq, Hkv, Nq, Nk;
-    Causal causal;
-    sdpa::Window window;
-    double p;
-    uint64_t seed;
-  };
-  const Shape shapes[] = {
+  constexpr OneHotCase shapes[] = {
       {"rank 2", 2, 1, 1, 1, 9, 7, Causal::kNone, {}, 0.9, 41},
       {"rank 4 GQA causal bottom-right, 130 keys", 4, 2, 4, 2, 20, 130, Causal::kBottomRight, {}, 0.4, 42},
       {"rank 3 MQA window, 130 rows", 3, 1, 3, 1, 130, 40, Causal::kNone, {8, 8}, 0.6, 0x123456789abcdef0ull},
   };
   for (DType dt : {kF32, kF64}) {
-    for (const Shape& s : shapes) {
+    for (const OneHotCase& s : shapes) {
       const int64_t G = s.Hq / s.Hkv, Dv = G * s.Nq;
       std::mt19937 rng(43);
       Tensors t{GuardedTensor(dt, last(s.rank, {s.B, s.Hq, s.Nq, 8})), GuardedTensor(dt, last(s.rank, {s.B, s.Hkv, s.Nk, 8})),

@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <ostream>
 #include <optional>
@@ -19,6 +21,10 @@
 namespace sdpa_test {
 
 using sdpa::DType;
+
+inline constexpr DType kF32 = DType::kFloat32;
+inline constexpr DType kF64 = DType::kFloat64;
+inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // How a GuardedTensor lays out its elements. Every layout surrounds them with guard values.
 enum class Layout {
@@ -120,6 +126,8 @@ bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i
 
 double eps(DType dtype);  // FLT_EPSILON or DBL_EPSILON
 
+const char* backend_name(sdpa::Backend b);  // "Auto", "Flash", "Naive", "Reference"
+
 // The problem's dims, read from the shapes the way the header defines them.
 struct Dims {
   int64_t B, Hq, Hkv, Nq, Nk, Dk, Dv, group;
@@ -138,11 +146,15 @@ Values oracle(const Tensors& t, const sdpa::Options& options);
 // Element-wise |got - want| <= tol; infinities must match exactly; NaN always fails.
 testing::AssertionResult all_close(const char* what, const std::vector<double>& got,
                                    const std::vector<double>& want, double tol);
+// Runs `call` and expects it to throw sdpa::Error with every one of `substrings` in its message
+// (non-fatal failures: one if nothing is thrown, one per missing substring).
+void expect_sdpa_error(const std::function<void()>& call, const std::vector<std::string>& substrings);
 // Bit-for-bit equality of every output present in both.
 testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b);
 
 // The tolerance rule: `got` (computed from t with `options`, any backend) against kReference on
-// the same inputs, per output, with tol = 2 * (max error of kNaive) + floor. See test_util.cc.
+// the same inputs (and the same dropout_p and seed), per output, with tol = 2 * (max error of
+// kNaive) + floor. See test_util.cc.
 testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options,
                                            const Outs& got);
 

@@ -1,0 +1,287 @@
+#include "backward_util.h"
+
+#include <algorithm>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <utility>
+#include <vector>
+
+namespace sdpa_test {
+namespace {
+
+using sdpa::Backend;
+
+std::vector<int64_t> out_shape(const Tensors& t) {
+  std::vector<int64_t> s = t.q.shape();
+  s.back() = t.v.shape().back();
+  return s;
+}
+
+std::vector<int64_t> lse_shape(const Tensors& t) {
+  std::vector<int64_t> s = t.q.shape();
+  s.pop_back();
+  return s;
+}
+
+// The weights' shape for t: (Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk).
+std::vector<int64_t> weights_shape(const Tensors& t) {
+  const Dims d = dims_of(t);
+  const std::vector<int64_t> full = {d.B, d.Hq, d.Nq, d.Nk};
+  return {full.end() - t.q.rank(), full.end()};
+}
+
+}  // namespace
+
+Problem Problem::converted(DType dtype) const {
+  return {t.converted(dtype), out.converted(dtype, out.layout()), lse.converted(dtype, lse.layout()),
+          dout.converted(dtype, dout.layout())};
+}
+
+Problem make_problem(Tensors t, sdpa::Options options, Layout layout, uint32_t seed) {
+  const DType dt = t.q.dtype();
+  const std::vector<int64_t> os = out_shape(t), ls = lse_shape(t);
+  Problem p{std::move(t), GuardedTensor(dt, os, layout), GuardedTensor(dt, ls, layout, false),
+            GuardedTensor(dt, os, layout)};
+  options.backend = Backend::kAuto;
+  sdpa::Outputs outs;
+  outs.out = p.out.view();
+  outs.lse = p.lse.view();
+  sdpa::attention(p.t.inputs(), outs, options);
+  std::mt19937 rng(seed);
+  fill_normal(p.dout, rng);
+  return p;
+}
+
+testing::AssertionResult Grads::guards_intact() const {
+  if (auto r = dq.guards_intact(); !r) return r << " (dq)";
+  if (auto r = dk.guards_intact(); !r) return r << " (dk)";
+  if (auto r = dv.guards_intact(); !r) return r << " (dv)";
+  return testing::AssertionSuccess();
+}
+
+Grads empty_grads(const Tensors& t, Layout layout) {
+  const DType dt = t.q.dtype();
+  return {GuardedTensor(dt, t.q.shape(), layout), GuardedTensor(dt, t.k.shape(), layout),
+          GuardedTensor(dt, t.v.shape(), layout)};
+}
+
+Grads backward(const Problem& p, const sdpa::Options& options, Layout layout) {
+  Grads g = empty_grads(p.t, layout);
+  sdpa::attention_backward(p.t.inputs(), p.out.view(), p.lse.view(), p.dout.view(), g.gradients(), options);
+  return g;
+}
+
+GradValues values(const Grads& g) { return {{g.dq.values(), g.dk.values(), g.dv.values()}}; }
+
+testing::AssertionResult bitwise_equal(const GradValues& va, const GradValues& vb) {
+  for (int n = 0; n < 3; ++n) {
+    if (va.g[n].size() != vb.g[n].size()) return testing::AssertionFailure() << kGradNames[n] << ": sizes differ";
+    for (size_t x = 0; x < va.g[n].size(); ++x) {
+      if (std::bit_cast<uint64_t>(va.g[n][x]) != std::bit_cast<uint64_t>(vb.g[n][x])) {
+        return testing::AssertionFailure() << kGradNames[n] << "[" << x << "]: " << va.g[n][x] << " vs "
+                                           << vb.g[n][x] << " (not bitwise equal)";
+      }
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult bitwise_equal(const Grads& a, const Grads& b) { return bitwise_equal(values(a), values(b)); }
+
+testing::AssertionResult no_nan(const GradValues& v) {
+  for (int n = 0; n < 3; ++n) {
+    for (size_t x = 0; x < v.g[n].size(); ++x) {
+      if (!std::isfinite(v.g[n][x])) return testing::AssertionFailure() << kGradNames[n] << "[" << x << "] = " << v.g[n][x];
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult all_near(const char* what, const std::vector<double>& got, const std::vector<double>& want,
+                                  double tol) {
+  // all_close, but an infinity fails even where both have it.
+  for (size_t n = 0; n < std::min(got.size(), want.size()); ++n) {
+    if (!std::isfinite(got[n]) || !std::isfinite(want[n])) {
+      return testing::AssertionFailure() << what << "[" << n << "]: got " << got[n] << ", want " << want[n]
+                                         << " (gradients are finite)";
+    }
+  }
+  return all_close(what, got, want, tol);
+}
+
+std::vector<double> keep_mask(const Tensors& t, double p, uint64_t seed) {
+  GuardedTensor m(DType::kBool, weights_shape(t));
+  sdpa::dropout_mask(p, seed, m.view());
+  return m.values();
+}
+
+// ---- An independent float64 oracle: the maths of the header, on test_util's forward oracle ----
+//
+//   P = weights (before dropout); z_ij = keep_ij / (1 - p) from dropout_mask (1 without dropout);
+//   dv_j = Σ_i z_ij P_ij dout_i;  dP_ij = z_ij dout_i · v_j;  D_i = dout_i · out_i (out as given,
+//   dropout included);  dS = P (dP - D);  dq_i = scale Σ_j dS_ij k_j;  dk_j = scale Σ_i dS_ij q_i;
+//   dk, dv of a kv head summed over the query heads h with h / group == kvh.
+GradValues backward_oracle(const Problem& p, const sdpa::Options& o) {
+  const Tensors& t = p.t;
+  const Dims d = dims_of(t);
+  const double scale = o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
+  const std::vector<double> w = oracle(t, o).weights;  // (B, Hq, Nq, Nk) in C order
+  // Without dropout z = 1 everywhere (and z · x is x exactly).
+  const std::vector<double> keep =
+      o.dropout_p != 0 ? keep_mask(t, o.dropout_p, o.seed.value_or(0)) : std::vector<double>{};
+  const double zk = 1.0 / (1.0 - o.dropout_p);
+  GradValues r;
+  r.g[0].assign(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Dk), 0.0);
+  r.g[1].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dk), 0.0);
+  r.g[2].assign(static_cast<size_t>(d.B * d.Hkv * d.Nk * d.Dv), 0.0);
+  for (int64_t b = 0; b < d.B; ++b) {
+    for (int64_t h = 0; h < d.Hq; ++h) {
+      const int64_t kvh = h / d.group;
+      for (int64_t i = 0; i < d.Nq; ++i) {
+        const int64_t row = (b * d.Hq + h) * d.Nq + i;
+        double D = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) D += p.dout.at(b, h, i, e) * p.out.at(b, h, i, e);
+        for (int64_t j = 0; j < d.Nk; ++j) {
+          const double pij = w[static_cast<size_t>(row * d.Nk + j)];
+          if (pij == 0) continue;
+          const double z = keep.empty() ? 1.0 : keep[static_cast<size_t>(row * d.Nk + j)] * zk;
+          double dp = 0;
+          for (int64_t e = 0; e < d.Dv; ++e) {
+            dp += p.dout.at(b, h, i, e) * t.v.at(b, kvh, j, e);
+            r.g[2][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dv + e)] += z * pij * p.dout.at(b, h, i, e);
+          }
+          const double ds = pij * (z * dp - D);
+          for (int64_t c = 0; c < d.Dk; ++c) {
+            r.g[0][static_cast<size_t>(row * d.Dk + c)] += scale * ds * t.k.at(b, kvh, j, c);
+            r.g[1][static_cast<size_t>(((b * d.Hkv + kvh) * d.Nk + j) * d.Dk + c)] += scale * ds * t.q.at(b, h, i, c);
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ---- The tolerance rule ----
+//
+// As matches_reference() in test_util.cc, per gradient: tol = factor · (max error of kNaive
+// against kReference) + floor, on the same (q, k, v, mask, out, lse, dout) and the same
+// dropout_p and seed. float32: factor 2. float64: kNaive and kReference are the same code, so
+// kNaive's error is measured in float32 on the inputs rounded to float32 and scaled by
+// DBL_EPSILON / FLT_EPSILON; factor 3.
+//
+// Floor, three terms a correct kernel needs where kNaive may be exact by luck:
+//   4 · eps · max(1, max |ref|)   rounding of the result itself, as in test_util.cc;
+// + 2 · eps · max |lse| · max |ref|   the fused kernel reads p = exp(s - lse) through the lse
+//     it is given, rounded to eps · |lse| / 2 however exact the forward was (and the forward
+//     adds its own ulp or so), so every p of a row carries that relative error; kNaive and
+//     kReference recompute the softmax from scratch and do not. (This is test_util.cc's
+//     score_scale; without it, sharp-softmax cases fail at a few times kNaive's error.)
+// + eps · M   M = the size of the terms that cancel in dS = P (z dP - D), which is only
+//     accurate to eps relative to |z dP| + |D|: M_dq = |scale| max_i Σ_j P_ij (|z_ij dP_ij| + |D_i|) max|k_j|
+//     and M_dk = |scale| max_j Σ_(h,i) P_ij (|z_ij dP_ij| + |D_i|) max|q_i| (0 for dv), with
+//     z_ij = keep_ij / (1 - p) the dropout factor (z = 1 without dropout). Where every row has a
+//     single allowed key (Nk = 1, window (0, 0)), P = 1 and out = v exactly, so kNaive,
+//     computing dP and D by the same loop, gets dP - D = 0 exactly, while any other summation
+//     order leaves ~eps · |dout| |v|.
+namespace {
+
+testing::AssertionResult measure_naive(const Problem& p, const sdpa::Options& options, double scale, GradValues& ref,
+                                       double (&err)[3]) {
+  sdpa::Options o = options;
+  o.backend = Backend::kReference;
+  ref = values(backward(p, o));
+  o.backend = Backend::kNaive;
+  const GradValues naive = values(backward(p, o));
+  if (auto r = no_nan(ref); !r) return r << " (kReference)";
+  if (auto r = no_nan(naive); !r) return r << " (kNaive)";
+  for (int n = 0; n < 3; ++n) {
+    double e = 0;
+    for (size_t x = 0; x < ref.g[n].size(); ++x) e = std::max(e, std::abs(naive.g[n][x] - ref.g[n][x]));
+    err[n] = std::max(err[n], e * scale);
+  }
+  return testing::AssertionSuccess();
+}
+
+// M of the floor above for dq and dk (0 for dv: no cancellation), from kReference's weights
+// (before dropout), z from dropout_mask, and dP, D computed here in float64.
+void cancellation_magnitudes(const Problem& p, const sdpa::Options& options, double (&M)[3]) {
+  const Dims d = dims_of(p.t);
+  sdpa::Options o = options;
+  o.backend = Backend::kReference;
+  const std::vector<double> w = run(p.t, o).weights->values();  // (B, Hq, Nq, Nk)
+  // Without dropout z = 1 everywhere (and z · dP is dP exactly).
+  const std::vector<double> keep =
+      o.dropout_p != 0 ? keep_mask(p.t, o.dropout_p, o.seed.value_or(0)) : std::vector<double>{};
+  const double zk = 1.0 / (1.0 - o.dropout_p);
+  const std::vector<double> dout = p.dout.values(), out = p.out.values();  // (B, Hq, Nq, Dv)
+  const double scale = std::abs(o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0));
+  const std::vector<double> vv = p.t.v.values(), kk = p.t.k.values(), qq = p.t.q.values();
+  std::vector<double> kmax(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), qmax(static_cast<size_t>(d.B * d.Hq * d.Nq), 0.0);
+  for (size_t x = 0; x < kmax.size(); ++x)
+    for (int64_t c = 0; c < d.Dk; ++c) kmax[x] = std::max(kmax[x], std::abs(kk[x * d.Dk + c]));
+  for (size_t x = 0; x < qmax.size(); ++x)
+    for (int64_t c = 0; c < d.Dk; ++c) qmax[x] = std::max(qmax[x], std::abs(qq[x * d.Dk + c]));
+  double row_max = 0;
+  std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0);
+  for (int64_t bh = 0; bh < d.B * d.Hq; ++bh) {
+    const int64_t kv = bh / d.Hq * d.Hkv + bh % d.Hq / d.group;
+    for (int64_t i = 0; i < d.Nq; ++i) {
+      const int64_t row = bh * d.Nq + i;
+      double D = 0;
+      for (int64_t e = 0; e < d.Dv; ++e) D += dout[row * d.Dv + e] * out[row * d.Dv + e];
+      double sum = 0;
+      for (int64_t j = 0; j < d.Nk; ++j) {
+        const double pij = w[row * d.Nk + j];
+        if (pij == 0) continue;
+        double dp = 0;
+        for (int64_t e = 0; e < d.Dv; ++e) dp += dout[row * d.Dv + e] * vv[(kv * d.Nk + j) * d.Dv + e];
+        const double z = keep.empty() ? 1.0 : keep[row * d.Nk + j] * zk;
+        const double mag = pij * (std::abs(z * dp) + std::abs(D));
+        sum += mag * kmax[kv * d.Nk + j];
+        col[kv * d.Nk + j] += mag * qmax[row];
+      }
+      row_max = std::max(row_max, sum);
+    }
+  }
+  M[0] = scale * row_max;
+  M[1] = scale * max_abs_finite(col);
+  M[2] = 0;
+}
+
+}  // namespace
+
+testing::AssertionResult expected(const Problem& p, const sdpa::Options& options, Expected& e) {
+  const DType dt = p.t.q.dtype();
+  double err[3] = {0, 0, 0};
+  if (auto r = measure_naive(p, options, 1.0, e.ref, err); !r) return r;
+  double factor = 2;
+  if (dt == DType::kFloat64) {
+    GradValues ref32;
+    if (auto r = measure_naive(p.converted(DType::kFloat32), options, DBL_EPSILON / FLT_EPSILON, ref32, err); !r) {
+      return r;
+    }
+    factor = 3;
+  }
+  const double lse_max = max_abs_finite(p.lse.values());
+  double M[3];
+  cancellation_magnitudes(p, options, M);
+  for (int n = 0; n < 3; ++n) {
+    const double ref_max = max_abs_finite(e.ref.g[n]);
+    e.tol[n] = factor * err[n] + eps(dt) * (4 * std::max(1.0, ref_max) + 2 * lse_max * ref_max + M[n]);
+  }
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult matches(const Expected& e, const Grads& got) {
+  const GradValues g = values(got);
+  for (int n = 0; n < 3; ++n) {
+    if (auto r = all_near(kGradNames[n], g.g[n], e.ref.g[n], e.tol[n]); !r) return r;
+  }
+  return testing::AssertionSuccess();
+}
+
+}  // namespace sdpa_test
