@@ -64,6 +64,8 @@ std::vector<BenchCase> default_cases() {
       prefill("prefill d64 gqa 8:2", 2048, 64, Causal::kNone, MaskKind::kNone, 2),
       BenchCase{"decode gqa 32:8 d128", 1, 32, 8, 1, 32768, 128},
       BenchCase{"decode gqa 64:8 d128", 1, 64, 8, 1, 32768, 128},
+      // 2 GiB of K/V: more than any L3, so K and V really come from memory.
+      BenchCase{"decode gqa 32:8 d128 256k", 1, 32, 8, 1, 262144, 128},
       BenchCase{"decode mha 8 d64 (4 tokens)", 1, 8, 8, 4, 16384, 64},
       backward(prefill("backward d64", 2048, 64)),
       backward(prefill("backward d64 causal", 2048, 64, Causal::kBottomRight)),
