@@ -29,7 +29,8 @@ namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 // Vector registers of this target: AVX-512 (and the AVX3 family) has 32, AVX2 and SSE 16.
-// Other architectures are counted as 16, which only makes DecodeValues more conservative.
+// Other architectures are counted as 16, which only makes register blocks smaller. Sizes
+// DecodeValues below and the products' register blocks in flash-inl.h (kBlockRows).
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 inline constexpr int64_t kVectorRegisters = 32;
 #else
