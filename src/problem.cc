@@ -96,15 +96,6 @@ void check_unit_last_stride(const char* name, const TensorView& t) {
   }
 }
 
-std::string strides_string(const TensorView& t) {
-  std::string s = "(";
-  for (int d = 0; d < t.rank; ++d) {
-    if (d) s += ", ";
-    s += std::to_string(t.strides[d]);
-  }
-  return s + (t.rank == 1 ? ",)" : ")");
-}
-
 // A view that is written must not map two indices to one element: different threads write
 // different indices at once. Stride 0 on a dim of extent > 1 is the common way to get that
 // (a broadcast view passed as an output) and is refused; other self-overlapping strides are
@@ -115,7 +106,7 @@ void check_no_zero_stride(const char* name, const TensorView& t) {
   for (int d = 0; d < t.rank; ++d) {
     if (t.shape[d] > 1 && t.strides[d] == 0) {
       fail(std::string(name) + " has stride 0 in dim " + std::to_string(d) + " (shape " + t.shape_string() +
-           ", strides " + strides_string(t) + "): an output must not overlap itself, or several threads would " +
+           ", strides " + shape_string(t.strides, t.rank) + "): an output must not overlap itself, or several threads would " +
            "write one element");
     }
   }
