@@ -8,6 +8,7 @@ namespace sdpa {
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
   const internal::Problem p = internal::make_problem(inputs, outputs, options);
   if (p.writes_nothing()) return;
+  if (p.scores_are_biases_only()) return internal::lse_of_biases(p);
   const bool f64 = p.dtype == DType::kFloat64;
   switch (options.backend) {
     case Backend::kReference:

@@ -120,14 +120,18 @@ void check_dtype(const char* name, const TensorView& t, DType expected) {
 
 // Places a rank-r view in the first `dims` slots of a View4, padding on the left; the padded
 // slots and the slots after `dims` have extent 1, stride 0.
+// An empty view gets stride 0 everywhere: it is never read or written, but kernels still form
+// pointers to its rows, and with a null data pointer (allowed when empty) any non-zero offset
+// would be undefined behaviour.
 View4 to_view4(const TensorView& t, int dims = 4) {
   View4 v;
   v.data = static_cast<char*>(t.data);
   v.dtype = t.dtype;
+  const bool empty = t.numel() == 0;
   const int pad = dims - t.rank;
   for (int d = 0; d < t.rank; ++d) {
     v.shape[pad + d] = t.shape[d];
-    v.strides[pad + d] = t.shape[d] == 1 ? 0 : t.strides[d];
+    v.strides[pad + d] = t.shape[d] == 1 || empty ? 0 : t.strides[d];
   }
   return v;
 }
@@ -147,6 +151,7 @@ void check_shape(const char* name, const TensorView& t, const int64_t* expected,
 // index of the first one. Reads each stored element once (broadcast dims are not expanded).
 template <typename T>
 void check_mask_values(const TensorView& m) {
+  if (m.numel() == 0) return;  // its other dims may be huge: (2^40, 0) holds nothing to check
   int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
   const int pad = 4 - m.rank;
   for (int d = 0; d < m.rank; ++d) {
@@ -307,8 +312,16 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   }
 
   if (opt.scale) {
-    if (!std::isfinite(*opt.scale)) fail("scale must be finite, got " + std::to_string(*opt.scale));
-    p.scale = *opt.scale;
+    const double scale = *opt.scale;
+    if (!std::isfinite(scale)) fail("scale must be finite, got " + number_string(scale));
+    // The kernels multiply in the compute type: a scale it cannot hold would silently become
+    // inf or 0 there (float32 for float32 inputs).
+    if (p.dtype == DType::kFloat32 && (!std::isfinite(static_cast<float>(scale)) ||
+                                       (scale != 0 && static_cast<float>(scale) == 0))) {
+      fail("scale=" + number_string(scale) + " cannot be held by float32, the compute type of float32 inputs " +
+           "(|scale| must be at most 3.4028235e+38 and, when not 0, at least 1.4e-45)");
+    }
+    p.scale = scale;
   } else {
     // With Dk == 0 every score is an empty sum (0) whatever the scale; 1 avoids 1/sqrt(0).
     p.scale = p.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(p.Dk)) : 1.0;
@@ -362,6 +375,20 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   bp.dq = to_view4(grads.dq);
   bp.dk = to_view4(grads.dk);
   bp.dv = to_view4(grads.dv);
+  // lse = +inf means a score overflowed the compute type in the forward pass (its weights went
+  // to its +inf keys, a limit with no useful gradient): refused rather than NaN gradients.
+  // Checked only when there is something to write (a call writing nothing reads no row).
+  const View4& l = *bp.fwd.lse;
+  for (int64_t b = 0; !bp.writes_nothing() && b < bp.fwd.B; ++b)
+    for (int64_t h = 0; h < bp.fwd.Hq; ++h)
+      for (int64_t i = 0; i < bp.fwd.Nq; ++i) {
+        if (l.load<double>(b, h, i, 0) == std::numeric_limits<double>::infinity()) {
+          const int64_t index[3] = {b, h, i};
+          const int r = lse.rank;
+          fail("lse has +inf at index " + shape_string(index + (3 - r), r) +
+               ": that row's scores overflowed in the forward pass, so it has no gradient");
+        }
+      }
   return bp;
 }
 

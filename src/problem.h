@@ -43,6 +43,22 @@ struct View4 {
   }
 };
 
+// The score rules every kernel shares (scalar; the SIMD kernels follow the same two rules):
+//   with_bias: a bias of -inf blocks the key, whatever its dot product (+inf, NaN) was, so a
+//              blocked key never reaches the row; any other bias is added.
+//   shifted_exp: the softmax numerator exp(s - m) against the row's max m, where s == m gives 1.
+//              For finite scores that is exp(0); for a max of +inf (a score overflowed) it
+//              splits the row's weight equally among its +inf keys (the limit of softmax as
+//              those scores grow together) instead of exp(inf - inf) = NaN.
+template <typename T>
+T with_bias(T score, T bias) {
+  return bias == -std::numeric_limits<T>::infinity() ? bias : score + bias;
+}
+template <typename T>
+T shifted_exp(T s, T m) {
+  return s == m ? T(1) : std::exp(s - m);
+}
+
 // Half-open range of key indices [begin, end) a query row may see.
 struct KeyRange {
   int64_t begin = 0;
@@ -84,6 +100,11 @@ struct Problem {
     const bool no_rows = B == 0 || Hq == 0 || Nq == 0;
     return (no_rows || Dv == 0) && (!weights || no_rows || Nk == 0) && (!lse || no_rows);
   }
+
+  // Rows that only ask for lse: out is empty (Dv == 0), no weights. With Dk == 0 too every
+  // score is its bias alone, so lse needs no pass over the keys (see attention.cc): Nk may be
+  // huge (k and v of shape (2^40, 0) hold no element) and work must follow the elements.
+  bool scores_are_biases_only() const { return Dk == 0 && Dv == 0 && !weights; }
 
   // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool.
   template <typename T>

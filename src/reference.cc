@@ -11,31 +11,59 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
-  // 1. Scores s_j = (q_i · k_j) * scale + bias_ij, -inf outside causal/window.
+  // 1. Scores s_j = (q_i · k_j) * scale + bias_ij, -inf outside causal/window and where the
+  //    mask blocks (whatever the dot product). Scores beyond the range of the inputs' dtype
+  //    are ±inf, as in the kernels that compute in it (float64 holds what float32 cannot).
   const KeyRange range = p.key_range(i);
+  const bool f32_range = p.dtype == DType::kFloat32 && sizeof(Acc) > sizeof(float);
   Acc row_max = neg_inf;
-  bool any_allowed = false;  // a score other than -inf (NaN counts: it must propagate)
+  bool nan = false;
   for (int64_t j = 0; j < p.Nk; ++j) {
     Acc s = neg_inf;
     if (j >= range.begin && j < range.end) {
       Acc dot = 0;
       for (int64_t d = 0; d < p.Dk; ++d) dot += p.q.load<Acc>(b, h, i, d) * p.k.load<Acc>(b, kvh, j, d);
-      s = dot * scale + p.mask_bias<Acc>(b, h, i, j);
+      s = with_bias(dot * scale, p.mask_bias<Acc>(b, h, i, j));
+      if (f32_range && std::isinf(static_cast<float>(s))) s = static_cast<float>(s);
     }
     prob[j] = s;
     row_max = std::max(row_max, s);
-    any_allowed |= s != neg_inf;
+    nan |= std::isnan(s);
   }
-  // 2. Stable softmax: subtract the row max. A row with no allowed key stays all zero; a NaN
-  //    score makes the sum, and so the whole row, NaN.
+  // 2. Stable softmax: subtract the row max (shifted_exp: a max of +inf shares the weight among
+  //    the +inf keys). A row with no allowed key stays all zero. A NaN score makes the row NaN:
+  //    its sum and lse, and its weights at every key it does not block (blocked keys stay 0).
+  if (row_max == neg_inf && !nan) {
+    std::fill(prob, prob + p.Nk, Acc(0));
+    return neg_inf;
+  }
   Acc sum = 0;
   for (int64_t j = 0; j < p.Nk; ++j) {
-    prob[j] = any_allowed ? std::exp(prob[j] - row_max) : Acc(0);
+    prob[j] = prob[j] == neg_inf ? Acc(0) : nan ? std::numeric_limits<Acc>::quiet_NaN() : shifted_exp(prob[j], row_max);
     sum += prob[j];
   }
-  const Acc inv_sum = any_allowed ? Acc(1) / sum : Acc(0);
-  for (int64_t j = 0; j < p.Nk; ++j) prob[j] *= inv_sum;
-  return any_allowed ? row_max + std::log(sum) : neg_inf;
+  const Acc inv_sum = Acc(1) / sum;
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    if (prob[j] != 0) prob[j] *= inv_sum;  // 0 stays 0 when the sum is NaN
+  }
+  return row_max + std::log(sum);
+}
+
+template <typename Acc, typename Out>
+Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row) {
+  const Acc lse = softmax_row(p, b, h, i, prob);
+  // 3. out_i = sum_j w_ij v_j, the weights after dropout (w itself when it is off), over the
+  //    keys whose weight is not 0: a blocked, dropped or underflowed key adds nothing, even a
+  //    NaN in its value row.
+  std::vector<Acc> acc(static_cast<size_t>(p.Dv), Acc(0));
+  const int64_t kvh = h / p.group;
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    const Acc w = prob[j] * p.dropout.factor<Acc>(b, h, i, j);
+    if (w == 0) continue;
+    for (int64_t d = 0; d < p.Dv; ++d) acc[d] += w * p.v.load<Acc>(b, kvh, j, d);
+  }
+  for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = static_cast<Out>(acc[d]);
+  return lse;
 }
 
 template <typename Acc>
@@ -44,16 +72,10 @@ void materialized_attention(const Problem& p) {
   std::vector<Acc> out_row(static_cast<size_t>(p.Dv));
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.Hq; ++h) {
-      const int64_t kvh = h / p.group;
       for (int64_t i = 0; i < p.Nq; ++i) {
-        const Acc lse = softmax_row(p, b, h, i, prob.data());
-        // 3. out_i = sum_j w_ij v_j, the weights after dropout (w itself when it is off).
-        for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = 0;
-        for (int64_t j = 0; j < p.Nk; ++j) {
-          if (p.weights) p.weights->store(b, h, i, j, prob[j]);  // before dropout
-          const Acc w = prob[j] * p.dropout.factor<Acc>(b, h, i, j);
-          if (w == 0) continue;
-          for (int64_t d = 0; d < p.Dv; ++d) out_row[d] += w * p.v.load<Acc>(b, kvh, j, d);
+        const Acc lse = attend_row(p, b, h, i, prob.data(), out_row.data());
+        if (p.weights) {
+          for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(b, h, i, j, prob[j]);  // before dropout
         }
         for (int64_t d = 0; d < p.Dv; ++d) p.out.store(b, h, i, d, out_row[d]);
         if (p.lse) p.lse->store(b, h, i, 0, lse);
@@ -62,8 +84,35 @@ void materialized_attention(const Problem& p) {
   }
 }
 
+void lse_of_biases(const Problem& p) {
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        const KeyRange range = p.key_range(i);
+        double lse = -std::numeric_limits<double>::infinity();
+        if (!range.empty() && p.mask && p.mask->strides[3] != 0) {
+          // The mask varies along the keys: its row exists in memory, so walk it.
+          double row_max = lse, sum = 0;
+          for (int64_t j = range.begin; j < range.end; ++j) row_max = std::max(row_max, p.mask_bias<double>(b, h, i, j));
+          for (int64_t j = range.begin; j < range.end && row_max > lse; ++j) {
+            sum += shifted_exp(p.mask_bias<double>(b, h, i, j), row_max);
+          }
+          if (row_max > lse) lse = row_max + std::log(sum);
+        } else if (!range.empty()) {
+          // One bias for every key of the row: lse = bias + log(number of keys).
+          const double bias = p.mask_bias<double>(b, h, i, range.begin);
+          if (bias != lse) lse = bias + std::log(static_cast<double>(range.end - range.begin));
+        }
+        p.lse->store(b, h, i, 0, lse);
+      }
+    }
+  }
+}
+
 template float softmax_row<float>(const Problem&, int64_t, int64_t, int64_t, float*);
 template double softmax_row<double>(const Problem&, int64_t, int64_t, int64_t, double*);
+template float attend_row<float, float>(const Problem&, int64_t, int64_t, int64_t, float*, float*);
+template double attend_row<double, double>(const Problem&, int64_t, int64_t, int64_t, double*, double*);
 template void materialized_attention<float>(const Problem& p);
 template void materialized_attention<double>(const Problem& p);
 

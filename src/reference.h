@@ -17,6 +17,17 @@ void materialized_attention(const Problem& p);
 template <typename Acc>
 Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob);
 
+// One row of the same algorithm: softmax_row, then out_row[d] = Σ_j w_ij · z_ij · v_j[d] over
+// the keys whose weight (after dropout z) is not 0; returns the row's lse. Also the fused
+// kernel's exact fallback for a row whose output came out non-finite (Out = its dtype).
+template <typename Acc, typename Out>
+Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row);
+
+// lse of every row when the scores are the biases alone (Problem::scores_are_biases_only):
+// log of the number of allowed keys plus the bias when the mask is constant along the keys
+// (so Nk may be huge and hold no element), a pass over the mask row otherwise. Every backend.
+void lse_of_biases(const Problem& p);
+
 // The backward pass the same way (reference_backward.cc): recomputes each row's softmax,
 // accumulates dq, dk, dv in Acc.
 template <typename Acc>

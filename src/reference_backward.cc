@@ -2,7 +2,7 @@
 // twin (Acc = the inputs' dtype), deliberately simple. Per query row i of head h:
 //   p_ij  = softmax_j(s_ij), recomputed from scratch (not from the given lse)
 //   z_ij  = the dropout factor (1 without dropout)
-//   dv_j += z_ij p_ij · dout_i                 dp_ij = z_ij · dout_i · v_j
+//   dv_j += z_ij p_ij · dout_i                 dp_ij = z_ij · dout_i · v_j  (0 where z_ij = 0)
 //   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i)
 //   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
 // dk and dv of a kv head sum over the query heads of its group.
@@ -39,7 +39,8 @@ void materialized_backward(const BackwardProblem& bp) {
               dv[j * p.Dv + e] += z * prob[j] * g;
               dp += g * p.v.load<Acc>(b, kvh, j, e);
             }
-            const Acc ds = prob[j] * (z * dp - D) * scale;
+            const Acc zdp = z == 0 ? Acc(0) : z * dp;  // a dropped key's v (even NaN) adds nothing
+            const Acc ds = prob[j] * (zdp - D) * scale;
             for (int64_t d = 0; d < p.Dk; ++d) {
               dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
               dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);

@@ -15,13 +15,6 @@
 #include "sdpa/attention.h"
 #include "test_util.h"
 
-namespace sdpa {
-// GoogleTest prints parameters in test names: a backend by its name, not its byte.
-void PrintTo(Backend b, std::ostream* os) {
-  *os << sdpa_test::backend_name(b);
-}
-}  // namespace sdpa
-
 namespace {
 
 using namespace sdpa_test;

@@ -14,6 +14,10 @@
 #include "hwy/base.h"
 #include "hwy/targets.h"
 
+namespace sdpa {
+void PrintTo(Backend b, std::ostream* os) { *os << sdpa_test::backend_name(b); }
+}  // namespace sdpa
+
 namespace sdpa_test {
 namespace {
 

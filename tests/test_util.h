@@ -18,6 +18,11 @@
 
 #include "sdpa/attention.h"
 
+namespace sdpa {
+// GoogleTest prints parameters in test names: a backend by its name, not its byte.
+void PrintTo(Backend b, std::ostream* os);
+}  // namespace sdpa
+
 namespace sdpa_test {
 
 using sdpa::DType;

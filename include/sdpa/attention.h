@@ -11,10 +11,26 @@
 //   weights (B, Hq,  Nq, Nk)      optional: softmax probabilities, for inspection
 //   lse     (B, Hq,  Nq)          optional: log-sum-exp of each row's biased, scaled scores
 //
-// A row with no allowed key (everything masked, or Nk == 0) gives out = 0, weights = 0 and
-// lse = -inf: never NaN. NaN inputs are not blocked keys: a NaN in q, k or v makes every row
-// that attends to it NaN (a NaN in the value row of a key a row blocks may reach it too, as
-// 0 · NaN). A float mask holds finite biases or -inf; NaN or +inf there is an Error.
+// Edges (docs/RELIABILITY.md lists every promise and the test that holds it):
+//   - Key j is allowed for row i when causal and the window let i see j and the mask does not
+//     block it (bool false, or a bias of -inf). A blocked key never influences the row: not its
+//     score (even an overflowing or NaN q·k), not its value row (even NaN or inf).
+//   - Scores are computed in the compute type (float32 for float32, float64 for float64; the
+//     float64 kReference rounds each score to the inputs' range, so it overflows where they
+//     do). A score of +inf on an allowed key takes the row's weight: the weight is split
+//     equally among the row's +inf keys, 0 elsewhere, and lse = +inf. A score of -inf weighs 0.
+//   - A row with no allowed key, or none whose score is above -inf (everything masked, Nk == 0),
+//     gives out = 0, weights = 0 and lse = -inf: never NaN.
+//   - out_i = Σ_j w_ij · v_j over the keys whose weight (after dropout) is not 0: a blocked,
+//     dropped or underflowed key adds nothing even if its value row holds NaN or inf; a NaN or
+//     inf in the value row of a key with weight > 0 reaches out as IEEE arithmetic says.
+//   - A NaN score on an allowed key (a NaN in q or k, or inf - inf) makes the row's out, lse
+//     and weights NaN (weights stay 0 at the keys the row blocks).
+//   - A float mask holds finite biases or -inf; NaN or +inf there is an Error. The scale must
+//     be finite and held by the compute type (float32: |scale| <= FLT_MAX, and not a non-zero
+//     that rounds to 0), else Error.
+//   - Work follows the elements that exist: empty views may have null data and any strides, and
+//     dims whose tensors hold no element (k of shape (2^40, 0)) are never walked.
 // See docs/ARCHITECTURE.md for the layers behind this header.
 #pragma once
 
@@ -89,7 +105,7 @@ enum class Backend : uint8_t {
 };
 
 struct Options {
-  std::optional<double> scale;  // default 1 / sqrt(Dk); must be finite
+  std::optional<double> scale;  // default 1 / sqrt(Dk); finite and held by the compute type
   Causal causal = Causal::kNone;
   Window window;
   Backend backend = Backend::kAuto;
@@ -131,8 +147,10 @@ struct Gradients {
 // Backward pass: given dout = ∂loss/∂out (shaped like out) and the out and lse that
 // attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
 // recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
-// nothing. Deterministic: bitwise identical for any thread count. Throws Error on invalid
-// arguments, before writing anything.
+// nothing; a key of weight 0 (blocked, dropped) passes nothing of its value row (even NaN) to
+// dq and dk. An lse of +inf (the forward's scores overflowed) has no gradient: Error.
+// Deterministic: bitwise identical for any thread count. Throws Error on invalid arguments,
+// before writing anything.
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options = {});
 

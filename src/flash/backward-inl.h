@@ -53,6 +53,23 @@ struct BackwardScratch {
   std::vector<LaneRow> lanes;
 };
 
+// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Probability(D d, V s, V lse) {
+  return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<hn::TFromD<D>>::infinity())),
+                            hn::Exp(d, hn::Sub(s, lse)));
+}
+// ds = p · (dp - D), exactly 0 where p is: a key of weight 0 passes no NaN from its v row.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Ds(D d, V p, V dp, V D_row) {
+  return hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(p, hn::Sub(dp, D_row)));
+}
+// The same with dropout factor z: a dropped key's dp (z · NaN) counts as 0.
+template <typename T>
+T DropoutDs(T p, T z, T dp, T D_row) {
+  return p == 0 ? T(0) : p * ((z == 0 ? T(0) : z * dp) - D_row);
+}
+
 // Row statistics the passes share, contiguous: lse (+inf where the row has no allowed key,
 // so that exp(s - lse) = 0 there) and D = dout · out.
 template <typename T>
@@ -118,7 +135,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         }
         if (p.mask) add_mask_row(p, b, h, i, j0, nk, row, 1);
         const V lse = hn::Set(d, rs.lse[rs.index(b, h, i)]);
-        for (size_t q = 0; q < QV; ++q) hn::Store(hn::Exp(d, hn::Sub(hn::Load(d, row + q * N), lse)), d, row + q * N);
+        for (size_t q = 0; q < QV; ++q) hn::Store(Probability(d, hn::Load(d, row + q * N), lse), d, row + q * N);
       }
       // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
       // with z the dropout factor (1 without dropout).
@@ -128,14 +145,14 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         if (p.dropout.enabled()) {
           for (int64_t l = 0; l < nk; ++l) {
             const T z = p.dropout.factor<T>(b, h, first + r, j0 + l);
-            dpt[r * mq + l] = pt[r * mq + l] * (z * dpt[r * mq + l] - Di);
+            dpt[r * mq + l] = DropoutDs(pt[r * mq + l], z, dpt[r * mq + l], Di);
             pt[r * mq + l] *= z;
           }
           continue;
         }
         for (size_t q = 0; q < QV; ++q) {
           T* x = dpt + r * mq + q * N;
-          hn::Store(hn::Mul(hn::Load(d, pt + r * mq + q * N), hn::Sub(hn::Load(d, x), hn::Set(d, Di))), d, x);
+          hn::Store(Ds(d, hn::Load(d, pt + r * mq + q * N), hn::Load(d, x), hn::Set(d, Di)), d, x);
         }
       }
       OuterAccumulate<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, s.gv.get());
@@ -194,16 +211,18 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     T* dpt = s.dpt.get();
     ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, s.mask_rows.get());
     OuterScores<QV>(d, s.yt.get(), mq, v_head + j0 * vs, vs, p.Dv, n, dpt);  // dp = dout · vᵀ
-    if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor
+    if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor (0 · NaN = 0 here)
       for (int64_t j = 0; j < n; ++j)
-        for (int64_t l = 0; l < blk.rows; ++l)
-          dpt[j * mq + l] *= p.dropout.factor<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i, j0 + j);
+        for (int64_t l = 0; l < blk.rows; ++l) {
+          const T z = p.dropout.factor<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i, j0 + j);
+          dpt[j * mq + l] = z == 0 ? T(0) : z * dpt[j * mq + l];
+        }
     }
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
-        const V pj = hn::Exp(d, hn::Sub(hn::Load(d, pt + j * mq + q * N), lse[q]));
+        const V pj = Probability(d, hn::Load(d, pt + j * mq + q * N), lse[q]);
         T* x = dpt + j * mq + q * N;
-        hn::Store(hn::Mul(pj, hn::Sub(hn::Load(d, x), Dv[q])), d, x);  // ds = p · (dp - D)
+        hn::Store(Ds(d, pj, hn::Load(d, x), Dv[q]), d, x);  // ds = p · (dp - D)
       }
     }
     OuterAccumulate<QV>(d, dpt, n, mq, k_head + j0 * ks, ks, p.Dk, ones, s.gk.get());  // dq += ds · k

@@ -62,7 +62,9 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
     // the key row a tile ahead now, so both arrive while this tile computes.
     const T* vj = v_head + (j0 + j) * vs;
-    for (int64_t c = 0; c < p.Dk; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(kj + kTileKeys * ks + c);
+    if (j0 + j + kTileKeys < p.Nk) {  // a pointer past the tensor would be undefined, even unread
+      for (int64_t c = 0; c < p.Dk; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(kj + kTileKeys * ks + c);
+    }
     for (int64_t c = 0; c < p.Dv; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(vj + c);
     V acc[R];
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
@@ -151,13 +153,17 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
       const T mnew = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
       const T msafe = mnew == neg_inf ? T(0) : mnew;  // nothing allowed yet: exp(-inf - 0) = 0
       const V vmsafe = hn::Set(d, msafe);
+      // A max of +inf (a score overflowed): shifted_exp's rule, exp(s - m) = 1 where s == m.
+      const bool inf_max = mnew == std::numeric_limits<T>::infinity();
       V sum = hn::Zero(d);
       for (int64_t j = 0; j < n_vec; j += N) {
-        const V pj = hn::Exp(d, hn::Sub(hn::Load(d, row + j), vmsafe));
+        const V s = hn::Load(d, row + j);
+        V pj = hn::Exp(d, hn::Sub(s, vmsafe));
+        if (inf_max) pj = hn::IfThenElse(hn::Eq(s, vmsafe), hn::Set(d, T(1)), pj);
         sum = hn::Add(sum, pj);
         hn::Store(pj, d, row + j);
       }
-      alpha[r] = m[r] == neg_inf ? T(0) : hn::GetLane(hn::Exp(d, hn::Set(d, m[r] - msafe)));
+      alpha[r] = m[r] == neg_inf ? T(0) : inf_max && m[r] == mnew ? T(1) : hn::GetLane(hn::Exp(d, hn::Set(d, m[r] - msafe)));
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       if (!hn::AllFalse(d, nan)) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
       m[r] = mnew;
@@ -197,10 +203,8 @@ void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* l
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
     for (int64_t r = 0; r < R; ++r) {
-      if (l[r] == 0) continue;  // no allowed key: the row stays zero
-      const T inv = T(1) / l[r];
       for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, std::exp(st[r * kTileKeys + j] - m[r]) * inv);
+        p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, weight(st[r * kTileKeys + j], m[r], l[r]));
       }
     }
   }

@@ -85,7 +85,7 @@ HWY_INLINE void ScoreKeys(D d, const T* HWY_RESTRICT qt, size_t mq, const T* HWY
     hn::Vec<D> q[QV];
     for (size_t v = 0; v < QV; ++v) q[v] = hn::Load(d, qt + c * mq + v * N);
     for (size_t kb = 0; kb < KB; ++kb) {
-      const auto kk = hn::Set(d, k[kb * k_stride + c]);
+      const auto kk = hn::Set(d, k[static_cast<int64_t>(kb) * k_stride + c]);  // signed: strides may be < 0
       for (size_t v = 0; v < QV; ++v) acc[kb][v] = hn::MulAdd(kk, q[v], acc[kb][v]);
     }
   }
@@ -106,7 +106,7 @@ HWY_INLINE void AccumulateValues(D d, const T* HWY_RESTRICT p, int64_t keys, siz
     hn::Vec<D> pj[QV];
     for (size_t q = 0; q < QV; ++q) pj[q] = hn::Load(d, p + j * mq + q * N);
     for (size_t e = 0; e < EB; ++e) {
-      const auto ve = hn::Set(d, v[j * v_stride + e]);
+      const auto ve = hn::Set(d, v[j * v_stride + static_cast<int64_t>(e)]);  // signed: strides may be < 0
       for (size_t q = 0; q < QV; ++q) acc[e][q] = hn::MulAdd(ve, pj[q], acc[e][q]);
     }
   }
@@ -188,9 +188,10 @@ HWY_INLINE void AddMaskTile(D d, const Problem& p, const BlockState<T>& bs, T* H
     for (int64_t jj = 0; jj < n; ++jj) {
       if (mask_rows[jj] == T(0)) continue;
       const auto bias = hn::Set(d, mask_rows[jj]);
+      const bool blocked = mask_rows[jj] == -std::numeric_limits<T>::infinity();  // -inf whatever the score
       for (size_t v = 0; v < QV; ++v) {
         T* row = st + jj * static_cast<int64_t>(mq) + v * N;
-        hn::Store(hn::Add(hn::Load(d, row), bias), d, row);
+        hn::Store(blocked ? bias : hn::Add(hn::Load(d, row), bias), d, row);
       }
     }
     return;
@@ -212,10 +213,12 @@ HWY_INLINE void AddMaskTile(D d, const Problem& p, const BlockState<T>& bs, T* H
   for (size_t l = 0; l < mq; ++l) offsets[l] = static_cast<TI>(l * kTileKeys);
   hn::Vec<decltype(di)> index[QV];
   for (size_t v = 0; v < QV; ++v) index[v] = hn::LoadU(di, offsets + v * N);
+  const auto neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   for (int64_t jj = 0; jj < n; ++jj) {
     for (size_t v = 0; v < QV; ++v) {
       T* row = st + jj * static_cast<int64_t>(mq) + v * N;
-      hn::Store(hn::Add(hn::Load(d, row), hn::GatherIndex(d, mask_rows + jj, index[v])), d, row);
+      const auto bias = hn::GatherIndex(d, mask_rows + jj, index[v]);  // with_bias, a vector at a time
+      hn::Store(hn::IfThenElse(hn::Eq(bias, neg_inf), bias, hn::Add(hn::Load(d, row), bias)), d, row);
     }
   }
 }
@@ -286,17 +289,28 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       nan[q] = hn::Or(nan[q], hn::IsNaN(s));
     }
   }
+  // A lane whose max is +inf (a score overflowed): shifted_exp's rule, exp(s - m) = 1 where
+  // s == m, splits its weight among its +inf keys. Checked once per tile; rare.
+  const V pos_inf = hn::Set(d, std::numeric_limits<T>::infinity()), one = hn::Set(d, T(1));
+  bool inf_max = false;
   for (size_t q = 0; q < QV; ++q) {
     // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
     msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
-    alpha[q] = hn::Exp(d, hn::Sub(hn::Load(d, bs.m + q * N), msafe[q]));
+    const V mold = hn::Load(d, bs.m + q * N);
+    alpha[q] = hn::Exp(d, hn::Sub(mold, msafe[q]));
+    if (!hn::AllFalse(d, hn::Eq(mnew[q], pos_inf))) {
+      inf_max = true;
+      alpha[q] = hn::IfThenElse(hn::Eq(mold, pos_inf), one, alpha[q]);
+    }
     sum[q] = hn::Zero(d);
     hn::Store(mnew[q], d, bs.m + q * N);
   }
   for (int64_t j = 0; j < n; ++j) {
     for (size_t q = 0; q < QV; ++q) {
       T* row = st + j * mq + q * N;
-      const V pj = hn::Exp(d, hn::Sub(hn::Load(d, row), msafe[q]));
+      const V s = hn::Load(d, row);
+      V pj = hn::Exp(d, hn::Sub(s, msafe[q]));
+      if (inf_max) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // s = +inf only where m = +inf
       sum[q] = hn::Add(sum[q], pj);
       hn::Store(pj, d, row);
     }
@@ -359,10 +373,8 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
-      if (l[lane] == 0) continue;  // no allowed key: the row stays zero
-      const T inv = T(1) / l[lane];
       for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, std::exp(s.st[j * mq + lane] - m[lane]) * inv);
+        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st[j * mq + lane], m[lane], l[lane]));
       }
     }
   }

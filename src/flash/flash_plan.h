@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "problem.h"
+#include "reference.h"
 
 namespace sdpa::internal {
 
@@ -161,20 +163,21 @@ void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0,
   const View4& mask = *p.mask;
   const int64_t js = mask.strides[3];
   const bool unit = js == 1 && dst_stride == 1;  // the common case, in loops the compiler vectorises
+  // Blocked keys become -inf whatever their score (with_bias): +inf or NaN must not leak.
   if (mask.dtype == DType::kBool) {
     const uint8_t* row = mask.at<uint8_t>(b, h, i, j0);
     const T blocked = -std::numeric_limits<T>::infinity();
     if (unit) {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj] += row[jj] ? T(0) : blocked;
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = row[jj] ? dst[jj] : blocked;
     } else {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js] ? T(0) : blocked;  // no branch
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] = row[jj * js] ? dst[jj * dst_stride] : blocked;
     }
   } else {
     const T* row = mask.at<T>(b, h, i, j0);
     if (unit) {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj] += row[jj];
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], row[jj]);
     } else {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] += row[jj * js];
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] = with_bias(dst[jj * dst_stride], row[jj * js]);
     }
   }
 }
@@ -197,7 +200,7 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
       const T* pc = partial + c * stride;
       const T lc = pc[(Dv + 1) * mq + lane];
       if (lc == 0) continue;
-      const T w = std::exp(pc[Dv * mq + lane] - mmax);
+      const T w = shifted_exp(pc[Dv * mq + lane], mmax);  // 1 for chunks at a +inf max
       sum += lc * w;
       for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] += pc[e * mq + lane] * w;
     }
@@ -206,9 +209,20 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
   }
 }
 
+// The weight of a score s in a row whose final max is m and sum l: shifted_exp(s, m) / l, and
+// 0 for blocked keys (s = -inf) and rows with no allowed key (l = 0), even when l is NaN.
+template <typename T>
+T weight(T s, T m, T l) {
+  return s == -std::numeric_limits<T>::infinity() || l == 0 ? T(0) : shifted_exp(s, m) * (T(1) / l);
+}
+
 // Normalises a block's output rows and writes out and lse. A lane with no allowed key
 // (l == 0; otherwise l >= 1, the max's own term) gets zeros and lse = -inf; l = NaN (a NaN
-// in its scores) gives NaN.
+// in its scores) gives NaN. A row that comes out non-finite with a finite l is recomputed by
+// attend_row (the same algorithm, scalar, in T), whose sum skips keys of weight 0: the tiles
+// multiplied every key's value row by its weight, so a NaN or inf there in a blocked, dropped
+// or underflowed key gave 0 · NaN, and the unnormalised sum Σ p·v may overflow where out
+// does not. Rare, so it may allocate.
 template <typename T>
 void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
                   const LaneRow* lanes) {
@@ -217,7 +231,15 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
     const bool any = l[lane] != 0;
     const T inv = any ? T(1) / l[lane] : T(0);
     T* out = p.out.at<T>(blk.b, r.h, r.i);
-    for (int64_t e = 0; e < p.Dv; ++e) out[e] = ot[e * mq + lane] * inv;
+    bool finite = true;
+    for (int64_t e = 0; e < p.Dv; ++e) {
+      out[e] = any ? ot[e * mq + lane] * inv : T(0);
+      finite &= std::isfinite(out[e]);
+    }
+    if (!finite && !std::isnan(l[lane])) {
+      std::vector<T> prob(static_cast<size_t>(p.Nk));
+      attend_row(p, blk.b, r.h, r.i, prob.data(), out);
+    }
     if (p.lse) {
       p.lse->store(blk.b, r.h, r.i, 0, any ? m[lane] + std::log(l[lane]) : -std::numeric_limits<T>::infinity());
     }

@@ -1,0 +1,309 @@
+// The edges of the header's contract (docs/RELIABILITY.md), on every backend: scores past the
+// float range, blocked keys holding inf or NaN, unnormalised sums that overflow, scales the
+// compute type cannot hold, empty views with null data, huge dims that hold no element. Each
+// test pins a defect that once gave a silent wrong answer, undefined behaviour or a hang.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <utility>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "backward_util.h"
+#include "sdpa/attention.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace sdpa_test;
+using sdpa::Backend;
+using sdpa::Causal;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr DType kDTypes[] = {kF32, kF64};
+
+// A value whose square overflows the dtype: q·k = big² is +inf in the compute type.
+double big(DType dt) { return dt == kF32 ? 1e20 : 1e160; }
+
+class Edge : public testing::TestWithParam<Backend> {
+ protected:
+  sdpa::Options opts() const {
+    sdpa::Options o;
+    o.backend = GetParam();
+    return o;
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Backends, Edge,
+                         testing::Values(Backend::kAuto, Backend::kFlash, Backend::kNaive, Backend::kReference),
+                         [](const testing::TestParamInfo<Backend>& info) { return testing::PrintToString(info.param); });
+
+// Rows (Nq, 1) of q = `qv`, keys (Nk, 1) and values (Nk, 1) small except at `hot` keys.
+Tensors one_feature(DType dt, int64_t nq, int64_t nk, double qv, const std::vector<int64_t>& hot, double hot_k,
+                    const std::vector<double>& hot_v) {
+  std::vector<double> q(nq, qv), k(nk), v(nk);
+  for (int64_t j = 0; j < nk; ++j) {
+    k[j] = 0.25 * static_cast<double>(j % 7) - 0.5;
+    v[j] = static_cast<double>(j % 5);
+  }
+  for (size_t h = 0; h < hot.size(); ++h) {
+    k[hot[h]] = hot_k;
+    v[hot[h]] = hot_v[h];
+  }
+  return {tensor(dt, {nq, 1}, q), tensor(dt, {nk, 1}, k), tensor(dt, {nk, 1}, v), std::nullopt};
+}
+
+// Two query heads sharing one kv head, (2, Nq, 8), (1, Nk, 8), (1, Nk, 4), normal values, and a
+// key-padding mask blocking keys 1, 4, 7, ...
+Tensors blocking_every_third_key(DType dt, int64_t nq, int64_t nk, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Tensors t{GuardedTensor(dt, {2, nq, 8}), GuardedTensor(dt, {1, nk, 8}), GuardedTensor(dt, {1, nk, 4}),
+            GuardedTensor(DType::kBool, {nk})};
+  fill_normal(t.q, rng);
+  fill_normal(t.k, rng);
+  fill_normal(t.v, rng);
+  for (int64_t j = 0; j < nk; ++j) t.mask->set(j, j % 3 != 1);
+  return t;
+}
+
+// The example: q=[[1e20]], k=[[1e20],[1]], v=[[5],[7]] in float32 gave out 0 and
+// lse -inf (as if no key were allowed). A +inf score takes the row's whole weight; several
+// share it equally. Sizes reach the few-rows kernel, the lanes-are-rows kernel and the key
+// split with its merge (Nk = 4096, one row).
+TEST_P(Edge, OverflowingScoresTakeTheRowsWeight) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{1, 2}, {3, 9}, {40, 300}, {1, 4096}}) {
+      for (const std::vector<int64_t>& hot : {std::vector<int64_t>{0}, std::vector<int64_t>{nk - 1, nk / 2 - 1}}) {
+        SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk << " hot=" << hot.size());
+        const Tensors t = one_feature(dt, nq, nk, big(dt), hot, big(dt), {5.0, 8.0});
+        sdpa::Options o = opts();
+        o.scale = 1.0;
+        const Values got = values(run(t, o));
+        const double want = hot.size() == 1 ? 5.0 : 6.5;
+        for (int64_t i = 0; i < nq; ++i) {
+          EXPECT_EQ(got.out[i], want) << "row " << i;
+          EXPECT_EQ(got.lse[i], kInf) << "row " << i;
+          for (int64_t j = 0; j < nk; ++j) {
+            const bool is_hot = std::find(hot.begin(), hot.end(), j) != hot.end();
+            ASSERT_EQ(got.weights[i * nk + j], is_hot ? 1.0 / static_cast<double>(hot.size()) : 0.0) << i << "," << j;
+          }
+        }
+      }
+    }
+  }
+}
+
+// A -inf score on an allowed key (q·k overflowing downwards) weighs 0; with nothing above -inf
+// the row is fully masked: zeros and lse -inf, never NaN.
+TEST_P(Edge, NegativeOverflowWeighsNothing) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    sdpa::Options o = opts();
+    o.scale = 1.0;
+    const Values one = values(run(one_feature(dt, 1, 2, big(dt), {0}, -big(dt), {5.0}), o));
+    EXPECT_EQ(one.out[0], 1.0);  // all weight on key 1, whose value is 1
+    const Values all = values(run(one_feature(dt, 1, 1, big(dt), {0}, -big(dt), {5.0}), o));
+    EXPECT_EQ(all.out[0], 0.0);
+    EXPECT_EQ(all.lse[0], -kInf);
+  }
+}
+
+// A key the mask blocks is -inf whatever its dot product: an overflowing (+inf) or NaN score
+// there made the whole row NaN.
+TEST_P(Edge, MaskedKeysWithInfiniteOrNanScoresDoNotReachTheRow) {
+  for (DType dt : kDTypes) {
+    for (DType mask_dt : {DType::kBool, dt}) {
+      for (double bad_k : {big(dt), kNaN, kInf}) {
+        SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " mask " << sdpa::dtype_name(mask_dt) << " k=" << bad_k);
+        Tensors t = one_feature(dt, 1, 2, big(dt), {0}, bad_k, {5.0});
+        t.k.set(1, 1.0);
+        t.v.set(1, 7.0);
+        t.mask = tensor(mask_dt, {2}, {mask_dt == DType::kBool ? 0.0 : -kInf, mask_dt == DType::kBool ? 1.0 : 0.0});
+        sdpa::Options o = opts();
+        o.scale = 1.0;
+        const Values got = values(run(t, o));
+        EXPECT_EQ(got.out[0], 7.0);
+        EXPECT_EQ(got.weights, (std::vector<double>{0.0, 1.0}));
+        EXPECT_EQ(got.lse[0], static_cast<double>(dt == kF32 ? static_cast<double>(static_cast<float>(big(dt))) : big(dt)));
+      }
+    }
+  }
+}
+
+// A NaN (or inf) in the value row of a key that a row does not attend never reaches that row:
+// the example (zeros, causal, v = [[1], [nan]]; a row that sees no key came back NaN),
+// then keys the mask blocks, at sizes of every kernel. A row that does attend it is NaN.
+TEST_P(Edge, BlockedValueRowsDoNotReachTheRow) {
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    {
+      const Tensors t{tensor(dt, {3, 1}, {0, 0, 0}), tensor(dt, {2, 1}, {0, 0}), tensor(dt, {2, 1}, {1, kNaN}),
+                      std::nullopt};
+      sdpa::Options o = opts();
+      o.causal = Causal::kBottomRight;  // row 0 sees no key, row 1 key 0, row 2 both
+      const Values got = values(run(t, o));
+      EXPECT_EQ(got.out[0], 0.0);
+      EXPECT_EQ(got.lse[0], -kInf);
+      EXPECT_EQ(got.out[1], 1.0);
+      EXPECT_TRUE(std::isnan(got.out[2]));
+    }
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{2, 9}, {40, 300}, {1, 4096}}) {
+      for (double bad : {kNaN, kInf}) {
+        SCOPED_TRACE(testing::Message() << "Nq=" << nq << " Nk=" << nk << " v=" << bad);
+        Tensors t = blocking_every_third_key(dt, nq, nk, 3);  // key 4 among them
+        for (int64_t e = 0; e < 4; ++e) t.v.set(4 * 4 + e, bad);
+        const Outs got = run(t, opts());
+        EXPECT_TRUE(matches_reference(t, opts(), got));
+        EXPECT_TRUE(blocked_are_exact(t, opts(), got));
+        for (double x : got.out.values()) ASSERT_TRUE(std::isfinite(x));
+      }
+    }
+  }
+}
+
+// out = Σ p·v / l: the unnormalised sum overflowed for values near the top of the range
+// (out came back inf where the answer, 3e38, is a float32).
+TEST_P(Edge, UnnormalisedSumsDoNotOverflow) {
+  for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{1, 4}, {40, 300}}) {
+    const Tensors z{tensor(kF32, {nq, 2}, std::vector<double>(nq * 2, 0.0)),
+                    tensor(kF32, {nk, 2}, std::vector<double>(nk * 2, 0.0)),
+                    tensor(kF32, {nk, 1}, std::vector<double>(nk, 3e38)), std::nullopt};
+    const Values got = values(run(z, opts()));
+    // A sum of Nk float32 terms: relative error up to Nk · eps (the naive bound).
+    for (int64_t i = 0; i < nq; ++i) EXPECT_NEAR(got.out[i], 3e38, 3e38 * nk * eps(kF32)) << "row " << i;
+  }
+}
+
+// A scale float32 cannot hold was accepted and became inf (or 0) inside the kernels.
+TEST_P(Edge, ScalesTheComputeTypeCannotHoldAreErrors) {
+  for (double scale : {1e39, -1e39, 1e-50}) {
+    Tensors t = one_feature(kF32, 1, 2, 1e-20, {0}, 1e-20, {5.0});
+    Outs outs{GuardedTensor(kF32, {1, 1}), GuardedTensor(kF32, {1, 2}), GuardedTensor(kF32, {1})};
+    sdpa::Options o = opts();
+    o.scale = scale;
+    expect_sdpa_error([&] { sdpa::attention(t.inputs(), outs.outputs(), o); }, {"scale=", "float32"});
+    EXPECT_TRUE(outs.out.untouched());
+    // float64 holds it.
+    EXPECT_NO_THROW(run(t.converted(kF64), o));
+  }
+}
+
+sdpa::TensorView null_view(DType dt, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+  sdpa::TensorView t;
+  t.dtype = dt;
+  t.rank = static_cast<int>(shape.size());
+  for (int d = 0; d < t.rank; ++d) {
+    t.shape[d] = shape[d];
+    t.strides[d] = strides[d];
+  }
+  return t;  // data == nullptr
+}
+
+// Empty views may have null data and any strides: the kernels formed null + offset (undefined
+// behaviour, reported by UBSan) from the strides of empty k and v.
+TEST_P(Edge, EmptyViewsWithNullDataAndAnyStrides) {
+  for (DType dt : kDTypes) {
+    GuardedTensor q(dt, {2, 3, 4}), out(dt, {2, 3, 2}), lse(dt, {2, 3});
+    std::mt19937 rng(5);
+    fill_normal(q, rng);
+    sdpa::Inputs in;
+    in.q = q.view();
+    in.k = null_view(dt, {2, 0, 4}, {-1000003, -7, 1});
+    in.v = null_view(dt, {2, 0, 2}, {999983, 123457, 1});
+    sdpa::Outputs outs;
+    outs.out = out.view();
+    outs.lse = lse.view();
+    outs.weights = null_view(dt, {2, 3, 0}, {-5, 77, -1});
+    sdpa::attention(in, outs, opts());
+    EXPECT_EQ(out.values(), std::vector<double>(12, 0.0));
+    EXPECT_EQ(lse.values(), std::vector<double>(6, -kInf));
+  }
+}
+
+// q (1, 0) against k, v (2^40, 0) with lse asked for walked 2^40 keys. The scores are all 0
+// (empty dot products), so lse = log(number of allowed keys) + bias, from what exists.
+TEST_P(Edge, HugeKeyDimsHoldingNoElementGiveLseAtOnce) {
+  const int64_t nk = int64_t{1} << 40;
+  for (DType dt : kDTypes) {
+    SCOPED_TRACE(sdpa::dtype_name(dt));
+    GuardedTensor lse(dt, {1});
+    sdpa::Inputs in;
+    in.q = null_view(dt, {1, 0}, {0, 1});
+    in.k = null_view(dt, {nk, 0}, {0, 1});
+    in.v = null_view(dt, {nk, 0}, {0, 1});
+    sdpa::Outputs outs;
+    outs.out = null_view(dt, {1, 0}, {0, 1});
+    outs.lse = lse.view();
+    const double log_nk = 40 * std::log(2.0);
+    sdpa::attention(in, outs, opts());
+    EXPECT_NEAR(lse.get(0), log_nk, 4 * eps(dt) * log_nk);
+    sdpa::Options o = opts();
+    o.causal = Causal::kTopLeft;  // row 0 sees key 0 only
+    sdpa::attention(in, outs, o);
+    EXPECT_EQ(lse.get(0), 0.0);
+    GuardedTensor bias = tensor(dt, {1, 1}, {2.5});
+    in.mask = bias.view();
+    sdpa::attention(in, outs, opts());
+    EXPECT_NEAR(lse.get(0), 2.5 + log_nk, 4 * eps(dt) * (2.5 + log_nk));
+    GuardedTensor blocked = tensor(DType::kBool, {1}, {0});
+    in.mask = blocked.view();
+    sdpa::attention(in, outs, opts());
+    EXPECT_EQ(lse.get(0), -kInf);
+  }
+}
+
+// An empty float mask of shape (2^40, 0) made validation loop 2^40 times over its rows.
+TEST_P(Edge, HugeEmptyMaskValidatesAtOnce) {
+  const int64_t nq = int64_t{1} << 40;
+  for (DType dt : kDTypes) {
+    sdpa::Inputs in;
+    in.q = null_view(dt, {nq, 0}, {0, 1});
+    in.k = null_view(dt, {0, 0}, {0, 1});
+    in.v = null_view(dt, {0, 0}, {0, 1});
+    in.mask = null_view(dt, {nq, 0}, {0, 1});
+    sdpa::Outputs outs;
+    outs.out = null_view(dt, {nq, 0}, {0, 1});
+    EXPECT_NO_THROW(sdpa::attention(in, outs, opts()));
+  }
+}
+
+// ---- Backward ----
+
+// A key the mask blocks passes nothing of its value row to the gradients: dp = dout·v was NaN
+// there, and ds = 0 · NaN reached dq and dk. With the key's v clean the gradients are the same
+// bit for bit.
+TEST_P(Edge, BackwardIgnoresValueRowsOfBlockedKeys) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{3, 9}, {40, 300}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      Tensors t = blocking_every_third_key(dt, nq, nk, 7);  // key 4 among them
+      sdpa::Options o = opts();
+      const sdpa_test::Problem clean = make_problem(std::move(t), o, Layout::kContiguous, 8);
+      sdpa_test::Problem dirty = clean.converted(dt);  // a copy
+      for (int64_t e = 0; e < 4; ++e) dirty.t.v.set(4 * 4 + e, kNaN);
+      const GradValues want = values(backward(clean, o)), got = values(backward(dirty, o));
+      EXPECT_TRUE(no_nan(got));
+      EXPECT_TRUE(bitwise_equal(got, want));
+    }
+  }
+}
+
+// lse = +inf (a score overflowed in the forward pass) has no gradient: an Error naming the row,
+// before anything is written.
+TEST_P(Edge, BackwardRefusesAnOverflowedLse) {
+  for (DType dt : kDTypes) {
+    const Tensors t = one_feature(dt, 3, 2, 1.0, {0}, 1.0, {5.0});
+    sdpa_test::Problem p = make_problem(t.converted(dt), opts(), Layout::kContiguous, 9);
+    p.lse.set(1, kInf);
+    const Grads g = empty_grads(t, Layout::kContiguous);
+    expect_sdpa_error(
+        [&] { sdpa::attention_backward(t.inputs(), p.out.view(), p.lse.view(), p.dout.view(), g.gradients(), opts()); },
+        {"lse has +inf at index (1,)", "overflowed"});
+    EXPECT_TRUE(g.untouched());
+  }
+}
+
+}  // namespace
