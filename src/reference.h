@@ -33,4 +33,11 @@ void lse_of_biases(const Problem& p);
 template <typename Acc>
 void materialized_backward(const BackwardProblem& bp);
 
+// One query row of it: dq (Dk entries) of row (b, h, i), and its contributions added to dk
+// (Nk × Dk) and dv (Nk × Dv) of the row's kv head unless they are null; prob is Nk scratch.
+// Keys of weight 0 (and the value rows of dropped keys) add nothing. Also the fused backward's
+// exact fallback for a dq row that came out non-finite (Acc = its dtype).
+template <typename Acc>
+void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv);
+
 }  // namespace sdpa::internal

@@ -6,6 +6,7 @@
 //   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i)
 //   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
 // dk and dv of a kv head sum over the query heads of its group.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -15,9 +16,35 @@
 namespace sdpa::internal {
 
 template <typename Acc>
-void materialized_backward(const BackwardProblem& bp) {
+void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv) {
   const Problem& p = bp.fwd;
   const Acc scale = static_cast<Acc>(p.scale);
+  const int64_t kvh = h / p.group;
+  softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
+  Acc D = 0;
+  for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
+  std::fill(dq, dq + p.Dk, Acc(0));
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    if (prob[j] == 0) continue;  // blocked keys get no gradient and give none
+    const Acc z = p.dropout.factor<Acc>(b, h, i, j);  // 0, or 1 / (1 - dropout_p)
+    Acc dp = 0;
+    for (int64_t e = 0; e < p.Dv; ++e) {
+      const Acc g = bp.dout.load<Acc>(b, h, i, e);
+      if (dv) dv[j * p.Dv + e] += z * prob[j] * g;
+      dp += g * p.v.load<Acc>(b, kvh, j, e);
+    }
+    const Acc zdp = z == 0 ? Acc(0) : z * dp;  // a dropped key's v (even NaN) adds nothing
+    const Acc ds = prob[j] * (zdp - D) * scale;
+    for (int64_t d = 0; d < p.Dk; ++d) {
+      dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
+      if (dk) dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
+    }
+  }
+}
+
+template <typename Acc>
+void materialized_backward(const BackwardProblem& bp) {
+  const Problem& p = bp.fwd;
   std::vector<Acc> dk(static_cast<size_t>(p.Nk * p.Dk)), dv(static_cast<size_t>(p.Nk * p.Dv));
   std::vector<Acc> prob(static_cast<size_t>(p.Nk)), dq(static_cast<size_t>(p.Dk));
   for (int64_t b = 0; b < p.B; ++b) {
@@ -26,26 +53,7 @@ void materialized_backward(const BackwardProblem& bp) {
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         for (int64_t i = 0; i < p.Nq; ++i) {
-          softmax_row(p, b, h, i, prob.data());  // recomputed, not taken from the given lse
-          Acc D = 0;
-          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
-          std::fill(dq.begin(), dq.end(), Acc(0));
-          for (int64_t j = 0; j < p.Nk; ++j) {
-            if (prob[j] == 0) continue;  // blocked keys get no gradient
-            const Acc z = p.dropout.factor<Acc>(b, h, i, j);  // 0, or 1 / (1 - dropout_p)
-            Acc dp = 0;
-            for (int64_t e = 0; e < p.Dv; ++e) {
-              const Acc g = bp.dout.load<Acc>(b, h, i, e);
-              dv[j * p.Dv + e] += z * prob[j] * g;
-              dp += g * p.v.load<Acc>(b, kvh, j, e);
-            }
-            const Acc zdp = z == 0 ? Acc(0) : z * dp;  // a dropped key's v (even NaN) adds nothing
-            const Acc ds = prob[j] * (zdp - D) * scale;
-            for (int64_t d = 0; d < p.Dk; ++d) {
-              dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
-              dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
-            }
-          }
+          backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data());
           for (int64_t d = 0; d < p.Dk; ++d) bp.dq.store(b, h, i, d, dq[d]);
         }
       }
@@ -57,6 +65,9 @@ void materialized_backward(const BackwardProblem& bp) {
   }
 }
 
+template void backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
+template void backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
+                                   double*);
 template void materialized_backward<float>(const BackwardProblem& bp);
 template void materialized_backward<double>(const BackwardProblem& bp);
 

@@ -291,6 +291,25 @@ TEST_P(Edge, BackwardIgnoresValueRowsOfBlockedKeys) {
   }
 }
 
+// The same for the key row of a key the mask blocks: dq = Σ ds·k multiplied it by ds = 0, so a
+// NaN there made dq NaN. The row is recomputed; the gradients match kReference's by the rule.
+TEST_P(Edge, BackwardIgnoresKeyRowsOfBlockedKeys) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{3, 9}, {40, 300}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      Tensors t = blocking_every_third_key(dt, nq, nk, 11);  // key 4 among them
+      sdpa::Options o = opts();
+      sdpa_test::Problem p = make_problem(std::move(t), o, Layout::kContiguous, 12);
+      for (int64_t c = 0; c < 8; ++c) p.t.k.set(4 * 8 + c, kNaN);
+      const Grads got = backward(p, o);
+      EXPECT_TRUE(no_nan(values(got)));
+      Expected e;
+      ASSERT_TRUE(expected(p, o, e));
+      EXPECT_TRUE(matches(e, got));
+    }
+  }
+}
+
 // lse = +inf (a score overflowed in the forward pass) has no gradient: an Error naming the row,
 // before anything is written.
 TEST_P(Edge, BackwardRefusesAnOverflowedLse) {

@@ -229,7 +229,18 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   }
   for (int64_t l = 0; l < blk.rows; ++l) {
     T* dq = bp.dq.at<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
-    for (int64_t c = 0; c < p.Dk; ++c) dq[c] = s.gk[c * mq + l] * scale;
+    bool finite = true;
+    for (int64_t c = 0; c < p.Dk; ++c) {
+      dq[c] = s.gk[c * mq + l] * scale;
+      finite &= std::isfinite(dq[c]);
+    }
+    // ds · k multiplied every key row by its ds, so a NaN or inf in the key row of a key the
+    // row does not attend (ds = 0) gave 0 · NaN: recompute the row exactly (rare; allocates).
+    if (!finite && !std::isnan(lse_lanes[l]) && std::isfinite(D_lanes[l])) {
+      std::vector<T> prob(static_cast<size_t>(p.Nk)), row(static_cast<size_t>(p.Dk));
+      backward_row<T>(bp, blk.b, bs.lanes[l].h, bs.lanes[l].i, prob.data(), row.data(), nullptr, nullptr);
+      std::copy(row.begin(), row.end(), dq);
+    }
   }
 }
 
@@ -245,7 +256,9 @@ void FlashBackward(const BackwardProblem& bp) {
   rs.D.resize(rs.lse.size());
   const int64_t key_blocks = ceil_div(p.Nk, mq);
   const int64_t rows_per_head = p.Nq * p.group, query_blocks = ceil_div(rows_per_head, mq);
-  const int threads = std::max(1, num_threads());
+  // No more threads than units of the largest pass (set_num_threads may ask for millions).
+  const int64_t units = std::max({p.B * p.Hq, p.B * p.Hkv * key_blocks, p.B * p.Hkv * query_blocks});
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
 
 #pragma omp parallel num_threads(threads)
   {
