@@ -2,6 +2,9 @@
 // All conversion and dtype policy lives in sdpa/__init__.py; here arrays are only wrapped as
 // TensorViews (no copies).
 // sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
+#include <cstdint>
+#include <string>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -31,6 +34,15 @@ sdpa::TensorView to_view(const A& a, const char* name) {
     throw nb::type_error((std::string(name) + " must be float32, float64 or bool").c_str());
   }
   if (a.ndim() > 4) throw nb::value_error((std::string(name) + " has more than 4 dims").c_str());
+  // NumPy allows data at any byte address (np.frombuffer(..., offset=1)); the kernels read
+  // whole elements, so a misaligned one is refused here (the sdpa package copies it first).
+  // Byte strides that are not a multiple of the item size never get this far: nanobind
+  // takes strides in elements.
+  const std::uintptr_t item = a.dtype().bits / 8;
+  if (reinterpret_cast<std::uintptr_t>(a.data()) % item != 0) {
+    throw nb::value_error((std::string(name) + " is not aligned to its item size (" + std::to_string(item) +
+                           " bytes); pass an aligned copy").c_str());
+  }
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));  // inputs are only read
   t.rank = static_cast<int>(a.ndim());
   for (int d = 0; d < t.rank; ++d) {

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
 
 import numpy as np
 
@@ -20,6 +22,59 @@ __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
            "top_left": "top_left"}
+_INT64_MAX = 2**63 - 1
+
+
+def _memory_bytes():
+    """The machine's physical memory in bytes (sys.maxsize where the OS does not say)."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return sys.maxsize
+    return min(n, sys.maxsize) if n > 0 else sys.maxsize
+
+
+_MEMORY_BYTES = _memory_bytes()
+
+
+def _describe(x):
+    """repr(x) for a message; an integer too long to print usefully (Python refuses to print
+    one past 4300 digits) is described by its size, other long reprs are cut."""
+    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and abs(int(x)) >= 2**128:
+        return f"{'a negative' if x < 0 else 'an'} integer of {int(x).bit_length()} bits"
+    try:
+        text = repr(x)
+    except ValueError:  # e.g. a Fraction whose parts have more than 4300 digits
+        return f"a {type(x).__name__} too long to print"
+    return text if len(text) <= 80 else text[:60] + "..."
+
+
+def _byte_size(n):
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.3g} {unit}"
+        n /= 1024
+
+
+def _check_fits(what, shape, dtype):
+    """ValueError unless NumPy can make an array of `shape` and `dtype` and it fits in this
+    machine's memory, checked before NumPy is asked for it (it would try, or fail without
+    naming the array); `what` starts the message ("weights would have", "q needs a copy of")."""
+    dtype = np.dtype(dtype)
+    count = math.prod(shape)
+    nbytes = count * dtype.itemsize
+    if nbytes > _MEMORY_BYTES:
+        raise ValueError(f"{what} shape {tuple(shape)} of {dtype}: {count} elements, "
+                         f"{_byte_size(nbytes)}, more than this machine's memory ({_byte_size(_MEMORY_BYTES)})")
+    if math.prod(n for n in shape if n) * dtype.itemsize > np.iinfo(np.intp).max:
+        raise ValueError(f"{what} shape {tuple(shape)} of {dtype}, which NumPy cannot make although it holds no "
+                         "element: its non-zero dims times the item size exceed the largest array size")
+
+
+def _empty(name, shape, dtype):
+    """np.empty(shape, dtype) for the output `name`, refused by name when it cannot fit."""
+    _check_fits(f"{name} would have", shape, dtype)
+    return np.empty(shape, dtype)
 
 
 def _asarray(name, a):
@@ -44,19 +99,46 @@ def _check_kind(name, a):
 
 
 def _compute_dtype(*arrays):
-    # float32 (and float16) inputs compute in float32; anything with float64 or integers in float64.
-    if all(a.dtype in (np.float32, np.float16) for a in arrays):
+    # float32 (and float16) inputs compute in float32, in either byte order; anything with
+    # float64 or integers in float64.
+    if all(a.dtype.kind == "f" and a.dtype.itemsize <= 4 for a in arrays):
         return np.dtype(np.float32)
     return np.dtype(np.float64)
 
 
-def _prepared(a, dtype, unit_last_stride=True):
-    """a as `dtype`, aligned, with unit stride in its last dim (the kernel's only layout need
-    of q, k, v, out and dout; lse may have any strides).
+def _readable_in_place(a):
+    """Whether _core can take a as it is: aligned, and (for _core's strides in elements) every
+    byte stride a multiple of the item size. NumPy allows any address and stride: a buffer at
+    an odd offset, a field of a structured array."""
+    size = a.dtype.itemsize
+    return a.flags.aligned and a.ctypes.data % size == 0 and all(s % size == 0 for s in a.strides)
+
+
+def _broadcast_dims(a):
+    """An index that keeps one element of each stride-0 (broadcast) dim of a, all of the others."""
+    return tuple(slice(0, 1) if n > 1 and s == 0 else slice(None) for n, s in zip(a.shape, a.strides))
+
+
+def _converted(name, a, dtype):
+    """a as `dtype` (native byte order), readable in place by _core: a itself when it already
+    is, else a copy in which broadcast (stride-0) dims stay broadcast: only one of their
+    elements is converted, so a broadcast input never grows to its full size."""
+    if a.dtype == dtype and _readable_in_place(a):
+        return a
+    stored = a[_broadcast_dims(a)] if a.size else a  # an empty array is all stride 0, broadcast or not
+    _check_fits(f"{name} needs a copy{'' if a.dtype == dtype else f' as {dtype}'} of", stored.shape, dtype)
+    copy = np.array(stored, dtype=dtype, copy=True)  # a fresh array: aligned, native order
+    return copy if copy.shape == a.shape else np.broadcast_to(copy, a.shape)
+
+
+def _prepared(name, a, dtype, unit_last_stride=True):
+    """a as `dtype`, readable in place by _core (see _converted), with unit stride in its last
+    dim (the kernel's only layout need of q, k, v, out and dout; lse may have any strides).
 
     Other strides (transposes, slices, broadcast zeros) are passed through without a copy."""
-    a = np.asarray(a, dtype=dtype)
-    if not a.flags.aligned or (unit_last_stride and a.ndim > 0 and a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+    a = _converted(name, np.asarray(a), dtype)
+    if unit_last_stride and a.ndim > 0 and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        _check_fits(f"{name} needs a copy with unit stride in its last dim, of", a.shape, dtype)
         a = np.ascontiguousarray(a)
     return a
 
@@ -68,20 +150,23 @@ def _prepared_mask(mask, dtype, scores_shape):
         raise ValueError(f"mask has shape {mask.shape}, more dims than the scores {scores_shape}; "
                          "a mask has at most 4 dims, (B, Hq, Nq, Nk)")
     if mask.dtype == np.bool_:
-        return mask
+        return _converted("mask", mask, mask.dtype)
     if mask.dtype.kind != "f":
         raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
                         "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
     if mask.dtype.itemsize <= dtype.itemsize:
-        return np.asarray(mask, dtype=dtype)  # exact: float16 -> float32, float32 -> float64, ...
+        return _converted("mask", mask, dtype)  # exact: float16 -> float32, float32 -> float64, ...
     # Narrowing (float64 -> float32, long double -> float64): a bias below the compute dtype's
     # lowest value becomes -inf, which blocks, as documented; one above its largest value
     # would become +inf, a value the caller never passed, so it is refused here by name.
     with np.errstate(over="ignore"):
-        converted = np.asarray(mask, dtype=dtype)
-    overflowed = np.isposinf(converted)
+        converted = _converted("mask", mask, dtype)
+    # Checked on one element of each broadcast dim: the first such value in index order has
+    # index 0 in those dims.
+    stored = _broadcast_dims(mask)
+    overflowed = np.isposinf(converted[stored])
     if overflowed.any():
-        overflowed &= ~np.isposinf(mask)  # a +inf passed as such is reported by _core as +inf
+        overflowed &= ~np.isposinf(mask[stored])  # a +inf passed as such is reported by _core as +inf
         if overflowed.any():
             index = tuple(int(i) for i in np.argwhere(overflowed)[0])
             raise ValueError(f"mask has {str(mask[index])} at index {index}, which does not fit in {dtype} "
@@ -103,7 +188,9 @@ def _window_bounds(window):
             x = -1
         if isinstance(x, bool) or not isinstance(x, numbers.Integral):
             raise ValueError(f"window {name} must be an integer (-1 = unbounded), got {x!r}")
-        bounds.append(int(x) if x >= 0 else -1)
+        # _core takes int64 bounds; any bound of Nq + Nk or more reaches every key, so one
+        # beyond int64 is exactly as good as int64's largest.
+        bounds.append(min(int(x), _INT64_MAX) if x >= 0 else -1)
     return bounds[0], bounds[1]
 
 
@@ -113,14 +200,15 @@ def _prepared_inputs(q, k, v, mask):
     for name, a in zip("qkv", arrays):
         _check_kind(name, a)
     dtype = _compute_dtype(*arrays)
-    q, k, v = (_prepared(a, dtype) for a in arrays)
+    q, k, v = (_prepared(name, a, dtype) for name, a in zip("qkv", arrays))
     if mask is not None:
         mask = _prepared_mask(mask, dtype, q.shape[:-1] + k.shape[-2:-1])
     return dtype, q, k, v, mask
 
 
-def _parsed_options(causal, scale, window, backend):
-    """(causal code, scale or None, window left, window right) for _core, validated."""
+def _parsed_options(causal, scale, window, backend, dtype):
+    """(causal code, scale or None, window left, window right) for _core, validated; `dtype` is
+    the compute dtype, which must hold the scale."""
     # Only bools (Python or NumPy) and the names: 1, 0.0 and the like are more likely slips.
     key = bool(causal) if causal is None or isinstance(causal, (bool, np.bool_)) else causal
     if not isinstance(key, (bool, str)) or key not in _CAUSAL:
@@ -133,9 +221,25 @@ def _parsed_options(causal, scale, window, backend):
     if scale is not None:
         if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale must be a real number, got {scale!r}")
-        scale = float(scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale!r}")
+        try:
+            value = float(scale)
+        except OverflowError:  # an int or Fraction beyond float64
+            value = math.inf
+        if not math.isfinite(value):
+            raise ValueError(f"scale must be finite, got {_describe(scale)}")
+        # The kernels multiply in the compute dtype, where the scale must not round to inf (for
+        # float32, a magnitude past its max by half an ulp or more) nor, when not 0, to 0 (for
+        # float32, 2**-150, half its smallest subnormal, or less): the same rule as _core's,
+        # which also sees no more than the float64 value (Fraction(1, 10**400) is 0 there).
+        with np.errstate(over="ignore", under="ignore"):
+            rounded = dtype.type(value)
+        if np.isinf(rounded) or (rounded == 0 and scale != 0):
+            holds = {"float32": "from about 1.4e-45 to 3.4e38; pass float64 q, k and v for such a scale",
+                     "float64": "from about 4.9e-324 to 1.8e308"}[dtype.name]
+            raise ValueError(f"scale {_describe(scale)} does not fit in {dtype}, the dtype q, k and v compute in: "
+                             f"it would become {'inf' if np.isinf(rounded) else '0'} ({dtype} holds magnitudes "
+                             f"{holds})")
+        scale = value
     left, right = _window_bounds(window)
     return causal_code, scale, left, right
 
@@ -144,16 +248,19 @@ def _parsed_dropout(dropout_p, seed):
     """(p, seed) for _core: p a real number in [0, 1); seed an integer, required when p > 0."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
-    p = float(dropout_p)
+    try:
+        p = float(dropout_p)
+    except OverflowError:  # an int or Fraction beyond float64
+        p = math.inf
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise ValueError(f"dropout_p must be in [0, 1), got {_describe(dropout_p)}")
     if seed is None:
         if p > 0:
             raise ValueError("seed must be given when dropout_p > 0: the same seed draws the same "
                              "dropout mask in attention and attention_backward")
         seed = 0
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+        raise ValueError(f"seed must be an integer in [0, 2**64), got {_describe(seed)}")
     return p, int(seed)
 
 
@@ -175,9 +282,13 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
         q, k, v: arrays or array-likes (nested lists work). float32 inputs compute and return
             float32 (float32 accumulation); float64, integer or bool inputs compute and return
             float64; float16 computes in float32 when all three are float16 or float32, and
-            long double in float64. Complex or object arrays raise TypeError. NaN is never
-            mistaken for a blocked key: a NaN in q, in k or in v makes every row that attends
-            to it NaN (a NaN value row of a key a row blocks may reach it too: 0 · NaN).
+            long double in float64. Byte order does not matter (big-endian float32 computes in
+            float32). Arrays the kernels cannot read in place (data not aligned to the item
+            size, byte strides that are not a multiple of it, a last dim with stride != 1)
+            are copied; broadcast (stride-0) dims stay broadcast. Complex or object arrays
+            raise TypeError. NaN is never mistaken for a blocked key: a NaN in q, in k or in v
+            makes every row that attends to it NaN (a NaN value row of a key a row blocks may
+            reach it too: 0 · NaN).
         mask: bool (True = attend, False = block) or floating point, added to the scaled
             scores: finite biases, or -inf to block (NaN and +inf raise ValueError). Blocking
             happens before the softmax, never after. A float mask is converted to the compute
@@ -207,9 +318,13 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
             "bottom_right" lets query i see keys j <= i + (Nk - Nq), so the last query sees
             every key (the KV-cache convention of FlashAttention); "top_left" lets query i see
             keys j <= i (PyTorch's is_causal). They agree when Nq == Nk. Combines with mask.
-        scale: multiplies q·k; default 1 / sqrt(Dk).
+        scale: multiplies q·k; default 1 / sqrt(Dk). Must be finite and held by the compute
+            dtype, else ValueError: with float32 inputs a magnitude of at most about 3.4e38
+            and, when not 0, not so small that it rounds to 0 (below about 7e-46).
         window: (left, right) sliding window; query i sees keys j with
             i' - left <= j <= i' + right, where i' = i + (Nk - Nq). -1 or None is unbounded.
+            A bound of Nq + Nk or more reaches every key; one above 2**63 - 1 is taken as
+            2**63 - 1, which is the same.
         return_weights, return_lse: also return the attention weights and/or the lse.
             The weights are the softmax probabilities before any dropout.
         dropout_p, seed: dropout on the weights after the softmax: each weight (b, h, i, j) is
@@ -231,17 +346,20 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
         TypeError: complex, object or string inputs; a mask that is neither bool nor float.
         ValueError: shapes that do not fit together, a ragged nested list, a mask that does
             not broadcast, has more than 4 dims, holds NaN or +inf, or a value too large for
-            the compute dtype, an unknown causal mode or backend, a non-finite scale.
-            Messages name the argument.
+            the compute dtype, an unknown causal mode or backend, a non-finite scale (an
+            integer beyond float64 too) or one float32 inputs cannot hold, a dropout_p outside
+            [0, 1), an output (out, weights, lse) or a needed copy of an input larger than this
+            machine's memory, refused before it is allocated (e.g. weights of Nq x Nk for
+            inputs with Dk = 0). Messages name the argument.
     """
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
-    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    p, seed = _parsed_dropout(dropout_p, seed)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
-    out = np.empty(lead + (v.shape[-1],), dtype)
-    weights = np.empty(lead + (k.shape[-2],), dtype) if return_weights else None
-    lse = np.empty(lead, dtype) if return_lse else None
-    p, seed = _parsed_dropout(dropout_p, seed)
+    out = _empty("out", lead + (v.shape[-1],), dtype)
+    weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
+    lse = _empty("lse", lead, dtype) if return_lse else None
     _core.attention(q, k, v, mask, out, weights, lse, scale, causal_code, left, right, backend, p, seed)
 
     extra = tuple(x for x in (weights, lse) if x is not None)
@@ -292,22 +410,23 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
 
     Raises:
         TypeError: as ``attention``, and for a dout, out or lse that is not real.
-        ValueError: as ``attention``, and for a dout, out or lse of the wrong shape; messages
-            name the argument.
+        ValueError: as ``attention``, for a dout, out or lse of the wrong shape, and for a
+            dq, dk or dv larger than this machine's memory (q, k or v broadcast with stride 0
+            over many rows); messages name the argument.
     """
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
-    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    p, seed = _parsed_dropout(dropout_p, seed)
     arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
     for name, a in arrays.items():
         _check_real(name, a)
-    dout = _prepared(arrays["dout"], dtype)
-    out = _prepared(arrays["out"], dtype)
-    lse = _prepared(arrays["lse"], dtype, unit_last_stride=False)
+    dout = _prepared("dout", arrays["dout"], dtype)
+    out = _prepared("out", arrays["out"], dtype)
+    lse = _prepared("lse", arrays["lse"], dtype, unit_last_stride=False)
 
-    dq = np.empty(q.shape, dtype)
-    dk = np.empty(k.shape, dtype)
-    dv = np.empty(v.shape, dtype)
-    p, seed = _parsed_dropout(dropout_p, seed)
+    dq = _empty("dq", q.shape, dtype)
+    dk = _empty("dk", k.shape, dtype)
+    dv = _empty("dv", v.shape, dtype)
     _core.attention_backward(q, k, v, mask, out, lse, dout, dq, dk, dv, scale, causal_code, left, right, backend,
                              p, seed)
     return dq, dk, dv
@@ -316,19 +435,37 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
 def dropout_mask(shape, dropout_p, seed):
     """The dropout decisions of ``attention(..., dropout_p=dropout_p, seed=seed)``: a bool array
     of ``shape`` (that of the weights: (Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk)), True where
-    weight (b, h, i, j) is kept. Kept weights are scaled by 1 / (1 - dropout_p)."""
+    weight (b, h, i, j) is kept. Kept weights are scaled by 1 / (1 - dropout_p).
+
+    Raises TypeError for a shape that is not a sequence of integers, ValueError for one with
+    a negative dim, not 2, 3 or 4 dims, or more elements than this machine's memory holds,
+    and as ``attention`` for dropout_p and seed."""
     p, seed = _parsed_dropout(dropout_p, seed)
-    shape = tuple(int(n) for n in shape)
-    if not 2 <= len(shape) <= 4:
-        raise ValueError(f"shape must have 2, 3 or 4 dims like the weights, got {shape}")
-    mask = np.empty(shape, np.bool_)
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of integers like the weights' shape, got {shape!r}") from None
+    if any(isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) for n in dims):
+        raise TypeError(f"shape must be a tuple of integers like the weights' shape, got {shape!r}")
+    if not 2 <= len(dims) <= 4:
+        raise ValueError(f"shape must have 2, 3 or 4 dims like the weights, got {dims}")
+    if not all(0 <= n <= _INT64_MAX for n in dims):
+        raise ValueError(f"shape must have dims in [0, 2**63), got ({', '.join(_describe(n) for n in dims)})")
+    mask = _empty("the dropout mask", tuple(int(n) for n in dims), np.bool_)
     _core.dropout_mask(p, seed, mask)
     return mask
 
 
 def set_num_threads(n):
     """Sets the threads sdpa's kernels use; 0 restores OpenMP's default (OMP_NUM_THREADS,
-    else all cores). Outputs are bitwise identical whatever the count."""
+    else all cores). Outputs are bitwise identical whatever the count.
+
+    Raises TypeError for an n that is not an integer, ValueError for one outside [0, 2**31)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"set_num_threads: n must be an integer (the thread count, 0 = OpenMP's default), got {n!r}")
+    if not 0 <= n < 2**31:
+        raise ValueError(f"set_num_threads: n must be in [0, 2**31) (the thread count, 0 = OpenMP's default), "
+                         f"got {_describe(n)}")
     _core.set_num_threads(int(n))
 
 

@@ -25,10 +25,11 @@ PyTorch's semantics, with these limits:
   allowed key gives zeros in the output and zero gradients, as PyTorch 2.15 does. The mask
   gets no gradient: a float mask that requires grad raises ValueError (sdpa never
   materialises the L x S matrix the mask gradient would be); pass ``attn_mask.detach()``.
-- ``dropout_p`` must be in [0, 1); other values raise ValueError (PyTorch also takes 1.0 and
-  returns zeros). When it is > 0, the dropout seed is drawn from torch's global generator, so
-  ``torch.manual_seed`` reproduces it, and it is reused in the backward pass. The dropped
-  weights differ from PyTorch's (a different generator).
+- ``dropout_p`` must be a real number in [0, 1); other values raise ValueError (PyTorch also
+  takes 1.0 and returns zeros), non-numbers TypeError. When it is > 0, the dropout seed is
+  drawn from torch's global generator, so ``torch.manual_seed`` reproduces it, and it is
+  reused in the backward pass. The dropped weights differ from PyTorch's (a different
+  generator).
 - float32 and float64 CPU tensors, passed to sdpa without copies where their strides allow
   (last dim contiguous; a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied).
 - First derivatives only: the backward is marked ``once_differentiable``, so asking for a
@@ -43,7 +44,7 @@ import math
 
 import torch
 
-from . import attention, attention_backward
+from . import _parsed_dropout, attention, attention_backward
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -168,10 +169,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             attn_mask = attn_mask.to(query.dtype)  # float32 -> float64 is exact
         if attn_mask.dim() > 3:  # else sdpa broadcasts it against (B, H, L, S) as it is
             attn_mask = _as_4d(attn_mask, batch, attn_mask.size(-3))
+    # A real number in [0, 1), else TypeError / ValueError naming dropout_p (seed 0: no seed check).
+    dropout_p, _ = _parsed_dropout(dropout_p, 0)
     seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
     causal = "top_left" if is_causal else False
     # Autograd sees the expand/reshape views around _Attention, and sums the gradients of
     # broadcast dims back into the shapes of query, key and value.
     out = _Attention.apply(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
-                           attn_mask, causal, scale, float(dropout_p), seed)
+                           attn_mask, causal, scale, dropout_p, seed)
     return out.reshape(out_shape)
