@@ -1,12 +1,14 @@
 // End-to-end tests of the `sdpa` binary (its path comes from CMake as SDPA_EXE): write .npy
 // inputs, run the tool through the shell, read back what it wrote and what it printed.
 #include <gtest/gtest.h>
+#include <sys/sysinfo.h>
 #include <sys/wait.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -96,12 +98,14 @@ class CliTest : public ::testing::Test {
     return names;
   }
 
-  // A failure must be exactly one "sdpa: error: ..." line on stderr, with exit status 1.
-  static void expect_one_line_error(const Result& r, const std::string& fragment) {
+  // A failure must be exactly one "sdpa: error: ..." line on stderr, with exit status 1, holding
+  // the fragment (and the file it names, for the library's messages, which name arguments).
+  static void expect_one_line_error(const Result& r, const std::string& fragment, const std::string& file = "") {
     EXPECT_EQ(r.status, 1);
     EXPECT_EQ(r.err.rfind("sdpa: error: ", 0), 0u) << r.err;
     EXPECT_EQ(count_lines(r.err), 1) << r.err;
     EXPECT_NE(r.err.find(fragment), std::string::npos) << "expected \"" << fragment << "\" in: " << r.err;
+    EXPECT_NE(r.err.find(file), std::string::npos) << "expected \"" << file << "\" in: " << r.err;
   }
 
   fs::path dir_;
@@ -184,7 +188,7 @@ TEST_F(CliTest, ShapeMismatchFailsWithOneLineAndNoOutput) {
   save("v3.npy", array<double>(DType::kFloat64, {3, 1}, {10, 20, 30}));  // Nk = 3, but k has 2
   const auto before = files();
   const Result r = sdpa("run --q q.npy --k k.npy --v v3.npy -o out.npy --weights w.npy");
-  expect_one_line_error(r, "v has Nk=3 but k has Nk=2");
+  expect_one_line_error(r, "v has Nk=3 but k has Nk=2", "v = v3.npy");
   EXPECT_EQ(files(), before);  // no out.npy, no w.npy, no temporary left over
 }
 
@@ -201,7 +205,6 @@ TEST_F(CliTest, BadInputsAndOptionsFailWithOneLine) {
   expect_one_line_error(sdpa("run " + qkv + "--window 1"), "--window must be two integers");
   expect_one_line_error(sdpa("run " + qkv + "--window 1,x"), "--window must be two integers");
   expect_one_line_error(sdpa("run " + qkv + "--causal sideways"), "--causal must be");
-  expect_one_line_error(sdpa("run " + qkv + "--scale inf"), "scale must be finite");
   expect_one_line_error(sdpa("run " + qkv + "--weights ./out.npy"), "two outputs");
   // A later output that cannot be written must not leave the earlier ones behind.
   expect_one_line_error(sdpa("run " + qkv + "--weights no/such/dir/w.npy"), "no/such/dir/w.npy");
@@ -225,6 +228,11 @@ TEST_F(CliTest, ParseErrorsAreOneLineWithExitStatus2) {
   expect_parse_error(sdpa("frobnicate"), "frobnicate");
   expect_parse_error(sdpa(""), "subcommand");
   expect_parse_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --scale x"), "--scale");
+  // An empty --scale used to be the default scale, silently; nan and inf are no scale either.
+  for (const std::string scale : {"''", "nan", "inf", "-inf", "1e400", "1,5", "' 0.5x'"}) {
+    SCOPED_TRACE(scale);
+    expect_parse_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --scale " + scale), "--scale");
+  }
   expect_parse_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --frobnicate"), "--frobnicate");
   expect_parse_error(sdpa("bench --reps 0"), "--reps");
   expect_parse_error(sdpa("demo extra"), "extra");
@@ -297,6 +305,141 @@ TEST_F(CliTest, HelpDescribesEveryOption) {
   for (const char* option : {"--threads", "--reps", "--filter", "--json", "--no-avx512"}) {
     EXPECT_NE(bench.out.find(option), std::string::npos) << option;
   }
+}
+
+TEST_F(CliTest, ScaleIsUsedAndCheckedAgainstFloat32) {
+  // Scores (0, 1) of one query: softmax weights 1/(1 + e^s) and e^s/(1 + e^s) for scale s.
+  save("q.npy", array<float>(DType::kFloat32, {1, 1}, {1}));
+  save("k.npy", array<float>(DType::kFloat32, {2, 1}, {0, 1}));
+  save("v.npy", array<float>(DType::kFloat32, {2, 1}, {0, 1}));
+  for (const double scale : {0.0, 2.0, -3.5}) {
+    SCOPED_TRACE(scale);
+    const Result r = sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --scale " + std::to_string(scale));
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_NEAR(read_npy(path("out.npy")).values<float>()[0], 1 / (1 + std::exp(-scale)), 1e-6);
+  }
+  // 1e39 is a finite double, but float32, the compute type of float32 inputs, cannot hold it.
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --scale 1e39"),
+                        "scale=1e+39 cannot be held by float32");
+}
+
+// A .npy header (version 1.0, padded as NumPy pads it) claiming `shape`, without data.
+std::string npy_header(DType dtype, const std::vector<int64_t>& shape) {
+  std::string dict = npy_header_dict(dtype, shape);
+  dict.append((64 - (10 + dict.size() + 1) % 64) % 64, ' ');
+  dict += '\n';
+  return std::string("\x93NUMPY\x01\x00", 8) + static_cast<char>(dict.size() & 0xff) +
+         static_cast<char>(dict.size() >> 8) + dict;
+}
+
+// RAM plus swap, in bytes.
+uint64_t memory_bytes() {
+  struct sysinfo info {};
+  if (sysinfo(&info) != 0) return UINT64_MAX;
+  return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+}
+
+TEST_F(CliTest, FailedRunLeavesExistingOutputsAsTheyWere) {
+  save_seed_001(DType::kFloat64);
+  const std::string old_out = "the user's out.npy, from an earlier run", old_w = "the user's w.npy";
+  std::ofstream(path("out.npy"), std::ios::binary) << old_out;
+  std::ofstream(path("w.npy"), std::ios::binary) << old_w;
+  const auto before = files();
+  const std::string qkv = "run --q q.npy --k k.npy --v v.npy -o out.npy --weights w.npy ";
+  // A folder that does not exist: found before anything is computed.
+  expect_one_line_error(sdpa(qkv + "--lse no/such/dir/lse.npy"), "no/such/dir/lse.npy");
+  ASSERT_EQ(slurp(path("out.npy")), old_out);
+  EXPECT_EQ(slurp(path("w.npy")), old_w);
+  EXPECT_EQ(files(), before);  // and no temporary left over
+  // A device that fails only when written: out and weights are complete by then, but not in place.
+  if (fs::exists("/dev/full")) {
+    expect_one_line_error(sdpa(qkv + "--lse /dev/full"), "/dev/full: write error");
+    EXPECT_EQ(slurp(path("out.npy")), old_out);
+    EXPECT_EQ(slurp(path("w.npy")), old_w);
+    EXPECT_EQ(files(), before);
+  }
+  // A run that succeeds replaces them, through a symlink if out.npy is one.
+  fs::rename(path("out.npy"), path("real_out.npy"));
+  fs::create_symlink("real_out.npy", path("out.npy"));
+  const Result ok = sdpa(qkv + "--causal top_left");
+  ASSERT_EQ(ok.status, 0) << ok.err;
+  EXPECT_TRUE(fs::is_symlink(path("out.npy")));
+  EXPECT_NEAR(read_npy(path("real_out.npy")).values<double>()[1], 15.0, 1e-12);
+  EXPECT_EQ(read_npy(path("w.npy")).shape, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(files().size(), before.size() + 1);  // real_out.npy beside the link
+}
+
+TEST_F(CliTest, ShapeMismatchIsFoundBeforeAllocatingOutputs) {
+  // Each call asks for weights (2^20, 2^20) of float32, 4 TiB, from input files of at most
+  // 4 MiB: the mismatch must be reported, not the weights' size (and nothing allocated).
+  constexpr int64_t n = int64_t{1} << 20;
+  save_empty(path("q.npy"), {n, 0});
+  save_empty(path("k.npy"), {n, 0});
+  save_empty(path("v.npy"), {n, 0});
+  save_empty(path("v1.npy"), {1, 0});
+  save("k1.npy", NpyArray::zeros(DType::kFloat32, {n, 1}));
+  save("mask3.npy", array<uint8_t>(DType::kBool, {3}, {1, 1, 1}));
+  save("b.npy", array<float>(DType::kFloat32, {1, 2, 1, 1}, {0, 0}));
+  const auto before = files();
+  const std::string w = " -o out.npy --weights w.npy";
+  expect_one_line_error(sdpa("run --q q.npy --k k1.npy --v v.npy" + w),
+                        "k has Dk=1 but q has Dk=0 (q (1048576, 0), k (1048576, 1))", "k = k1.npy");
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v1.npy" + w),
+                        "v has Nk=1 but k has Nk=1048576", "v = v1.npy");
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --mask mask3.npy" + w),
+                        "mask has shape (3,), which does not broadcast to the scores (1048576, 1048576) = (Nq, Nk)",
+                        "mask = mask3.npy");
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --mask b.npy" + w),
+                        "mask has shape (1, 2, 1, 1), more dims than the scores", "mask = b.npy");
+  expect_one_line_error(sdpa("run --q b.npy --k k.npy --v v.npy" + w), "k has rank 2 but q has rank 4", "q = b.npy");
+  EXPECT_EQ(files(), before);
+}
+
+TEST_F(CliTest, InputLargerThanMemoryNamesTheFile) {
+  // A header claiming (2^40, 2^10) float32, 4 PiB, with 16 bytes of data: found truncated from
+  // the file's size, before anything is allocated.
+  std::ofstream(path("short.npy"), std::ios::binary)
+      << npy_header(DType::kFloat32, {int64_t{1} << 40, 1024}) << std::string(16, '\0');
+  save_seed_001(DType::kFloat32);
+  const Result r = sdpa("run --q short.npy --k k.npy --v v.npy -o out.npy");
+  expect_one_line_error(r,
+                        "short.npy: truncated data: shape (1099511627776, 1024) of <f4 needs 4503599627370496 bytes");
+  // A complete file of 8 TiB (sparse: no disk used) cannot be read into memory either: said by
+  // name, not as a bare std::bad_alloc.
+  constexpr uint64_t bytes = uint64_t{1} << 43;
+  const std::string header = npy_header(DType::kFloat32, {int64_t{1} << 39, 4});
+  std::ofstream(path("huge.npy"), std::ios::binary) << header;
+  std::error_code ec;
+  fs::resize_file(path("huge.npy"), header.size() + bytes, ec);
+  if (ec || memory_bytes() >= bytes) GTEST_SKIP() << "no sparse 8 TiB file here, or as much memory";
+  const Result huge = sdpa("run --q huge.npy --k k.npy --v v.npy -o out.npy");
+  expect_one_line_error(huge,
+                        "huge.npy: shape (549755813888, 4) of <f4: 8796093022208 bytes, more than this machine's "
+                        "memory");
+  EXPECT_EQ(huge.err.find("bad_alloc"), std::string::npos) << huge.err;
+  EXPECT_FALSE(fs::exists(path("out.npy")));
+}
+
+TEST_F(CliTest, FloatMaskValuesAreCheckedByName) {
+  save_seed_001(DType::kFloat32);
+  // float64 biases that float32, the inputs' dtype, cannot hold: not "+inf", and not -inf either
+  // (which would block a key that the finite bias left in).
+  save("big.npy", array<double>(DType::kFloat64, {2, 2}, {0, 1e300, 0, 0}));
+  save("small.npy", array<double>(DType::kFloat64, {2, 2}, {0, 0, -1e300, 0}));
+  save("nan.npy", array<float>(DType::kFloat32, {2, 2}, {0, 0, 0, NAN}));
+  save("inf.npy", array<double>(DType::kFloat64, {1, 2}, {0, INFINITY}));  // broadcast over the rows
+  const std::string qkv = "run --q q.npy --k k.npy --v v.npy -o out.npy --mask ";
+  expect_one_line_error(sdpa(qkv + "big.npy"), "mask (big.npy) has 1e+300 at index (0, 1), which float32 cannot hold");
+  expect_one_line_error(sdpa(qkv + "small.npy"),
+                        "mask (small.npy) has -1e+300 at index (1, 0), which float32 cannot hold");
+  expect_one_line_error(sdpa(qkv + "nan.npy"), "mask has NaN at index (1, 1)", "mask = nan.npy");
+  expect_one_line_error(sdpa(qkv + "inf.npy"), "mask has +inf at index (0, 1)", "mask = inf.npy");
+  EXPECT_FALSE(fs::exists(path("out.npy")));
+  // Beside float64 inputs the same values are fine: large finite biases.
+  save("q64.npy", array<double>(DType::kFloat64, {2, 1}, {0, 0}));
+  const Result r = sdpa("run --q q64.npy --k k.npy --v v.npy -o out.npy --mask small.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NEAR(read_npy(path("out.npy")).values<double>()[1], 20.0, 1e-12);  // row 1 sees key 1 only
 }
 
 // A small JSON syntax check (RFC 8259 values; no \u escapes needed here): true if `text` is

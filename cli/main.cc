@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <exception>
 #include <iostream>
+#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -63,6 +64,10 @@ int main(int argc, char** argv) {
     if (*run) sdpa_cli::run_command(run_options);
     if (*bench) sdpa_cli::bench_command(bench_options);
     if (!std::cout.flush()) throw std::runtime_error("cannot write to standard output");  // e.g. disk full
+  } catch (const std::bad_alloc&) {
+    // What reads and allocates the big arrays says which and how big; this is the rest.
+    print_error("out of memory");
+    return kFailure;
   } catch (const std::exception& e) {
     print_error(e.what());
     return kFailure;

@@ -1,12 +1,17 @@
 // .npy reading and writing; see npy.h for what is supported and why.
 #include "npy.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #if defined(__linux__)
 #include <sys/sysinfo.h>
 #endif
 
+#include <atomic>
 #include <bit>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -184,12 +189,6 @@ void read_exactly(std::ifstream& in, const fs::path& path, void* dst, size_t n) 
   if (n > 0 && !in.read(static_cast<char*>(dst), static_cast<std::streamsize>(n))) fail(path, "read error");
 }
 
-std::string shape_string(const std::vector<int64_t>& shape) {
-  std::string s = "(";
-  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
-  return s + (shape.size() == 1 ? ",)" : ")");
-}
-
 // RAM plus swap in bytes, or 0 when unknown.
 uint64_t memory_bytes() {
 #if defined(__linux__)
@@ -201,7 +200,33 @@ uint64_t memory_bytes() {
   return 0;
 }
 
+// Sizes `data` to `bytes` zero bytes, or throws std::runtime_error("<what>: <bytes> bytes, ...")
+// saying why not. More than RAM and swap together cannot be allocated (Linux refuses it, or,
+// overcommitting, lets the zero fill run into the OOM killer): said before trying. (Sanitizers
+// abort on such requests instead of throwing std::bad_alloc, so this is also what keeps the
+// error one line under them.)
+void allocate(std::vector<std::byte>& data, int64_t bytes, const std::string& what) {
+  const uint64_t memory = memory_bytes();
+  if (memory > 0 && static_cast<uint64_t>(bytes) > memory) {
+    throw std::runtime_error(what + ": " + std::to_string(bytes) + " bytes, more than this machine's memory (" +
+                             std::to_string(memory) + " bytes)");
+  }
+  try {
+    data.assign(static_cast<size_t>(bytes), std::byte{0});
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error(what + ": " + std::to_string(bytes) + " bytes cannot be allocated");
+  } catch (const std::length_error&) {
+    throw std::runtime_error(what + ": " + std::to_string(bytes) + " bytes cannot be allocated");
+  }
+}
+
 }  // namespace
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t d = 0; d < shape.size(); ++d) s += (d ? ", " : "") + std::to_string(shape[d]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
 
 int64_t checked_numel(const std::string& name, const std::vector<int64_t>& shape) {
   int64_t nonzero = 1;  // the product of the nonzero dims
@@ -229,22 +254,7 @@ NpyArray NpyArray::zeros(sdpa::DType dtype, std::vector<int64_t> shape, const st
   NpyArray a;
   a.dtype = dtype;
   a.shape = std::move(shape);
-  const int64_t bytes = checked_nbytes(name, dtype, a.shape);
-  // More than RAM and swap together cannot be allocated (Linux refuses it, or, overcommitting,
-  // lets the zero fill below run into the OOM killer): say so before trying. (Sanitizers abort
-  // on such requests instead of throwing std::bad_alloc, so this is also what keeps the error
-  // one line under them.)
-  const uint64_t memory = memory_bytes();
-  if (memory > 0 && static_cast<uint64_t>(bytes) > memory) {
-    throw std::runtime_error(name + " has shape " + a.shape_string() + ": " + std::to_string(bytes) +
-                             " bytes, more than this machine's memory (" + std::to_string(memory) + " bytes)");
-  }
-  try {
-    a.data.assign(static_cast<size_t>(bytes), std::byte{0});
-  } catch (const std::bad_alloc&) {
-    throw std::runtime_error(name + " has shape " + a.shape_string() + ": " + std::to_string(bytes) +
-                             " bytes cannot be allocated");
-  }
+  allocate(a.data, checked_nbytes(name, dtype, a.shape), name + " has shape " + a.shape_string());
   return a;
 }
 
@@ -337,7 +347,9 @@ NpyArray read_npy(const fs::path& path) {
   if (available > expected) {
     fail(path, std::to_string(available - expected) + " unexpected bytes after the data of shape " + a.shape_string());
   }
-  a.data.resize(static_cast<size_t>(expected));
+  // Only now, with the file known to hold all of it, is the memory for the data allocated.
+  allocate(a.data, static_cast<int64_t>(expected),
+           path.string() + ": shape " + a.shape_string() + " of " + header.descr);
   read_exactly(in, path, a.data.data(), a.data.size());
   return a;
 }
@@ -349,7 +361,12 @@ std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape
   return dict + (shape.size() == 1 ? ",), }" : "), }");
 }
 
-void write_npy(const fs::path& path, const NpyArray& array) {
+namespace {
+
+// Writes `array` to `file`, created or truncated; errors name `shown`, the destination the
+// caller asked for (`file` may be its temporary). Nothing is removed on failure: a temporary
+// is the caller's to remove, and a destination written in place is never removed.
+void write_to(const fs::path& file, const fs::path& shown, const NpyArray& array) {
   if (array.data.size() != static_cast<size_t>(array.numel()) * static_cast<size_t>(sdpa::dtype_size(array.dtype))) {
     throw std::logic_error("write_npy: data size does not match shape " + array.shape_string());
   }
@@ -358,23 +375,140 @@ void write_npy(const fs::path& path, const NpyArray& array) {
   const size_t unpadded = kPreludeSize + 2 + header.size() + 1;
   header.append((64 - unpadded % 64) % 64, ' ');
   header += '\n';
-  if (header.size() > 0xffff) fail(path, "header too long for format version 1.0");
+  if (header.size() > 0xffff) fail(shown, "header too long for format version 1.0");
   const unsigned char len_le[2] = {static_cast<unsigned char>(header.size() & 0xff),
                                    static_cast<unsigned char>(header.size() >> 8)};
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) fail(path, "cannot open for writing: " + std::generic_category().message(errno));
+  errno = 0;
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  if (!out) fail(shown, "cannot open for writing: " + std::generic_category().message(errno));
   out.write(kMagic, sizeof(kMagic));
   out.put('\x01').put('\x00');
   out.write(reinterpret_cast<const char*>(len_le), 2);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   out.write(reinterpret_cast<const char*>(array.data.data()), static_cast<std::streamsize>(array.data.size()));
   out.close();
-  if (!out) {
-    // No half-written file left behind; but never remove a device or pipe (say /dev/full).
+  if (!out) fail(shown, errno != 0 ? "write error: " + std::generic_category().message(errno) : "write error");
+}
+
+// Where one output goes, and how.
+struct Destination {
+  fs::path path;          // as the caller named it: what messages say
+  bool in_place = false;  // written directly, never renamed over (see destination())
+  fs::path target;        // otherwise: the file the rename replaces (absolute, symlinks resolved)
+  fs::path temporary;     // once created; empty again once renamed or removed
+};
+
+// /dev/stdout names a regular file when the shell redirects to one: renaming over that file
+// would not write to the descriptor, so whatever is under /dev or /proc is written in place.
+bool under_dev_or_proc(const fs::path& path) {
+  std::error_code ec;
+  const fs::path absolute = fs::absolute(path, ec).lexically_normal();
+  if (ec) return false;
+  auto part = absolute.begin();  // the root "/", then the first folder
+  if (part == absolute.end() || ++part == absolute.end()) return false;
+  return *part == "dev" || *part == "proc";
+}
+
+// Decides how `path` is written: in place for a device, a pipe or anything under /dev or /proc,
+// else through a temporary. Refuses what can never be written: a directory, a read-only file
+// (replacing it by a rename would get round its protection, which writing in place respects).
+Destination destination(const fs::path& path) {
+  if (path.empty()) throw std::runtime_error("an output file name is empty");
+  Destination d;
+  d.path = path;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);  // follows symlinks
+  if (fs::is_directory(status)) fail(path, "cannot open for writing: " + std::generic_category().message(EISDIR));
+  d.in_place = under_dev_or_proc(path) || (fs::exists(status) && !fs::is_regular_file(status));
+  if (d.in_place) return d;
+  if (fs::exists(status) && ::access(path.c_str(), W_OK) != 0) {
+    fail(path, "cannot open for writing: " + std::generic_category().message(errno));
+  }
+  const fs::path absolute = fs::absolute(path, ec);
+  if (ec) fail(path, "cannot open for writing: " + ec.message());
+  d.target = fs::weakly_canonical(absolute, ec);
+  if (ec) d.target = absolute.lexically_normal();
+  if (d.target.filename().empty()) fail(path, "cannot open for writing: not a file name");
+  // A writable file in a folder where no file can be created has no room for a temporary:
+  // written in place, as before there were temporaries (not atomic, but not refused).
+  d.in_place = fs::exists(status) && ::access(d.target.parent_path().c_str(), W_OK | X_OK) != 0;
+  return d;
+}
+
+// Creates an empty temporary for `d` in its target's folder (so the rename stays on one file
+// system and is atomic) under a hidden name no other file has (O_EXCL), with the mode the
+// target has, or else the one a new file gets (0666 less the umask).
+fs::path create_temporary(const Destination& d) {
+  static std::atomic<unsigned> counter = 0;  // with the pid, unique among live processes
+  std::string name = d.target.filename().string();
+  if (name.size() > 200) name.resize(200);  // the suffix must fit NAME_MAX (255) too
+  for (int attempt = 0;; ++attempt) {
+    const fs::path temporary = d.target.parent_path() / ("." + name + ".tmp." + std::to_string(::getpid()) + "." +
+                                                         std::to_string(counter++));
+    const int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && errno == EEXIST && attempt < 100) continue;  // left by a dead process with our pid
+    if (fd < 0) fail(d.path, "cannot open for writing: " + std::generic_category().message(errno));
+    std::error_code ec;
+    const fs::file_status existing = fs::status(d.target, ec);
+    if (fs::is_regular_file(existing)) {
+      ::fchmod(fd, static_cast<mode_t>(existing.permissions() & fs::perms::all));  // on failure: 0666 - umask
+    }
+    ::close(fd);
+    return temporary;
+  }
+}
+
+}  // namespace
+
+void write_npy_files(const std::vector<std::pair<fs::path, const NpyArray*>>& files) {
+  std::vector<Destination> ds;
+  for (const auto& file : files) ds.push_back(destination(file.first));
+  // Whatever happens below, no temporary outlives this call.
+  struct Cleanup {
+    std::vector<Destination>& ds;
+    ~Cleanup() {
+      std::error_code ignored;
+      for (const Destination& d : ds) {
+        if (!d.temporary.empty()) fs::remove(d.temporary, ignored);
+      }
+    }
+  } cleanup{ds};
+
+  // Everything that can fail for lack of space or rights fails here, before any destination
+  // is touched: the temporaries first, then what is written in place (which cannot be undone).
+  for (size_t i = 0; i < ds.size(); ++i) {
+    if (ds[i].in_place) continue;
+    ds[i].temporary = create_temporary(ds[i]);
+    write_to(ds[i].temporary, ds[i].path, *files[i].second);
+  }
+  std::string written;  // for the message of a rename that fails after others were done
+  for (size_t i = 0; i < ds.size(); ++i) {
+    if (!ds[i].in_place) continue;
+    write_to(ds[i].path, ds[i].path, *files[i].second);
+    written += (written.empty() ? "" : ", ") + ds[i].path.string();
+  }
+  for (Destination& d : ds) {
+    if (d.in_place) continue;
+    std::error_code ec;
+    fs::rename(d.temporary, d.target, ec);
+    if (ec) {
+      fail(d.path, "cannot move the written file into place: " + ec.message() +
+                       (written.empty() ? "" : " (already written: " + written + ")"));
+    }
+    d.temporary.clear();
+    written += (written.empty() ? "" : ", ") + d.path.string();
+  }
+}
+
+void write_npy(const fs::path& path, const NpyArray& array) { write_npy_files({{path, &array}}); }
+
+void check_npy_destinations(const std::vector<fs::path>& paths) {
+  for (const fs::path& path : paths) {
+    const Destination d = destination(path);
+    if (d.in_place) continue;
     std::error_code ignored;
-    if (fs::is_regular_file(path, ignored)) fs::remove(path, ignored);
-    fail(path, "write error");
+    fs::remove(create_temporary(d), ignored);
   }
 }
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "sdpa/attention.h"
@@ -59,12 +60,29 @@ int64_t checked_numel(const std::string& name, const std::vector<int64_t>& shape
 // counts"): the bytes NpyArray::zeros(dtype, shape, name) allocates.
 int64_t checked_nbytes(const std::string& name, sdpa::DType dtype, const std::vector<int64_t>& shape);
 
-// Reads a .npy file. Throws std::runtime_error("<path>: <what is wrong>") on any problem.
+// "(2, 3)", "(4,)", "()": a shape or an index as NumPy prints a tuple.
+std::string shape_string(const std::vector<int64_t>& shape);
+
+// Reads a .npy file. Throws std::runtime_error("<path>: <what is wrong>") on any problem, a
+// file larger than memory included: the header's shape is checked against the file's size and
+// this machine's memory before anything is allocated (never std::bad_alloc).
 NpyArray read_npy(const std::filesystem::path& path);
 
-// Writes `array` as a version 1.0 .npy file; throws std::runtime_error naming the file on
-// failure, after removing whatever it had written.
+// Writes .npy files (version 1.0) all or nothing. Each array goes to a new temporary file in
+// its destination's folder; only when every one is complete are they renamed over their
+// destinations, so a failure leaves every existing file as it was and no temporary behind.
+// A symlinked destination is written through (its target is replaced, keeping its mode). A
+// destination that cannot be replaced by a rename (a device or pipe, anything under /dev or
+// /proc such as /dev/stdout, a writable file in a folder where no file can be created) is
+// written in place, after the temporaries and before the renames, and is never removed.
+// Throws std::runtime_error("<path>: <what is wrong>") naming the destination.
+void write_npy_files(const std::vector<std::pair<std::filesystem::path, const NpyArray*>>& files);
+// write_npy_files for one file.
 void write_npy(const std::filesystem::path& path, const NpyArray& array);
+// Fails now, as write_npy_files would later, for a destination that cannot be written: a
+// directory, or a folder that does not exist or is not writable. Finds out by creating and
+// removing a temporary; destinations written in place are not opened.
+void check_npy_destinations(const std::vector<std::filesystem::path>& paths);
 
 // The header dict text for an array (without padding): exposed for tests.
 std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape);

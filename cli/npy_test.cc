@@ -3,7 +3,11 @@
 #include "npy.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysinfo.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -297,6 +301,100 @@ TEST_F(NpyTest, WriteErrorNamesTheFile) {
     EXPECT_EQ(std::string(e.what()).rfind(p.string() + ": cannot open for writing", 0), 0u) << e.what();
   }
   EXPECT_FALSE(fs::exists(p));
+}
+
+TEST_F(NpyTest, ErrorDataLargerThanMemory) {
+  // A complete file of 8 TiB (sparse, so no disk is used): read_npy must say that it does not
+  // fit in memory, naming the file, rather than throw std::bad_alloc (or be OOM-killed).
+  const std::string header = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (549755813888, 4), }");
+  const fs::path p = file("huge.npy", header);
+  constexpr uintmax_t bytes = uintmax_t{1} << 43;
+  std::error_code ec;
+  fs::resize_file(p, header.size() + bytes, ec);
+  struct sysinfo info {};
+  const bool big_memory = sysinfo(&info) == 0 && (uintmax_t{info.totalram} + info.totalswap) * info.mem_unit >= bytes;
+  if (ec || big_memory) GTEST_SKIP() << "no sparse 8 TiB file here, or as much memory";
+  const std::string message = read_error(p);
+  EXPECT_NE(message.find("shape (549755813888, 4) of <f4: 8796093022208 bytes, more than this machine's memory"),
+            std::string::npos)
+      << message;
+}
+
+// The names in a folder, sorted.
+std::vector<std::string> names_in(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string contents(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST_F(NpyTest, WriteFilesIsAllOrNothing) {
+  const fs::path a = file("a.npy", "the user's a.npy"), b = dir_ / "no" / "such" / "b.npy";
+  const NpyArray x = sample(DType::kFloat32, {2, 3}), y = sample(DType::kFloat64, {4});
+  try {
+    write_npy_files({{a, &x}, {b, &y}});
+    ADD_FAILURE() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(b.string() + ": cannot open for writing", 0), 0u) << e.what();
+  }
+  EXPECT_EQ(contents(a), "the user's a.npy");  // a was written (to a temporary) but not put in place
+  EXPECT_EQ(names_in(dir_), std::vector<std::string>{"a.npy"});  // no temporary left
+  // The same check, made before any work: nothing is written.
+  EXPECT_THROW(check_npy_destinations({a, b}), std::runtime_error);
+  check_npy_destinations({a, dir_ / "c.npy"});
+  EXPECT_EQ(names_in(dir_), std::vector<std::string>{"a.npy"});
+  EXPECT_EQ(contents(a), "the user's a.npy");
+  // Success replaces a and creates c, and leaves nothing else.
+  write_npy_files({{a, &x}, {dir_ / "c.npy", &y}});
+  EXPECT_EQ(read_npy(a).data, x.data);
+  EXPECT_EQ(read_npy(dir_ / "c.npy").data, y.data);
+  EXPECT_EQ(names_in(dir_), (std::vector<std::string>{"a.npy", "c.npy"}));
+}
+
+TEST_F(NpyTest, WriteKeepsTheModeAndWritesThroughSymlinks) {
+  const fs::path a = file("a.npy", "old");
+  fs::permissions(a, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  write_npy(a, sample(DType::kBool, {3}));
+  EXPECT_EQ(fs::status(a).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read);
+  // A new file gets the mode any new file gets (0666 less the umask), not a temporary's 0600.
+  const mode_t umask = ::umask(0);
+  ::umask(umask);
+  write_npy(dir_ / "new.npy", sample(DType::kBool, {3}));
+  EXPECT_EQ(static_cast<mode_t>(fs::status(dir_ / "new.npy").permissions() & fs::perms::all), 0666 & ~umask);
+  fs::create_symlink("a.npy", dir_ / "link.npy");
+  const NpyArray x = sample(DType::kFloat64, {2});
+  write_npy(dir_ / "link.npy", x);
+  EXPECT_TRUE(fs::is_symlink(dir_ / "link.npy"));
+  EXPECT_EQ(read_npy(a).data, x.data);
+}
+
+TEST_F(NpyTest, WriteRefusesADirectoryAndWritesDevicesInPlace) {
+  const std::string message = [&] {
+    try {
+      write_npy(dir_, sample(DType::kBool, {1}));
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  }();
+  EXPECT_EQ(message, dir_.string() + ": cannot open for writing: Is a directory");
+  EXPECT_TRUE(fs::is_directory(dir_));
+  write_npy("/dev/null", sample(DType::kFloat32, {2}));  // no temporary in /dev, no rename over it
+  if (fs::exists("/dev/full")) {
+    try {
+      write_npy("/dev/full", sample(DType::kFloat32, {2}));
+      ADD_FAILURE() << "no error";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind("/dev/full: write error", 0), 0u) << e.what();
+    }
+    EXPECT_TRUE(fs::exists("/dev/full"));
+  }
 }
 
 TEST_F(NpyTest, ViewIsCOrder) {

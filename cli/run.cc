@@ -1,14 +1,21 @@
 // `sdpa run`: reads q, k, v (and a mask) from .npy files, calls sdpa::attention, writes the
-// results. Nothing is written unless attention succeeded, and a failed write removes the rest.
+// results. Everything the library would refuse is checked first, naming the files, before the
+// outputs (which can be far larger than the input files) are allocated; the outputs are
+// written all or nothing (write_npy_files), so a failed run leaves every existing file as it was.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <limits>
+#include <new>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -46,26 +53,76 @@ sdpa::Window parse_window(const std::string& text) {
   return w;
 }
 
-// The output shapes are taken from q, k and v, so their ranks are checked before that; the
-// library checks everything else.
-void check_rank(const char* name, const std::string& path, const NpyArray& a) {
-  if (a.shape.size() < 2 || a.shape.size() > 4) {
-    throw std::runtime_error(std::string(name) + " (" + path + ") has shape " + a.shape_string() +
-                             " but must have rank 2..4");
+// The shortest text that reads back as x: "1e+300", "0.1".
+std::string number_string(double x) {
+  char text[32];
+  const auto [end, ec] = std::to_chars(text, text + sizeof(text), x);
+  return ec == std::errc() ? std::string(text, end) : std::to_string(x);
+}
+
+// --scale is parsed here, not by CLI11, which takes '' for "not given" (so silently the default
+// scale) and accepts nan and inf. Thrown while parsing, the error exits with status 2.
+double parse_scale(const std::string& text) {
+  char* end = nullptr;
+  const double scale = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size()) {
+    throw CLI::ValidationError("--scale", "must be a number, got '" + text + "'");
+  }
+  if (!std::isfinite(scale)) throw CLI::ValidationError("--scale", "must be a finite number, got '" + text + "'");
+  return scale;
+}
+
+[[noreturn]] void refuse(const std::string& message) { throw std::runtime_error(message); }
+
+// An input file and its array. Messages call it by label(): "k (k.npy)".
+struct Input {
+  std::string name, path;
+  NpyArray array;
+
+  std::string label() const { return name + " (" + path + ")"; }
+  const std::vector<int64_t>& shape() const { return array.shape; }
+  bool is_float() const { return array.dtype == sdpa::DType::kFloat32 || array.dtype == sdpa::DType::kFloat64; }
+};
+
+Input read_input(const char* name, const std::string& path) { return {name, path, read_npy(path)}; }
+
+// The index of the flat'th element of a C-order array of this shape, as "(0, 1)".
+std::string index_string(const std::vector<int64_t>& shape, int64_t flat) {
+  std::vector<int64_t> index(shape.size());
+  for (size_t d = shape.size(); d-- > 0;) {
+    index[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  return shape_string(index);
+}
+
+// A float64 mask beside float32 inputs is narrowed to float32, where a finite bias beyond
+// float32's range would become ±inf: +inf, which the library would then report as if it were
+// in the file, or -inf, silently blocking a key that the bias (huge, but finite) left in the
+// softmax. (NaN and +inf in the file itself are the library's to refuse, by index.)
+void check_mask_narrowing(const Input& mask, sdpa::DType to) {
+  if (mask.array.dtype != sdpa::DType::kFloat64 || to != sdpa::DType::kFloat32) return;
+  const double* values = mask.array.values<double>();
+  const int64_t n = mask.array.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isfinite(values[i]) && std::isinf(static_cast<float>(values[i]))) {
+      refuse(mask.label() + " has " + number_string(values[i]) + " at index " + index_string(mask.shape(), i) +
+             ", which float32 cannot hold (q, k and v are float32)");
+    }
   }
 }
 
 // A float array of the other float dtype is converted to `to`: float32 inputs beside a
 // float64 one compute in float64 (the Python package's rule), and a float mask takes the
-// inputs' dtype, as the library requires. Bool (and any other dtype) is left for it to judge.
-void convert_float(NpyArray& a, sdpa::DType to) {
+// inputs' dtype, as the library requires (check_mask_narrowing has made its narrowing safe).
+void convert_float(Input& t, sdpa::DType to) {
   using sdpa::DType;
-  const bool is_float = a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64;
-  if (!is_float || a.dtype == to || to == DType::kBool) return;
-  NpyArray converted = NpyArray::zeros(to, a.shape);
+  NpyArray& a = t.array;
+  if (!t.is_float() || a.dtype == to) return;
+  NpyArray converted = NpyArray::zeros(to, a.shape, t.label() + " converted to " + sdpa::dtype_name(to));
   const int64_t n = a.numel();
   if (to == DType::kFloat32) {
-    std::copy_n(a.values<double>(), n, converted.values<float>());  // narrowing is intended
+    std::copy_n(a.values<double>(), n, converted.values<float>());
   } else {
     std::copy_n(a.values<float>(), n, converted.values<double>());
   }
@@ -88,23 +145,6 @@ fs::path resolve_output(const std::string& path) {
   return ec ? absolute.lexically_normal() : resolved;
 }
 
-// Writes the outputs one after the other. If one fails, the regular files already written are
-// removed as well, so a failed run leaves no output behind. (Not temporary files renamed into
-// place: an output may be /dev/stdout, which a rename would not write through.)
-void write_all(const std::vector<std::pair<std::string, const NpyArray*>>& outputs) {
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    try {
-      write_npy(outputs[i].first, *outputs[i].second);
-    } catch (...) {
-      std::error_code ignored;
-      for (size_t j = 0; j < i; ++j) {
-        if (fs::is_regular_file(outputs[j].first, ignored)) fs::remove(outputs[j].first, ignored);
-      }
-      throw;
-    }
-  }
-}
-
 }  // namespace
 
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
@@ -124,7 +164,9 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->capture_default_str();
   run->add_option("--window", o.window, "Sliding window L,R: keys i'-L..i'+R where i' = i + Nk - Nq; -1 = unbounded")
       ->type_name("L,R");
-  run->add_option("--scale", o.scale, "Score scale (default 1/sqrt(Dk))")->type_name("S");
+  run->add_option_function<std::string>(
+         "--scale", [&o](const std::string& text) { o.scale = parse_scale(text); }, "Score scale (default 1/sqrt(Dk))")
+      ->type_name("S");
   run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in the inputs' dtype")
       ->type_name("FILE")
       ->required();
@@ -150,20 +192,35 @@ void run_command(const RunOptions& o) {
       }
     }
   }
+  // Nor should an output that cannot be written (its folder missing, say) cost the reading and
+  // the computing first.
+  check_npy_destinations(std::vector<fs::path>(paths.begin(), paths.end()));
 
-  NpyArray q = read_npy(o.q), k = read_npy(o.k), v = read_npy(o.v);
-  check_rank("q", o.q, q);
-  check_rank("k", o.k, k);
-  check_rank("v", o.v, v);
-  const bool any_f64 = q.dtype == sdpa::DType::kFloat64 || k.dtype == sdpa::DType::kFloat64 ||
-                      v.dtype == sdpa::DType::kFloat64;
-  if (any_f64) {
-    for (NpyArray* a : {&q, &k, &v}) convert_float(*a, sdpa::DType::kFloat64);
+  Input q = read_input("q", o.q), k = read_input("k", o.k), v = read_input("v", o.v);
+  std::optional<Input> mask;
+  if (!o.mask.empty()) mask = read_input("mask", o.mask);
+  const bool any_f64 = q.array.dtype == sdpa::DType::kFloat64 || k.array.dtype == sdpa::DType::kFloat64 ||
+                       v.array.dtype == sdpa::DType::kFloat64;
+  const sdpa::DType dtype = any_f64 ? sdpa::DType::kFloat64 : sdpa::DType::kFloat32;
+  for (Input* t : {&q, &k, &v}) convert_float(*t, dtype);
+  if (mask) {
+    check_mask_narrowing(*mask, dtype);
+    convert_float(*mask, dtype);
   }
-  std::optional<NpyArray> mask;
-  if (!o.mask.empty()) {
-    mask = read_npy(o.mask);
-    convert_float(*mask, q.dtype);
+  // The library's own checks of the inputs and options (sdpa::validate), before any output is
+  // allocated: q (N, 1) and k (N, 2) would otherwise cost weights (N, N) before it said that Dk
+  // differs. Its messages name arguments, not files: the files are added.
+  const auto with_files = [&](const sdpa::Error& e) {
+    std::string files = "q = " + o.q + ", k = " + o.k + ", v = " + o.v;
+    if (mask) files += ", mask = " + o.mask;
+    return std::runtime_error(std::string(e.what()) + " (" + files + ")");
+  };
+  sdpa::Inputs inputs{q.array.view(), k.array.view(), v.array.view(), std::nullopt};
+  if (mask) inputs.mask = mask->array.view();
+  try {
+    sdpa::validate(inputs, options);
+  } catch (const sdpa::Error& e) {
+    throw with_files(e);
   }
 
   // The outputs' shapes follow from q, k and v, whose files may be tiny while the outputs are
@@ -173,33 +230,40 @@ void run_command(const RunOptions& o) {
     std::string name;
     std::vector<int64_t> shape;
   };
-  std::vector<Planned> planned = {{"out (" + o.out + ")", q_shape_with_last(q, v.shape.back())}};
+  std::vector<Planned> planned = {{"out (" + o.out + ")", q_shape_with_last(q.array, v.shape().back())}};
   if (!o.weights.empty()) {
-    planned.push_back({"weights (" + o.weights + ")", q_shape_with_last(q, k.shape[k.shape.size() - 2])});
+    planned.push_back({"weights (" + o.weights + ")", q_shape_with_last(q.array, k.shape()[k.shape().size() - 2])});
   }
-  if (!o.lse.empty()) planned.push_back({"lse (" + o.lse + ")", q_shape_with_last(q, std::nullopt)});
-  for (const Planned& p : planned) checked_nbytes(p.name, q.dtype, p.shape);
+  if (!o.lse.empty()) planned.push_back({"lse (" + o.lse + ")", q_shape_with_last(q.array, std::nullopt)});
+  for (const Planned& p : planned) checked_nbytes(p.name, dtype, p.shape);
 
-  NpyArray out = NpyArray::zeros(q.dtype, planned.front().shape, planned.front().name);
+  NpyArray out = NpyArray::zeros(dtype, planned.front().shape, planned.front().name);
   NpyArray weights, lse;
-  sdpa::Inputs inputs{q.view(), k.view(), v.view(), std::nullopt};
-  if (mask) inputs.mask = mask->view();
   sdpa::Outputs outputs{out.view(), std::nullopt, std::nullopt};
   if (!o.weights.empty()) {
-    weights = NpyArray::zeros(q.dtype, planned[1].shape, planned[1].name);  // right after out
+    weights = NpyArray::zeros(dtype, planned[1].shape, planned[1].name);  // right after out
     outputs.weights = weights.view();
   }
   if (!o.lse.empty()) {
-    lse = NpyArray::zeros(q.dtype, planned.back().shape, planned.back().name);  // always last
+    lse = NpyArray::zeros(dtype, planned.back().shape, planned.back().name);  // always last
     outputs.lse = lse.view();
   }
 
-  sdpa::attention(inputs, outputs, options);  // throws sdpa::Error before writing anything
+  // The library throws sdpa::Error before writing anything (here only for the outputs, which
+  // the CLI shaped itself).
+  try {
+    sdpa::attention(inputs, outputs, options);
+  } catch (const sdpa::Error& e) {
+    throw with_files(e);
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("out of memory while computing attention on " + q.label() + ", " + k.label() + " and " +
+                             v.label());
+  }
 
-  std::vector<std::pair<std::string, const NpyArray*>> files = {{o.out, &out}};
+  std::vector<std::pair<fs::path, const NpyArray*>> files = {{o.out, &out}};
   if (!o.weights.empty()) files.emplace_back(o.weights, &weights);
   if (!o.lse.empty()) files.emplace_back(o.lse, &lse);
-  write_all(files);  // silent on success: an output may be /dev/stdout
+  write_npy_files(files);  // silent on success: an output may be /dev/stdout
 }
 
 }  // namespace sdpa_cli

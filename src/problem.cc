@@ -201,20 +201,17 @@ std::string number_string(double x) {
   return text;
 }
 
-// The forward's checks. `written` says whether out and lse are outputs (forward) or inputs
-// the backward reads, which may overlap themselves (a broadcast lse, say).
-Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, bool written) {
-  const TensorView &q = in.q, &k = in.k, &v = in.v, &out = outs.out;
+// The checks of q, k, v, the mask and the options: everything but the outputs.
+Problem make_input_problem(const Inputs& in, const Options& opt) {
+  const TensorView &q = in.q, &k = in.k, &v = in.v;
   check_basic("q", q, 2, 4);
   check_basic("k", k, 2, 4);
   check_basic("v", v, 2, 4);
-  check_basic("out", out, 2, 4);
   if (q.dtype != DType::kFloat32 && q.dtype != DType::kFloat64) {
     fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32 or float64");
   }
   check_dtype("k", k, q.dtype);
   check_dtype("v", v, q.dtype);
-  check_dtype("out", out, q.dtype);
   const int r = q.rank;
   if (k.rank != r) fail("k has rank " + std::to_string(k.rank) + " but q has rank " + std::to_string(r));
   if (v.rank != r) fail("v has rank " + std::to_string(v.rank) + " but q has rank " + std::to_string(r));
@@ -256,35 +253,10 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   check_unit_last_stride("q", q);
   check_unit_last_stride("k", k);
   check_unit_last_stride("v", v);
-  check_unit_last_stride("out", out);
-  if (written) check_no_zero_stride("out", out);
-
-  // Expected output shapes, in q's rank: (B, Hq, Nq, X) with the leading dims dropped.
-  const int64_t full_out[4] = {p.B, p.Hq, p.Nq, p.Dv};
-  const int64_t full_weights[4] = {p.B, p.Hq, p.Nq, p.Nk};
-  check_shape("out", out, full_out + (4 - r), r, r == 2 ? "(Nq, Dv)" : r == 3 ? "(Hq, Nq, Dv)" : "(B, Hq, Nq, Dv)");
   p.q = to_view4(q);
   p.k = to_view4(k);
   p.v = to_view4(v);
-  p.out = to_view4(out);
-
-  if (outs.weights) {
-    const TensorView& w = *outs.weights;
-    check_basic("weights", w, 2, 4);
-    check_dtype("weights", w, q.dtype);
-    check_shape("weights", w, full_weights + (4 - r), r,
-                r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
-    if (written) check_no_zero_stride("weights", w);
-    p.weights = to_view4(w);
-  }
-  if (outs.lse) {
-    const TensorView& l = *outs.lse;
-    check_basic("lse", l, 1, 3);
-    check_dtype("lse", l, q.dtype);
-    check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
-    if (written) check_no_zero_stride("lse", l);
-    p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
-  }
+  const int64_t full_weights[4] = {p.B, p.Hq, p.Nq, p.Nk};  // the scores' shape
 
   if (in.mask) {
     const TensorView& m = *in.mask;
@@ -344,6 +316,43 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   return p;
 }
 
+// The forward's checks: the inputs', then the outputs'. `written` says whether out and lse
+// are outputs (forward) or inputs the backward reads, which may overlap themselves (a
+// broadcast lse, say).
+Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, bool written) {
+  Problem p = make_input_problem(in, opt);
+  const TensorView &q = in.q, &out = outs.out;
+  const int r = q.rank;
+  check_basic("out", out, 2, 4);
+  check_dtype("out", out, q.dtype);
+  check_unit_last_stride("out", out);
+  if (written) check_no_zero_stride("out", out);
+  // Expected output shapes, in q's rank: (B, Hq, Nq, X) with the leading dims dropped.
+  const int64_t full_out[4] = {p.B, p.Hq, p.Nq, p.Dv};
+  const int64_t full_weights[4] = {p.B, p.Hq, p.Nq, p.Nk};
+  check_shape("out", out, full_out + (4 - r), r, r == 2 ? "(Nq, Dv)" : r == 3 ? "(Hq, Nq, Dv)" : "(B, Hq, Nq, Dv)");
+  p.out = to_view4(out);
+
+  if (outs.weights) {
+    const TensorView& w = *outs.weights;
+    check_basic("weights", w, 2, 4);
+    check_dtype("weights", w, q.dtype);
+    check_shape("weights", w, full_weights + (4 - r), r,
+                r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
+    if (written) check_no_zero_stride("weights", w);
+    p.weights = to_view4(w);
+  }
+  if (outs.lse) {
+    const TensorView& l = *outs.lse;
+    check_basic("lse", l, 1, 3);
+    check_dtype("lse", l, q.dtype);
+    check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
+    if (written) check_no_zero_stride("lse", l);
+    p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
+  }
+  return p;
+}
+
 }  // namespace
 
 Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
@@ -393,4 +402,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
 }
 
 }  // namespace internal
+
+void validate(const Inputs& inputs, const Options& options) { internal::make_input_problem(inputs, options); }
+
 }  // namespace sdpa

@@ -60,6 +60,18 @@ TEST_F(Validation, TheBaseCallIsValid) {
   EXPECT_FALSE(out_.untouched());
 }
 
+// sdpa::validate runs the same checks of inputs and options without any output: the CLI calls
+// it before allocating outputs whose size the inputs decide.
+TEST_F(Validation, ValidateChecksInputsAndOptionsWithoutOutputs) {
+  EXPECT_NO_THROW(sdpa::validate(in, options));
+  GuardedTensor k_bad(kF32, {2, 2, 5, 3});
+  in.k = k_bad.view();
+  expect_sdpa_error([&] { sdpa::validate(in, options); }, {"k has Dk=3 but q has Dk=4"});
+  in.k = k_.view();
+  options.scale = 1e39;
+  expect_sdpa_error([&] { sdpa::validate(in, options); }, {"scale=1e+39 cannot be held by float32"});
+}
+
 TEST_F(Validation, BadRank) {
   in.q.rank = 5;
   expect_error({"q has rank 5 but must have rank 2..4"});

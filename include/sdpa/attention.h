@@ -137,6 +137,11 @@ struct Outputs {
 // Throws Error on invalid arguments, before writing anything.
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options = {});
 
+// Throws the Error attention() would throw for these inputs and options, and does nothing
+// else: a caller can check a call before allocating its outputs (the CLI does). Reads only
+// what attention() validates (a float mask's values); the outputs are checked by attention().
+void validate(const Inputs& inputs, const Options& options = {});
+
 // Gradients of attention() with respect to q, k and v.
 struct Gradients {
   TensorView dq = {};  // shaped like q

@@ -169,6 +169,11 @@ HWY_INLINE void MaskRowBias(D d, const Problem& p, int64_t b, int64_t h, int64_t
       }
     }
   }
+  if (jj < n && p.mask->dtype != DType::kBool) {  // a float mask's row is its biases: copy it
+    const T* row = p.mask->at<T>(b, h, i, j0);
+    const int64_t js = p.mask->strides[3];
+    for (; jj < n; ++jj) dst[jj] = row[jj * js];
+  }
   if (jj < n) {
     std::fill(dst + jj, dst + n, T(0));
     add_mask_row(p, b, h, i, j0 + jj, n - jj, dst + jj, 1);

@@ -173,11 +173,19 @@ void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0,
       for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] = row[jj * js] ? dst[jj * dst_stride] : blocked;
     }
   } else {
+    // with_bias written as an unconditional add and a select, which the compiler vectorises.
     const T* row = mask.at<T>(b, h, i, j0);
+    const T blocked = -std::numeric_limits<T>::infinity();
     if (unit) {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], row[jj]);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const T sum = dst[jj] + row[jj];
+        dst[jj] = row[jj] == blocked ? blocked : sum;
+      }
     } else {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] = with_bias(dst[jj * dst_stride], row[jj * js]);
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const T sum = dst[jj * dst_stride] + row[jj * js];
+        dst[jj * dst_stride] = row[jj * js] == blocked ? blocked : sum;
+      }
     }
   }
 }
