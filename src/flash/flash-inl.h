@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "flash/decode-inl.h"
@@ -310,15 +311,24 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     sum[q] = hn::Zero(d);
     hn::Store(mnew[q], d, bs.m + q * N);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    for (size_t q = 0; q < QV; ++q) {
-      T* row = st + j * mq + q * N;
-      const V s = hn::Load(d, row);
-      V pj = hn::Exp(d, hn::Sub(s, msafe[q]));
-      if (inf_max) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // s = +inf only where m = +inf
-      sum[q] = hn::Add(sum[q], pj);
-      hn::Store(pj, d, row);
+  // p = exp(s - m) over the tile; the +inf-max variant in a loop of its own, so that the
+  // common loop stays as it was.
+  const auto exp_tile = [&](auto inf_max_const) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (size_t q = 0; q < QV; ++q) {
+        T* row = st + j * mq + q * N;
+        const V s = hn::Load(d, row);
+        V pj = hn::Exp(d, hn::Sub(s, msafe[q]));
+        if constexpr (decltype(inf_max_const)::value) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // m = +inf
+        sum[q] = hn::Add(sum[q], pj);
+        hn::Store(pj, d, row);
+      }
     }
+  };
+  if (inf_max) {
+    exp_tile(std::true_type{});
+  } else {
+    exp_tile(std::false_type{});
   }
   for (size_t q = 0; q < QV; ++q) {
     sum[q] = hn::IfThenElse(nan[q], hn::Set(d, std::numeric_limits<T>::quiet_NaN()), sum[q]);
