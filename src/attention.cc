@@ -4,13 +4,11 @@
 #include "reference.h"
 
 namespace sdpa {
+namespace {
 
-void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
-  const internal::Problem p = internal::make_problem(inputs, outputs, options);
-  if (p.writes_nothing()) return;
-  if (p.scores_are_biases_only()) return internal::lse_of_biases(p);
+void run_backend(const internal::Problem& p, Backend backend) {
   const bool f64 = p.dtype == DType::kFloat64;
-  switch (options.backend) {
+  switch (backend) {
     case Backend::kReference:
       internal::materialized_attention<double>(p);
       return;
@@ -22,7 +20,24 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
       f64 ? internal::materialized_attention<double>(p) : internal::materialized_attention<float>(p);
       return;
   }
-  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(options.backend)));
+  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(backend)));
+}
+
+}  // namespace
+
+void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
+  const internal::Problem p = internal::make_problem(inputs, outputs, options);
+  if (p.writes_nothing()) return;
+  // Scores that are the biases alone: lse from them directly, and the kernels only for the
+  // weights (whose Nq × Nk elements exist), so that lse does not depend on asking for them.
+  if (p.scores_are_biases_only()) {
+    internal::Problem weights_only = p;
+    weights_only.lse.reset();
+    if (weights_only.weights) run_backend(weights_only, options.backend);
+    if (p.lse) internal::lse_of_biases(p);
+    return;
+  }
+  run_backend(p, options.backend);
 }
 
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,

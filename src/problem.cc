@@ -386,11 +386,12 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   bp.dv = to_view4(grads.dv);
   // lse = +inf means a score overflowed the compute type in the forward pass (its weights went
   // to its +inf keys, a limit with no useful gradient): refused rather than NaN gradients.
-  // Checked only when there is something to write (a call writing nothing reads no row).
+  // Each stored element is read once: a broadcast (stride 0) dim is not walked.
   const View4& l = *bp.fwd.lse;
-  for (int64_t b = 0; !bp.writes_nothing() && b < bp.fwd.B; ++b)
-    for (int64_t h = 0; h < bp.fwd.Hq; ++h)
-      for (int64_t i = 0; i < bp.fwd.Nq; ++i) {
+  const auto extent = [&](int d, int64_t n) { return l.strides[d] == 0 ? std::min<int64_t>(n, 1) : n; };
+  for (int64_t b = 0; b < extent(0, bp.fwd.B); ++b)
+    for (int64_t h = 0; h < extent(1, bp.fwd.Hq); ++h)
+      for (int64_t i = 0; i < extent(2, bp.fwd.Nq); ++i) {
         if (l.load<double>(b, h, i, 0) == std::numeric_limits<double>::infinity()) {
           const int64_t index[3] = {b, h, i};
           const int r = lse.rank;

@@ -101,10 +101,10 @@ struct Problem {
     return (no_rows || Dv == 0) && (!weights || no_rows || Nk == 0) && (!lse || no_rows);
   }
 
-  // Rows that only ask for lse: out is empty (Dv == 0), no weights. With Dk == 0 too every
-  // score is its bias alone, so lse needs no pass over the keys (see attention.cc): Nk may be
-  // huge (k and v of shape (2^40, 0) hold no element) and work must follow the elements.
-  bool scores_are_biases_only() const { return Dk == 0 && Dv == 0 && !weights; }
+  // Dk == 0: every score is its bias alone; with Dv == 0 too out is empty, so lse needs no pass
+  // over the keys (see attention.cc): Nk may be huge (k and v of shape (2^40, 0) hold no
+  // element) and work must follow the elements.
+  bool scores_are_biases_only() const { return Dk == 0 && Dv == 0; }
 
   // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool.
   template <typename T>

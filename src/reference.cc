@@ -11,20 +11,27 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
-  // 1. Scores s_j = (q_i · k_j) * scale + bias_ij, -inf outside causal/window and where the
-  //    mask blocks (whatever the dot product). Scores beyond the range of the inputs' dtype
-  //    are ±inf, as in the kernels that compute in it (float64 holds what float32 cannot).
+  // 1. Scores s_j = Σ_d (q_id · scale) · k_jd + bias_ij (the scale applied to q first, as in
+  //    every kernel), -inf outside causal/window and where the mask blocks (whatever the dot
+  //    product). A value beyond the range of the inputs' dtype (q · scale, a product, the
+  //    score) is ±inf, as in the kernels that compute in it: float64 holds what float32
+  //    cannot. (Partial sums are not rounded: they may stay finite here where float32's
+  //    overflow.)
   const KeyRange range = p.key_range(i);
   const bool f32_range = p.dtype == DType::kFloat32 && sizeof(Acc) > sizeof(float);
+  const auto in_range = [f32_range](Acc x) {
+    return f32_range && std::isinf(static_cast<float>(x)) ? static_cast<Acc>(static_cast<float>(x)) : x;
+  };
   Acc row_max = neg_inf;
   bool nan = false;
   for (int64_t j = 0; j < p.Nk; ++j) {
     Acc s = neg_inf;
     if (j >= range.begin && j < range.end) {
       Acc dot = 0;
-      for (int64_t d = 0; d < p.Dk; ++d) dot += p.q.load<Acc>(b, h, i, d) * p.k.load<Acc>(b, kvh, j, d);
-      s = with_bias(dot * scale, p.mask_bias<Acc>(b, h, i, j));
-      if (f32_range && std::isinf(static_cast<float>(s))) s = static_cast<float>(s);
+      for (int64_t d = 0; d < p.Dk; ++d) {
+        dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
+      }
+      s = in_range(with_bias(dot, p.mask_bias<Acc>(b, h, i, j)));
     }
     prob[j] = s;
     row_max = std::max(row_max, s);

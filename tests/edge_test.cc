@@ -96,6 +96,37 @@ TEST_P(Edge, OverflowingScoresTakeTheRowsWeight) {
   }
 }
 
+// The score is Σ (q_d · scale) · k_d: the scale multiplies q first in every backend, so an
+// overflow of q · scale happens in all of them alike (found by the fuzzer: kFlash gave NaN
+// where kReference and kNaive, which scaled the dot product, gave finite values).
+TEST_P(Edge, ScaleMultipliesQFirstInEveryBackend) {
+  const Tensors t{tensor(kF32, {1, 2}, {2, -1.5}), tensor(kF32, {1, 2}, {1, 1}), tensor(kF32, {1, 1}, {1}),
+                  std::nullopt};
+  sdpa::Options o = opts();
+  o.scale = 3e38;  // q · scale = (+inf, -inf): the score is inf - inf = NaN
+  const Values got = values(run(t, o));
+  EXPECT_TRUE(std::isnan(got.out[0]));
+  EXPECT_TRUE(std::isnan(got.lse[0]));
+  o.scale = 1e38;  // q · scale = (2e38, -1.5e38): finite, the score 5e37
+  const Values fine = values(run(t, o));
+  EXPECT_EQ(fine.out[0], 1.0);
+  EXPECT_NEAR(fine.lse[0], 5e37, 5e37 * 4 * eps(kF32));
+}
+
+// With Dk = Dv = 0 the scores are the biases alone, and lse is the same bits whether or not the
+// weights are asked for too (they once took different paths).
+TEST_P(Edge, LseOfBiasesDoesNotDependOnAskingForWeights) {
+  for (DType dt : kDTypes) {
+    const Tensors t{GuardedTensor(dt, {3, 0}), GuardedTensor(dt, {5, 0}), GuardedTensor(dt, {5, 0}),
+                    tensor(dt, {1}, {0.3})};
+    const Outs with = run(t, opts(), Layout::kContiguous, /*with_extras=*/true);
+    Outs without{GuardedTensor(dt, {3, 0}), std::nullopt, GuardedTensor(dt, {3})};
+    sdpa::attention(t.inputs(), without.outputs(), opts());
+    EXPECT_EQ(with.lse->values(), without.lse->values());
+    EXPECT_NEAR(with.lse->get(0), 0.3 + std::log(5.0), 4 * eps(dt));
+  }
+}
+
 // A -inf score on an allowed key (q·k overflowing downwards) weighs 0; with nothing above -inf
 // the row is fully masked: zeros and lse -inf, never NaN.
 TEST_P(Edge, NegativeOverflowWeighsNothing) {
@@ -310,6 +341,25 @@ TEST_P(Edge, BackwardIgnoresKeyRowsOfBlockedKeys) {
   }
 }
 
+// Huge finite scores (|s| ~ 1e9 in float32): the backward recomputes s in another order than
+// the forward, and exp(s - lse) overflowed into NaN gradients (found by the fuzzer). p is
+// clamped to at most 1; the gradients stay finite.
+TEST_P(Edge, BackwardWithHugeScoresStaysFinite) {
+  // The fuzzer's case: GQA 16:2, Nq = 15, Nk = 16, Dk = 20, Dv = 17, q and k of sigma 300.
+  for (uint32_t seed = 13; seed < 23; ++seed) {
+    std::mt19937 rng(seed);
+    Tensors t{GuardedTensor(kF32, {16, 15, 20}), GuardedTensor(kF32, {2, 16, 20}), GuardedTensor(kF32, {2, 16, 17}),
+              std::nullopt};
+    fill_normal(t.q, rng, 300);
+    fill_normal(t.k, rng, 300);
+    fill_normal(t.v, rng);
+    sdpa::Options o = opts();
+    o.scale = -1000;
+    const sdpa_test::Problem p = make_problem(std::move(t), o, Layout::kContiguous, seed);
+    EXPECT_TRUE(no_nan(values(backward(p, o)))) << "seed " << seed;
+  }
+}
+
 // lse = +inf (a score overflowed in the forward pass) has no gradient: an Error naming the row,
 // before anything is written.
 TEST_P(Edge, BackwardRefusesAnOverflowedLse) {
@@ -322,6 +372,13 @@ TEST_P(Edge, BackwardRefusesAnOverflowedLse) {
         [&] { sdpa::attention_backward(t.inputs(), p.out.view(), p.lse.view(), p.dout.view(), g.gradients(), opts()); },
         {"lse has +inf at index (1,)", "overflowed"});
     EXPECT_TRUE(g.untouched());
+    // Also when no gradient has an element to write (found by the fuzzer).
+    const Tensors e{GuardedTensor(dt, {2, 0}), GuardedTensor(dt, {0, 0}), GuardedTensor(dt, {0, 0}), std::nullopt};
+    GuardedTensor out(dt, {2, 0}), lse = tensor(dt, {2}, {-kInf, kInf}), dout(dt, {2, 0});
+    const Grads ge = empty_grads(e, Layout::kContiguous);
+    expect_sdpa_error(
+        [&] { sdpa::attention_backward(e.inputs(), out.view(), lse.view(), dout.view(), ge.gradients(), opts()); },
+        {"lse has +inf at index (1,)"});
   }
 }
 

@@ -15,10 +15,11 @@
 //   - Key j is allowed for row i when causal and the window let i see j and the mask does not
 //     block it (bool false, or a bias of -inf). A blocked key never influences the row: not its
 //     score (even an overflowing or NaN q·k), not its value row (even NaN or inf).
-//   - Scores are computed in the compute type (float32 for float32, float64 for float64; the
-//     float64 kReference rounds each score to the inputs' range, so it overflows where they
-//     do). A score of +inf on an allowed key takes the row's weight: the weight is split
-//     equally among the row's +inf keys, 0 elsewhere, and lse = +inf. A score of -inf weighs 0.
+//   - Scores s = Σ_d (q_d · scale) · k_d + bias are computed in the compute type (float32 for
+//     float32, float64 for float64; the float64 kReference rounds q_d · scale, each product and
+//     the score to the inputs' range, so it overflows where they do, but not in partial sums).
+//     A score of +inf on an allowed key takes the row's weight: the weight is split equally
+//     among the row's +inf keys, 0 elsewhere, and lse = +inf. A score of -inf weighs 0.
 //   - A row with no allowed key, or none whose score is above -inf (everything masked, Nk == 0),
 //     gives out = 0, weights = 0 and lse = -inf: never NaN.
 //   - out_i = Σ_j w_ij · v_j over the keys whose weight (after dropout) is not 0: a blocked,
@@ -152,8 +153,10 @@ struct Gradients {
 // Backward pass: given dout = ∂loss/∂out (shaped like out) and the out and lse that
 // attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
 // recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
-// nothing; a key of weight 0 (blocked, dropped) passes nothing of its value row (even NaN) to
-// dq and dk. An lse of +inf (the forward's scores overflowed) has no gradient: Error.
+// nothing; a key of weight 0 (blocked, dropped) passes nothing of its value or key row (even
+// NaN) to dq and dk. (Not yet the other way: in kFlash a NaN in the q or dout of a row can
+// reach dk and dv of keys that row blocks, as 0 · NaN.) An lse of +inf (the forward's scores
+// overflowed) has no gradient: Error.
 // Deterministic: bitwise identical for any thread count. Throws Error on invalid arguments,
 // before writing anything.
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,

@@ -53,11 +53,15 @@ struct BackwardScratch {
   std::vector<LaneRow> lanes;
 };
 
-// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN.
+// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN, and at most
+// 1: s is recomputed here in another order than the forward's (k · scale, not q · scale), so
+// with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far more than rounding of p
+// would, and exp of it overflowed into inf and NaN gradients.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Probability(D d, V s, V lse) {
-  return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<hn::TFromD<D>>::infinity())),
-                            hn::Exp(d, hn::Sub(s, lse)));
+  using T = hn::TFromD<D>;
+  return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<T>::infinity())),
+                            hn::Min(hn::Exp(d, hn::Sub(s, lse)), hn::Set(d, T(1))));
 }
 // ds = p · (dp - D), exactly 0 where p is: a key of weight 0 passes no NaN from its v row.
 template <class D, class V = hn::Vec<D>>

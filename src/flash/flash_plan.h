@@ -226,11 +226,11 @@ T weight(T s, T m, T l) {
 
 // Normalises a block's output rows and writes out and lse. A lane with no allowed key
 // (l == 0; otherwise l >= 1, the max's own term) gets zeros and lse = -inf; l = NaN (a NaN
-// in its scores) gives NaN. A row that comes out non-finite with a finite l is recomputed by
-// attend_row (the same algorithm, scalar, in T), whose sum skips keys of weight 0: the tiles
-// multiplied every key's value row by its weight, so a NaN or inf there in a blocked, dropped
-// or underflowed key gave 0 · NaN, and the unnormalised sum Σ p·v may overflow where out
-// does not. Rare, so it may allocate.
+// in its scores) gives NaN. The columns of a row that come out non-finite with a finite l are
+// recomputed by attend_row (the same algorithm, scalar, in T), whose sum skips keys of weight
+// 0: the tiles multiplied every key's value row by its weight, so a NaN or inf there in a
+// blocked, dropped or underflowed key gave 0 · NaN, and the unnormalised sum Σ p·v may
+// overflow where out does not. Rare, so it may allocate.
 template <typename T>
 void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
                   const LaneRow* lanes) {
@@ -245,8 +245,13 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
       finite &= std::isfinite(out[e]);
     }
     if (!finite && !std::isnan(l[lane])) {
-      std::vector<T> prob(static_cast<size_t>(p.Nk));
-      attend_row(p, blk.b, r.h, r.i, prob.data(), out);
+      // Only the non-finite columns are replaced: the others met no NaN or inf and keep the
+      // tiles' arithmetic, bit for bit.
+      std::vector<T> prob(static_cast<size_t>(p.Nk)), exact(static_cast<size_t>(p.Dv));
+      attend_row(p, blk.b, r.h, r.i, prob.data(), exact.data());
+      for (int64_t e = 0; e < p.Dv; ++e) {
+        if (!std::isfinite(out[e])) out[e] = exact[e];
+      }
     }
     if (p.lse) {
       p.lse->store(blk.b, r.h, r.i, 0, any ? m[lane] + std::log(l[lane]) : -std::numeric_limits<T>::infinity());
