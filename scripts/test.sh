@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: C++ (Release; AddressSanitizer + UndefinedBehaviorSanitizer; ThreadSanitizer
-# on the threaded tests), the installed-package example, and Python (installing torch into .venv
-# first, python/requirements-test.txt, so that the torch front door is tested too).
+# on the threaded tests), the fuzzers for a few minutes (fuzz/run.sh), the installed-package
+# example, and Python (installing torch into .venv first, python/requirements-test.txt, so that
+# the torch front door is tested too).
 # Sets up and builds first (scripts/setup.sh --no-demo), so it works on a fresh clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,10 @@ archer=$(clang -print-resource-dir)/../../libarcher.so
 [ -f "$archer" ] || archer=$(find /usr/lib/llvm-* -name libarcher.so | head -n 1)
 OMP_TOOL_LIBRARIES="$archer" TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1" \
   build-tsan/tests/threads_test
+
+echo "== Fuzzing (libFuzzer, clang, ASan + UBSan): the API and the .npy reader, a few minutes"
+# Bounded here; a long run is `fuzz/run.sh 3600` (fuzz/README.md).
+fuzz/run.sh "${SDPA_FUZZ_SECONDS:-180}"
 
 echo "== C++ example through find_package(sdpa)"
 cmake --install build --prefix build/install >/dev/null
