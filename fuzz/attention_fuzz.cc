@@ -613,7 +613,10 @@ Score classify(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
     sum += p;
     sabs += std::fabs(p);
   }
-  if (nan || (pinf && ninf)) { r.cls = Cls::kNaN; return r; }
+  if (nan) { r.cls = Cls::kNaN; return r; }
+  // Overflowing products of both signs: inf - inf = NaN when each product is rounded, but a
+  // fused multiply-add adds the next exact product to the inf so far and keeps its sign.
+  if (pinf && ninf) { r.cls = Cls::kAmbig; return r; }
   if (pinf || ninf) {
     // A product near the overflow threshold of the other sign may or may not become inf - inf.
     if ((pinf && ambig_neg) || (ninf && ambig_pos)) { r.cls = Cls::kAmbig; return r; }

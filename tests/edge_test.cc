@@ -117,13 +117,19 @@ TEST_P(Edge, ScaleMultipliesQFirstInEveryBackend) {
 // weights are asked for too (they once took different paths).
 TEST_P(Edge, LseOfBiasesDoesNotDependOnAskingForWeights) {
   for (DType dt : kDTypes) {
-    const Tensors t{GuardedTensor(dt, {3, 0}), GuardedTensor(dt, {5, 0}), GuardedTensor(dt, {5, 0}),
-                    tensor(dt, {1}, {0.3})};
-    const Outs with = run(t, opts(), Layout::kContiguous, /*with_extras=*/true);
-    Outs without{GuardedTensor(dt, {3, 0}), std::nullopt, GuardedTensor(dt, {3})};
-    sdpa::attention(t.inputs(), without.outputs(), opts());
-    EXPECT_EQ(with.lse->values(), without.lse->values());
-    EXPECT_NEAR(with.lse->get(0), 0.3 + std::log(5.0), 4 * eps(dt));
+    for (int64_t nk : {3, 5, 7, 1000}) {
+      for (double bias : {0.1, 0.3, 1.7, -2.9}) {
+        SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nk=" << nk << " bias=" << bias);
+        const Tensors t{GuardedTensor(dt, {3, 0}), GuardedTensor(dt, {nk, 0}), GuardedTensor(dt, {nk, 0}),
+                        tensor(dt, {1}, {bias})};
+        const Outs with = run(t, opts(), Layout::kContiguous, /*with_extras=*/true);
+        Outs without{GuardedTensor(dt, {3, 0}), std::nullopt, GuardedTensor(dt, {3})};
+        sdpa::attention(t.inputs(), without.outputs(), opts());
+        EXPECT_EQ(with.lse->values(), without.lse->values());
+        const double want = bias + std::log(static_cast<double>(nk));
+        EXPECT_NEAR(with.lse->get(0), want, 4 * eps(dt) * std::fabs(want));
+      }
+    }
   }
 }
 

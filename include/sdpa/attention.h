@@ -26,7 +26,8 @@
 //     dropped or underflowed key adds nothing even if its value row holds NaN or inf; a NaN or
 //     inf in the value row of a key with weight > 0 reaches out as IEEE arithmetic says.
 //   - A NaN score on an allowed key (a NaN in q or k, or inf - inf) makes the row's out, lse
-//     and weights NaN (weights stay 0 at the keys the row blocks).
+//     and weights NaN (weights stay 0 at the keys the row blocks). Whether overflowing
+//     products of both signs give NaN or ±inf depends on the kernel's fused multiply-adds.
 //   - A float mask holds finite biases or -inf; NaN or +inf there is an Error. The scale must
 //     be finite and held by the compute type (float32: |scale| <= FLT_MAX, and not a non-zero
 //     that rounds to 0), else Error.
