@@ -680,12 +680,13 @@ Outs make_outs(const Case& c, bool weights, bool lse, bool fancy_layout) {
   return o;
 }
 
-// Calls attention; turns exceptions into check failures (a valid call must not throw).
-void run_forward(const Case&, const sdpa::Inputs& in, const Outs& o, const sdpa::Options& opt) {
+// Runs `call` (named `name`); turns exceptions into check failures (a valid call must not throw).
+template <class F>
+void expect_no_throw(const char* name, F call) {
   std::string what;
   bool other = false;
   try {
-    sdpa::attention(in, o.outputs(), opt);
+    call();
     return;
   } catch (const sdpa::Error& e) {
     what = e.what();
@@ -693,9 +694,13 @@ void run_forward(const Case&, const sdpa::Inputs& in, const Outs& o, const sdpa:
     what = e.what();
     other = true;
   }
-  check(!other, "other_exception", [&] { return "attention threw a non-sdpa::Error exception: " + what; });
+  check(!other, "other_exception", [&] { return std::string(name) + " threw a non-sdpa::Error exception: " + what; });
   // (d): a valid call throws only for a scale the compute type cannot hold.
-  check(false, "unexpected_error", [&] { return "attention threw sdpa::Error on a valid call: " + what; });
+  check(false, "unexpected_error", [&] { return std::string(name) + " threw sdpa::Error on a valid call: " + what; });
+}
+
+void run_forward(const Case&, const sdpa::Inputs& in, const Outs& o, const sdpa::Options& opt) {
+  expect_no_throw("attention", [&] { sdpa::attention(in, o.outputs(), opt); });
 }
 
 void check_outs_written(const Outs& o) {
@@ -956,19 +961,8 @@ const char* const kGradNames[3] = {"dq", "dk", "dv"};
 
 void run_backward(const Case&, const sdpa::Inputs& in, const Tensor& out, const Tensor& lse, const Tensor& dout,
                   const Grads& g, const sdpa::Options& opt) {
-  std::string what;
-  bool other = false;
-  try {
-    sdpa::attention_backward(in, out.view(), lse.view(), dout.view(), g.gradients(), opt);
-    return;
-  } catch (const sdpa::Error& e) {
-    what = e.what();
-  } catch (const std::exception& e) {
-    what = e.what();
-    other = true;
-  }
-  check(!other, "other_exception", [&] { return "attention_backward threw a non-sdpa::Error exception: " + what; });
-  check(false, "unexpected_error", [&] { return "attention_backward threw sdpa::Error on a valid call: " + what; });
+  expect_no_throw("attention_backward",
+                  [&] { sdpa::attention_backward(in, out.view(), lse.view(), dout.view(), g.gradients(), opt); });
 }
 
 bool grads_bitwise(const Grads& a, const Grads& b, std::string& why) {
