@@ -598,14 +598,12 @@ Score classify(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   for (int64_t e = 0; e < c.d.Dk; ++e) {
     const long double x = c.q.at4(b, h, i, e), y = c.k.at4(b, kvh, j, e);
     if (std::isnan(x) || std::isnan(y)) { nan = true; continue; }
-    long double xs = x * scale;  // exact enough in long double
     if (std::isinf(x) && scale == 0) { nan = true; continue; }
-    if (!std::isinf(xs) && std::fabs(xs) > 0.999L * TMAX && std::fabs(xs) < 1.001L * TMAX) {
-      ambig = true;
-      (xs * y > 0 ? ambig_pos : ambig_neg) = true;
-      continue;
-    }
-    if (std::fabs(xs) >= 1.001L * TMAX) xs = xs > 0 ? INFINITY : -INFINITY;  // q · scale overflows
+    // q · scale is one rounded multiply in every backend: it overflows to ±inf and underflows
+    // to ±0 at the ends of the inputs' range (kReference rounds to them too; 0 · inf = NaN).
+    long double xs = x * scale;
+    const long double xr = f32 ? static_cast<long double>(static_cast<float>(xs)) : static_cast<long double>(static_cast<double>(xs));
+    if (std::isinf(xr) || xr == 0) xs = xr;
     if ((std::isinf(xs) && y == 0) || (std::isinf(y) && xs == 0)) { nan = true; continue; }
     const long double p = xs * y;
     if (std::isinf(p) || std::fabs(p) > 3 * TMAX) { (p > 0 ? pinf : ninf) = true; continue; }

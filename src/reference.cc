@@ -14,13 +14,15 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   // 1. Scores s_j = Σ_d (q_id · scale) · k_jd + bias_ij (the scale applied to q first, as in
   //    every kernel), -inf outside causal/window and where the mask blocks (whatever the dot
   //    product). A value beyond the range of the inputs' dtype (q · scale, a product, the
-  //    score) is ±inf, as in the kernels that compute in it: float64 holds what float32
-  //    cannot. (Partial sums are not rounded: they may stay finite here where float32's
-  //    overflow.)
+  //    score) is ±inf, and one too small for it is ±0, as in the kernels that compute in it:
+  //    float64 holds what float32 cannot (1e-50 · inf would be inf here, but 0 · inf = NaN
+  //    there). Only the ends of the range: the precision stays float64's. (Partial sums are
+  //    not rounded: they may stay finite here where float32's overflow.)
   const KeyRange range = p.key_range(i);
   const bool f32_range = p.dtype == DType::kFloat32 && sizeof(Acc) > sizeof(float);
   const auto in_range = [f32_range](Acc x) {
-    return f32_range && std::isinf(static_cast<float>(x)) ? static_cast<Acc>(static_cast<float>(x)) : x;
+    const float r = static_cast<float>(x);
+    return f32_range && (std::isinf(r) || r == 0) ? static_cast<Acc>(r) : x;
   };
   Acc row_max = neg_inf;
   bool nan = false;
