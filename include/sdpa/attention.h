@@ -17,7 +17,8 @@
 //     score (even an overflowing or NaN q·k), not its value row (even NaN or inf).
 //   - Scores s = Σ_d (q_d · scale) · k_d + bias are computed in the compute type (float32 for
 //     float32, float64 for float64; the float64 kReference rounds q_d · scale, each product and
-//     the score to the inputs' range, so it overflows where they do, but not in partial sums).
+//     the score to the ends of the inputs' range, so it overflows to ±inf and underflows to 0
+//     where they do, but not in partial sums).
 //     A score of +inf on an allowed key takes the row's weight: the weight is split equally
 //     among the row's +inf keys, 0 elsewhere, and lse = +inf. A score of -inf weighs 0.
 //   - A row with no allowed key, or none whose score is above -inf (everything masked, Nk == 0),
