@@ -716,6 +716,9 @@ void check_outs_written(const Outs& o) {
 void check_edge_semantics(const Case& c, const Outs& o) {
   const Dims& d = c.d;
   const bool f32 = c.dtype == DType::kFloat32 && c.opt.backend != Backend::kReference;
+  // Results are stored in the inputs' dtype: kReference's float64 values are rounded to it.
+  const bool out_f32 = c.dtype == DType::kFloat32;
+  const long double out_eps = out_f32 ? FLT_EPSILON : DBL_EPSILON;
   const long double TMAX = f32 ? FLT_MAX : DBL_MAX;
   const long double zero_below = f32 ? -110 : -760, nonzero_above = f32 ? -80 : -700;
   const std::vector<uint8_t> keep = keep_mask(c);
@@ -769,7 +772,7 @@ void check_edge_semantics(const Case& c, const Outs& o) {
             for (int64_t j = 0; j < d.Nk; ++j) {
               const double want = sc[j].cls == Cls::kPosInf ? 1.0 / n_pinf : 0.0;
               const double w = W(j);
-              check(std::fabs(w - want) <= 4 * (f32 ? FLT_EPSILON : DBL_EPSILON), "inf_row",
+              check(std::fabs(w - want) <= 4 * out_eps, "inf_row",
                     [&] { return where("weights", j) + " = " + num(w) + ", want " + num(want) + " (" + std::to_string(n_pinf) + " keys score +inf)"; });
             }
           for (int64_t e = 0; e < d.Dv; ++e) {
@@ -790,7 +793,7 @@ void check_edge_semantics(const Case& c, const Outs& o) {
             } else if (pos || neg) {
               check(x == (pos ? kInf : -kInf), "inf_row", [&] { return where("out", e) + " = " + num(x) + ", want " + (pos ? "+inf" : "-inf"); });
             } else if (mag < 0.25L * TMAX) {
-              const long double tol = 8 * (f32 ? FLT_EPSILON : DBL_EPSILON) * mag + (f32 ? FLT_MIN : DBL_MIN);
+              const long double tol = 8 * out_eps * mag + (out_f32 ? FLT_MIN : DBL_MIN);
               check(std::fabs(x - want) <= tol, "inf_row", [&] { return where("out", e) + " = " + num(x) + ", want " + num(static_cast<double>(want)) + " (mean of the v rows of the +inf keys)"; });
             }
           }
