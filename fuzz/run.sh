@@ -6,7 +6,9 @@
 #
 # Environment: BUILD_DIR (default build-fuzz), SCRATCH (default /tmp/sdpa-fuzz: new corpus
 # entries, crash files and logs; the committed seeds in fuzz/corpus/ are only read),
-# SDPA_FUZZ_STRICT=1 (every check fatal, KNOWN ones too; see attention_fuzz.cc).
+# SDPA_FUZZ_STRICT=1 (every check fatal, KNOWN ones too; see attention_fuzz.cc), FUZZ_SEED (libFuzzer's
+# -seed; 0, the default, picks one at random; CI sets 1 so that its inputs are the same each
+# run, in the same order: run `FUZZ_SEED=1 SCRATCH=$(mktemp -d) fuzz/run.sh 360` to cover them).
 # Exits non-zero when a target crashes, hangs, leaks or fails a check; the reproducer is then
 # under $SCRATCH/artifacts/ (rerun it with: build-fuzz/fuzz/attention_fuzz FILE).
 set -euo pipefail
@@ -35,6 +37,7 @@ run() {  # name seconds corpus-dir [extra flags]
   local name=$1 secs=$2 seeds=$3; shift 3
   echo "== $name for ${secs}s (log: $scratch/$name.log)"
   if "$build/fuzz/$name" "$scratch/${seeds}" "fuzz/corpus/${seeds}" -max_total_time="$secs" -timeout=10 \
+      -seed="${FUZZ_SEED:-0}" \
       -rss_limit_mb=2048 -malloc_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$scratch/artifacts/$name-" \
       "$@" >"$scratch/$name.log" 2>&1; then
     grep -E "stat::number_of_executed_units|stat::average_exec_per_sec|KNOWN" "$scratch/$name.log" || true
