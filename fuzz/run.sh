@@ -47,6 +47,8 @@ run() {  # name seconds corpus-dir [extra flags]
     tail -n 60 "$scratch/$name.log"
   fi
 }
-run attention_fuzz "$t_att" attention -max_len=512
+# FUZZ_RUNS also bounds attention_fuzz by a number of inputs (whichever limit comes first): with
+# FUZZ_SEED fixed, CI then tries the same inputs however fast its machine is.
+run attention_fuzz "$t_att" attention -max_len=512 ${FUZZ_RUNS:+-runs=$FUZZ_RUNS}
 run npy_fuzz "$t_npy" npy -max_len=4096
 exit $status

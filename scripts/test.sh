@@ -32,7 +32,7 @@ OMP_TOOL_LIBRARIES="$archer" TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumente
 echo "== Fuzzing (libFuzzer, clang, ASan + UBSan): the API and the .npy reader, a few minutes"
 # Bounded here, and with a fixed seed so that CI's inputs are the same every run (a long run with
 # random seeds is `fuzz/run.sh 3600`; fuzz/README.md).
-FUZZ_SEED=1 SCRATCH="$(mktemp -d)" fuzz/run.sh "${SDPA_FUZZ_SECONDS:-180}"
+FUZZ_SEED=1 FUZZ_RUNS=2500 SCRATCH="$(mktemp -d)" fuzz/run.sh "${SDPA_FUZZ_SECONDS:-180}"
 
 echo "== C++ example through find_package(sdpa)"
 cmake --install build --prefix build/install >/dev/null
