@@ -615,14 +615,16 @@ Score classify(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   // Overflowing products of both signs: inf - inf = NaN when each product is rounded, but a
   // fused multiply-add adds the next exact product to the inf so far and keeps its sign.
   if (pinf && ninf) { r.cls = Cls::kAmbig; return r; }
+  const long double derr = (c.d.Dk + 2) * eps * sabs;
   if (pinf || ninf) {
+    // The finite products' partial sums may themselves overflow, to the other infinity.
+    if (sabs + derr >= 0.999L * TMAX) { r.cls = Cls::kAmbig; return r; }
     // A product near the overflow threshold of the other sign may or may not become inf - inf.
     if ((pinf && ambig_neg) || (ninf && ambig_pos)) { r.cls = Cls::kAmbig; return r; }
     r.cls = pinf ? Cls::kPosInf : Cls::kNegInf;
     return r;
   }
   if (ambig) { r.cls = Cls::kAmbig; return r; }
-  const long double derr = (c.d.Dk + 2) * eps * sabs;
   if (sabs + derr >= 0.999L * TMAX) { r.cls = Cls::kAmbig; return r; }
   const long double x = sum, xerr = derr;
   const long double s = x + bias, serr = xerr + eps * (std::fabs(x) + std::fabs(bias));
