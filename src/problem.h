@@ -58,6 +58,22 @@ template <typename T>
 T shifted_exp(T s, T m) {
   return s == m ? T(1) : std::exp(s - m);
 }
+// The backward's rules (the fused kernel's SIMD Probability and Ds follow them):
+//   probability: p = exp(s - lse) from a saved lse, exactly 0 for a blocked key (s = -inf) even
+//              where lse is NaN, and at most 1: s is recomputed in another order than the
+//              forward's, so with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far
+//              more than rounding of p would, and exp of it overflowed into NaN gradients.
+//   grad_ds:   ds = p · (z·dp - D) with z the dropout factor (1 without dropout), exactly 0
+//              where p is, and a dropped key's dp (z · NaN) counting as 0: a key of weight 0
+//              passes no NaN from its v row.
+template <typename T>
+T probability(T s, T lse) {
+  return s == -std::numeric_limits<T>::infinity() ? T(0) : std::min(std::exp(s - lse), T(1));
+}
+template <typename T>
+T grad_ds(T p, T z, T dp, T D_row) {
+  return p == 0 ? T(0) : p * ((z == 0 ? T(0) : z * dp) - D_row);
+}
 
 // Half-open range of key indices [begin, end) a query row may see.
 struct KeyRange {

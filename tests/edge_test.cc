@@ -347,6 +347,42 @@ TEST_P(Edge, BackwardIgnoresKeyRowsOfBlockedKeys) {
   }
 }
 
+// A NaN in the q or dout of a row reaches no key that row does not attend: the fused backward's
+// outer products multiplied those rows by p = ds = 0 (0 · NaN), which made dk and dv of keys
+// every row blocks NaN (found by the fuzzer, F3). Such keys are recomputed from lse and D.
+// Keys blocked for every row keep gradients of exactly 0; keys only the clean rows see match the
+// clean problem's gradients by the rule.
+TEST_P(Edge, BackwardKeepsNanRowsFromKeysTheyDoNotAttend) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{3, 9}, {40, 300}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      sdpa::Options o = opts();
+      o.causal = Causal::kBottomRight;  // row i sees keys j <= i + Nk - Nq
+      const sdpa_test::Problem clean = make_problem(blocking_every_third_key(dt, nq, nk, 17), o, Layout::kContiguous, 18);
+      sdpa_test::Problem dirty = clean.converted(dt);  // a copy, with the same out and lse
+      dirty.t.q.set(0 * nq * 8 + 0 * 8 + 3, kNaN);     // head 0, row 0
+      dirty.dout.set(1 * nq * 4 + 1 * 4 + 2, kNaN);    // head 1, row 1
+      Expected e;
+      ASSERT_TRUE(expected(clean, o, e));
+      const GradValues got = values(backward(dirty, o));
+      const int64_t last_seen = 1 + nk - nq;  // the last key a poisoned row sees
+      for (int n = 1; n < 3; ++n) {           // dk, dv: (1, Nk, 8), (1, Nk, 4)
+        const int64_t width = n == 1 ? 8 : 4;
+        for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t c = 0; c < width; ++c) {
+            const size_t x = static_cast<size_t>(j * width + c);
+            if (j % 3 == 1) {
+              EXPECT_EQ(got.g[n][x], 0.0) << (n == 1 ? "dk" : "dv") << " of blocked key " << j;
+            } else if (j > last_seen) {
+              EXPECT_NEAR(got.g[n][x], e.ref.g[n][x], e.tol[n]) << (n == 1 ? "dk" : "dv") << " of key " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Huge finite scores (|s| ~ 1e9 in float32): the backward recomputes s in another order than
 // the forward, and exp(s - lse) overflowed into NaN gradients (found by the fuzzer). p is
 // clamped to at most 1; the gradients stay finite.

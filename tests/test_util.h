@@ -144,6 +144,12 @@ double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j);
 
 double max_abs_finite(const std::vector<double>& xs);  // over the finite entries
 
+// The size of the terms that make up score (b, h, i, j): |scale| · Σ_d |q_d k_d| + |bias| (0 for
+// a blocked key). A score is only accurate to about eps times this, however it is summed, and
+// so are the weights and lse computed from it: the tolerance rules' score-rounding term.
+double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j);
+double max_score_magnitude(const Tensors& t, const sdpa::Options& options);  // over every (b, h, i, j)
+
 // Attention computed the obvious way in float64 straight from the header's contract,
 // independently of src/ (its own indexing, broadcasting, causal and window rules).
 Values oracle(const Tensors& t, const sdpa::Options& options);

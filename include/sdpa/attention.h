@@ -155,10 +155,10 @@ struct Gradients {
 // Backward pass: given dout = ∂loss/∂out (shaped like out) and the out and lse that
 // attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
 // recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
-// nothing; a key of weight 0 (blocked, dropped) passes nothing of its value or key row (even
-// NaN) to dq and dk. (Not yet the other way: in kFlash a NaN in the q or dout of a row can
-// reach dk and dv of keys that row blocks, as 0 · NaN.) An lse of +inf (the forward's scores
-// overflowed) has no gradient: Error.
+// nothing; a key of weight 0 for a row (blocked, dropped) and that row exchange nothing: the
+// key's value or key row (even NaN) does not reach the row's dq, and the row's q or dout (even
+// NaN) does not reach the key's dk and dv. An lse of +inf (the forward's scores overflowed) has
+// no gradient: Error.
 // Deterministic: bitwise identical for any thread count. Throws Error on invalid arguments,
 // before writing anything.
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,

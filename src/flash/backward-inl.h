@@ -53,25 +53,17 @@ struct BackwardScratch {
   std::vector<LaneRow> lanes;
 };
 
-// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN, and at most
-// 1: s is recomputed here in another order than the forward's (k · scale, not q · scale), so
-// with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far more than rounding of p
-// would, and exp of it overflowed into inf and NaN gradients.
+// problem.h's probability(): p = exp(s - lse), 0 for s = -inf whatever lse, at most 1.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Probability(D d, V s, V lse) {
   using T = hn::TFromD<D>;
   return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<T>::infinity())),
                             hn::Min(hn::Exp(d, hn::Sub(s, lse)), hn::Set(d, T(1))));
 }
-// ds = p · (dp - D), exactly 0 where p is: a key of weight 0 passes no NaN from its v row.
+// problem.h's grad_ds() without dropout: ds = p · (dp - D), exactly 0 where p is.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Ds(D d, V p, V dp, V D_row) {
   return hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(p, hn::Sub(dp, D_row)));
-}
-// The same with dropout factor z: a dropped key's dp (z · NaN) counts as 0.
-template <typename T>
-T DropoutDs(T p, T z, T dp, T D_row) {
-  return p == 0 ? T(0) : p * ((z == 0 ? T(0) : z * dp) - D_row);
 }
 
 // Row statistics the passes share, contiguous: lse (+inf where the row has no allowed key,
@@ -149,7 +141,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         if (p.dropout.enabled()) {
           for (int64_t l = 0; l < nk; ++l) {
             const T z = p.dropout.factor<T>(b, h, first + r, j0 + l);
-            dpt[r * mq + l] = DropoutDs(pt[r * mq + l], z, dpt[r * mq + l], Di);
+            dpt[r * mq + l] = grad_ds(pt[r * mq + l], z, dpt[r * mq + l], Di);
             pt[r * mq + l] *= z;
           }
           continue;
@@ -166,8 +158,19 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   for (int64_t l = 0; l < nk; ++l) {
     T* dk = bp.dk.at<T>(b, kvh, j0 + l);
     T* dv = bp.dv.at<T>(b, kvh, j0 + l);
-    for (int64_t c = 0; c < p.Dk; ++c) dk[c] = s.gk[c * mq + l] * scale;
-    for (int64_t e = 0; e < p.Dv; ++e) dv[e] = s.gv[e * mq + l];
+    bool finite = true;
+    for (int64_t c = 0; c < p.Dk; ++c) {
+      dk[c] = s.gk[c * mq + l] * scale;
+      finite &= std::isfinite(dk[c]);
+    }
+    for (int64_t e = 0; e < p.Dv; ++e) {
+      dv[e] = s.gv[e * mq + l];
+      finite &= std::isfinite(dv[e]);
+    }
+    // The outer products multiplied every row's q and dout by its p or ds, so a NaN or inf in
+    // a row that does not attend this key (p = ds = 0) gave 0 · NaN: recompute the key from the
+    // same lse and D, skipping those rows (rare; O(group · Nq · (Dk + Dv))).
+    if (!finite) backward_key<T>(bp, b, kvh, j0 + l, rs.lse.data(), rs.D.data(), dk, dv);
   }
 }
 
@@ -240,6 +243,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     }
     // ds · k multiplied every key row by its ds, so a NaN or inf in the key row of a key the
     // row does not attend (ds = 0) gave 0 · NaN: recompute the row exactly (rare; allocates).
+    // (It recomputes the softmax, which backward_key does not need: lse is given.)
     if (!finite && !std::isnan(lse_lanes[l]) && std::isfinite(D_lanes[l])) {
       std::vector<T> prob(static_cast<size_t>(p.Nk)), row(static_cast<size_t>(p.Dk));
       backward_row<T>(bp, blk.b, bs.lanes[l].h, bs.lanes[l].i, prob.data(), row.data(), nullptr, nullptr);
