@@ -45,6 +45,8 @@ const char* descr_of(sdpa::DType dtype) {
     case sdpa::DType::kFloat32: return "<f4";
     case sdpa::DType::kFloat64: return "<f8";
     case sdpa::DType::kBool: return "|b1";
+    case sdpa::DType::kFloat16: return "<f2";
+    case sdpa::DType::kBFloat16: break;  // NumPy has no bfloat16 (see the CLI's --help)
   }
   throw std::logic_error("npy: unknown dtype");
 }

@@ -1,4 +1,6 @@
 // The entry point: validate once, then hand the Problem to the chosen kernel.
+#include <string>
+
 #include "flash/flash.h"
 #include "problem.h"
 #include "reference.h"
@@ -6,8 +8,16 @@
 namespace sdpa {
 namespace {
 
+// The kernels exist for two compute types; validation admits no other.
+bool computes_in_f64(DType compute) {
+  if (compute != DType::kFloat64 && compute != DType::kFloat32) {
+    throw Error(std::string("internal: no kernel computes in ") + dtype_name(compute));
+  }
+  return compute == DType::kFloat64;
+}
+
 void run_backend(const internal::Problem& p, Backend backend) {
-  const bool f64 = p.dtype == DType::kFloat64;
+  const bool f64 = computes_in_f64(p.compute);
   switch (backend) {
     case Backend::kReference:
       internal::materialized_attention<double>(p);
@@ -44,7 +54,7 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
                         const Gradients& grads, const Options& options) {
   const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
   if (bp.writes_nothing()) return;
-  const bool f64 = bp.fwd.dtype == DType::kFloat64;
+  const bool f64 = computes_in_f64(bp.fwd.compute);
   switch (options.backend) {
     case Backend::kAuto:
     case Backend::kFlash:

@@ -15,6 +15,8 @@ const char* dtype_name(DType dtype) {
     case DType::kBool: return "bool";
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
   }
   return "unknown";
 }
@@ -24,6 +26,8 @@ int64_t dtype_size(DType dtype) {
     case DType::kBool: return 1;
     case DType::kFloat32: return 4;
     case DType::kFloat64: return 8;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 2;
   }
   return 0;
 }
@@ -218,6 +222,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
 
   Problem p;
   p.dtype = q.dtype;
+  p.compute = compute_dtype(q.dtype);
   p.Nq = q.shape[r - 2];
   p.Dk = q.shape[r - 1];
   p.Nk = k.shape[r - 2];
@@ -288,7 +293,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
     if (!std::isfinite(scale)) fail("scale must be finite, got " + number_string(scale));
     // The kernels multiply in the compute type: a scale it cannot hold would silently become
     // inf or 0 there (float32 for float32 inputs).
-    if (p.dtype == DType::kFloat32 && (!std::isfinite(static_cast<float>(scale)) ||
+    if (p.compute == DType::kFloat32 && (!std::isfinite(static_cast<float>(scale)) ||
                                        (scale != 0 && static_cast<float>(scale) == 0))) {
       fail("scale=" + number_string(scale) + " cannot be held by float32, the compute type of float32 inputs " +
            "(|scale| must be at most 3.4028235e+38 and, when not 0, at least 1.4e-45)");

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "dropout.h"
+#include "storage.h"
 #include "sdpa/attention.h"
 
 namespace sdpa::internal {
@@ -27,21 +28,31 @@ struct View4 {
   T* at(int64_t b, int64_t h, int64_t n, int64_t d = 0) const {
     return reinterpret_cast<T*>(data) + offset(b, h, n, d);
   }
-  // Reads one element of a floating-point view as T (slow path: branches on dtype).
+  const void* ptr(int64_t b, int64_t h, int64_t n, int64_t d) const {
+    return data + offset(b, h, n, d) * storage_bytes(dtype);
+  }
+  // Reads one element of a floating-point view as T (slow path: branches on the storage dtype).
   template <typename T>
   T load(int64_t b, int64_t h, int64_t n, int64_t d) const {
-    return dtype == DType::kFloat64 ? static_cast<T>(*at<double>(b, h, n, d))
-                                    : static_cast<T>(*at<float>(b, h, n, d));
+    return load_as<T>(dtype, ptr(b, h, n, d));
   }
+  // Writes one element, rounded once to the view's storage dtype.
   template <typename T>
   void store(int64_t b, int64_t h, int64_t n, int64_t d, T value) const {
-    if (dtype == DType::kFloat64) {
-      *at<double>(b, h, n, d) = static_cast<double>(value);
-    } else {
-      *at<float>(b, h, n, d) = static_cast<float>(value);
-    }
+    store_as(dtype, const_cast<void*>(ptr(b, h, n, d)), value);
   }
 };
+
+// Row (b, h, n) of v = x[0, width), rounded once to v's dtype (a plain copy when v holds T).
+template <typename T>
+void write_row(const View4& v, int64_t b, int64_t h, int64_t n, const T* x, int64_t width) {
+  if (v.dtype == dtype_of<T>()) {
+    T* dst = v.at<T>(b, h, n);
+    for (int64_t c = 0; c < width; ++c) dst[c] = x[c];
+    return;
+  }
+  for (int64_t c = 0; c < width; ++c) v.store(b, h, n, c, x[c]);
+}
 
 // The score rules every kernel shares (scalar; the SIMD kernels follow the same two rules):
 //   with_bias: a bias of -inf blocks the key, whatever its dot product (+inf, NaN) was, so a
@@ -58,18 +69,9 @@ template <typename T>
 T shifted_exp(T s, T m) {
   return s == m ? T(1) : std::exp(s - m);
 }
-// The backward's rules (the fused kernel's SIMD Probability and Ds follow them):
-//   probability: p = exp(s - lse) from a saved lse, exactly 0 for a blocked key (s = -inf) even
-//              where lse is NaN, and at most 1: s is recomputed in another order than the
-//              forward's, so with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far
-//              more than rounding of p would, and exp of it overflowed into NaN gradients.
-//   grad_ds:   ds = p · (z·dp - D) with z the dropout factor (1 without dropout), exactly 0
-//              where p is, and a dropped key's dp (z · NaN) counting as 0: a key of weight 0
-//              passes no NaN from its v row.
-template <typename T>
-T probability(T s, T lse) {
-  return s == -std::numeric_limits<T>::infinity() ? T(0) : std::min(std::exp(s - lse), T(1));
-}
+// The backward's rule for ds (the fused kernel's SIMD Ds follows it): ds = p · (z·dp - D) with
+// z the dropout factor (1 without dropout), exactly 0 where p is, and a dropped key's dp
+// (z · NaN) counting as 0: a key of weight 0 passes no NaN from its v row.
 template <typename T>
 T grad_ds(T p, T z, T dp, T D_row) {
   return p == 0 ? T(0) : p * ((z == 0 ? T(0) : z * dp) - D_row);
@@ -85,7 +87,8 @@ struct KeyRange {
 struct Problem {
   int64_t B = 1, Hq = 1, Hkv = 1, Nq = 0, Nk = 0, Dk = 0, Dv = 0;
   int64_t group = 1;  // Hq / Hkv: query heads per kv head
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;    // q's storage dtype (out's, dq's)
+  DType compute = DType::kFloat32;  // what every kernel accumulates in: compute_dtype(dtype)
   double scale = 1.0;
   Causal causal = Causal::kNone;
   Window window;

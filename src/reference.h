@@ -35,18 +35,8 @@ void materialized_backward(const BackwardProblem& bp);
 
 // One query row of it: dq (Dk entries) of row (b, h, i), and its contributions added to dk
 // (Nk × Dk) and dv (Nk × Dv) of the row's kv head unless they are null; prob is Nk scratch.
-// Keys of weight 0 (and the value rows of dropped keys) add nothing. Also the fused backward's
-// exact fallback for a dq row that came out non-finite (Acc = its dtype).
+// Keys of weight 0 (and the value rows of dropped keys) add nothing.
 template <typename Acc>
 void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv);
-
-// One key's gradients from a saved lse and D = dout · out per row (both indexed
-// (b · Hq + h) · Nq + i; lse = +inf for a row with no allowed key): dk (Dk entries) and dv (Dv)
-// of key j of kv head (b, kvh), summed over the rows of its query heads with p_ij =
-// probability(s_ij, lse_i); rows of weight 0 for the key add nothing, even a NaN in their q or
-// dout. The fused backward's fallback for a key whose gradients came out non-finite (T = its
-// dtype); O(group · Nq · (Dk + Dv)).
-template <typename T>
-void backward_key(const BackwardProblem& bp, int64_t b, int64_t kvh, int64_t j, const T* lse, const T* D, T* dk, T* dv);
 
 }  // namespace sdpa::internal

@@ -64,39 +64,6 @@ void materialized_backward(const BackwardProblem& bp) {
   }
 }
 
-template <typename T>
-void backward_key(const BackwardProblem& bp, int64_t b, int64_t kvh, int64_t j, const T* lse, const T* D, T* dk, T* dv) {
-  const Problem& p = bp.fwd;
-  const T scale = static_cast<T>(p.scale);
-  std::fill(dk, dk + p.Dk, T(0));
-  std::fill(dv, dv + p.Dv, T(0));
-  for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
-    for (int64_t i = 0; i < p.Nq; ++i) {
-      const KeyRange range = p.key_range(i);
-      const int64_t row = (b * p.Hq + h) * p.Nq + i;
-      if (j < range.begin || j >= range.end || lse[row] == std::numeric_limits<T>::infinity()) continue;
-      T dot = 0;
-      for (int64_t c = 0; c < p.Dk; ++c) dot += p.q.load<T>(b, h, i, c) * (p.k.load<T>(b, kvh, j, c) * scale);
-      const T prob = probability(with_bias(dot, p.mask_bias<T>(b, h, i, j)), lse[row]);
-      if (prob == 0) continue;  // the row does not attend the key: nothing of it reaches dk, dv
-      const T z = p.dropout.factor<T>(b, h, i, j);
-      T dp = 0;
-      for (int64_t e = 0; e < p.Dv; ++e) dp += bp.dout.load<T>(b, h, i, e) * p.v.load<T>(b, kvh, j, e);
-      if (z != 0) {
-        for (int64_t e = 0; e < p.Dv; ++e) dv[e] += z * prob * bp.dout.load<T>(b, h, i, e);
-      }
-      const T ds = grad_ds(prob, z, dp, D[row]);
-      if (ds == 0) continue;
-      for (int64_t c = 0; c < p.Dk; ++c) dk[c] += ds * p.q.load<T>(b, h, i, c);
-    }
-  }
-  for (int64_t c = 0; c < p.Dk; ++c) dk[c] *= scale;
-}
-
-template void backward_key<float>(const BackwardProblem&, int64_t, int64_t, int64_t, const float*, const float*, float*,
-                                  float*);
-template void backward_key<double>(const BackwardProblem&, int64_t, int64_t, int64_t, const double*, const double*,
-                                   double*, double*);
 template void backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
 template void backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
                                    double*);

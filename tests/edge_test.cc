@@ -349,9 +349,9 @@ TEST_P(Edge, BackwardIgnoresKeyRowsOfBlockedKeys) {
 
 // A NaN in the q or dout of a row reaches no key that row does not attend: the fused backward's
 // outer products multiplied those rows by p = ds = 0 (0 · NaN), which made dk and dv of keys
-// every row blocks NaN (found by the fuzzer, F3). Such keys are recomputed from lse and D.
-// Keys blocked for every row keep gradients of exactly 0; keys only the clean rows see match the
-// clean problem's gradients by the rule.
+// every row blocks NaN (found by the fuzzer, F3). Such rows now skip the keys they give weight
+// 0. Keys blocked for every row keep gradients of exactly 0; keys only the clean rows see match
+// the clean problem's gradients by the rule (and bit for bit: the fuzzer's poison_bwd).
 TEST_P(Edge, BackwardKeepsNanRowsFromKeysTheyDoNotAttend) {
   for (DType dt : kDTypes) {
     for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{3, 9}, {40, 300}}) {

@@ -26,14 +26,62 @@ namespace {
 constexpr uint32_t kSentinel32 = 0x7fc5a5a5u;
 constexpr uint64_t kSentinel64 = 0x7ff8a5a5a5a5a5a5ull;
 constexpr uint8_t kSentinel8 = 0xa5;
+constexpr uint16_t kSentinelBF16 = 0x7fa5;  // exponent all ones, mantissa non-zero: NaN
+constexpr uint16_t kSentinelF16 = 0x7ea5;
 
 const void* sentinel(DType dtype) {
   switch (dtype) {
     case DType::kFloat32: return &kSentinel32;
     case DType::kFloat64: return &kSentinel64;
+    case DType::kBFloat16: return &kSentinelBF16;
+    case DType::kFloat16: return &kSentinelF16;
     case DType::kBool: break;
   }
   return &kSentinel8;
+}
+
+// The 16-bit formats, written here from their definitions (not from src/): `digits`
+// significant bits, smallest normal exponent `emin` (x = m · 2^e with 1 <= m < 2), largest
+// finite value `max`.
+struct HalfFormat {
+  int digits, emin;
+  double max;
+};
+constexpr HalfFormat kBF16Format{8, -126, 0x1.fep127};
+constexpr HalfFormat kF16Format{11, -14, 65504.0};
+
+// x rounded to the format, to nearest with ties to even (std::nearbyint's default mode).
+double round_half(const HalfFormat& f, double x) {
+  if (std::isnan(x) || std::isinf(x) || x == 0) return x;
+  int e;
+  std::frexp(x, &e);  // |x| = m · 2^e, 0.5 <= m < 1: the leading bit is worth 2^(e - 1)
+  const int spacing = std::max(e - f.digits, f.emin - f.digits + 1);  // log2 of the unit in the last place
+  const double r = std::ldexp(std::nearbyint(std::ldexp(x, -spacing)), spacing);
+  return std::abs(r) > f.max ? std::copysign(kInf, x) : r;
+}
+
+// The bits of a value the format holds exactly (NaN: a quiet NaN).
+uint16_t half_bits(const HalfFormat& f, double x) {
+  const int exp_bits = f.digits == 8 ? 8 : 5, mant_bits = f.digits - 1, bias = (1 << (exp_bits - 1)) - 1;
+  const uint16_t sign = std::signbit(x) ? 0x8000 : 0, all_ones = static_cast<uint16_t>(((1 << exp_bits) - 1) << mant_bits);
+  if (std::isnan(x)) return static_cast<uint16_t>(all_ones | (1 << (mant_bits - 1)));
+  if (std::isinf(x)) return sign | all_ones;
+  const double a = std::abs(x);
+  if (a < std::ldexp(1.0, f.emin)) return sign | static_cast<uint16_t>(std::ldexp(a, -(f.emin - mant_bits)));  // subnormal
+  int e;
+  const double m = std::frexp(a, &e);  // a = (2m) · 2^(e - 1)
+  const uint16_t mant = static_cast<uint16_t>(std::ldexp(2 * m - 1, mant_bits));
+  return sign | static_cast<uint16_t>((e - 1 + bias) << mant_bits) | mant;
+}
+
+double half_value(const HalfFormat& f, uint16_t bits) {
+  const int exp_bits = f.digits == 8 ? 8 : 5, mant_bits = f.digits - 1, bias = (1 << (exp_bits - 1)) - 1;
+  const double sign = bits & 0x8000 ? -1.0 : 1.0;
+  const int exp = (bits >> mant_bits) & ((1 << exp_bits) - 1);
+  const int mant = bits & ((1 << mant_bits) - 1);
+  if (exp == (1 << exp_bits) - 1) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * kInf;
+  if (exp == 0) return sign * std::ldexp(mant, f.emin - mant_bits);
+  return sign * std::ldexp(1.0 + std::ldexp(mant, -mant_bits), exp - bias);
 }
 
 uint64_t fnv1a(const std::string& s) {
@@ -51,7 +99,23 @@ const char* backend_name(sdpa::Backend b) {
                                       : "Reference";
 }
 
-double eps(DType dtype) { return dtype == DType::kFloat32 ? FLT_EPSILON : DBL_EPSILON; }
+double eps(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return DBL_EPSILON;
+    case DType::kBFloat16: return 0x1p-7;
+    case DType::kFloat16: return 0x1p-10;
+    default: return FLT_EPSILON;
+  }
+}
+
+double round_to(DType dtype, double x) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<float>(x);
+    case DType::kBFloat16: return round_half(kBF16Format, x);
+    case DType::kFloat16: return round_half(kF16Format, x);
+    default: return x;
+  }
+}
 
 Dims dims_of(const Tensors& t) {
   const auto &q = t.q.shape(), &k = t.k.shape(), &v = t.v.shape();
@@ -187,6 +251,12 @@ double GuardedTensor::get(int64_t flat) const {
       std::memcpy(&x, p, sizeof x);
       return x;
     }
+    case DType::kBFloat16:
+    case DType::kFloat16: {
+      uint16_t bits;
+      std::memcpy(&bits, p, sizeof bits);
+      return half_value(dtype_ == DType::kBFloat16 ? kBF16Format : kF16Format, bits);
+    }
     case DType::kBool: break;
   }
   return static_cast<uint8_t>(*p) != 0 ? 1.0 : 0.0;
@@ -201,6 +271,13 @@ void GuardedTensor::set(int64_t flat, double value) {
       return;
     }
     case DType::kFloat64: std::memcpy(p, &value, sizeof value); return;
+    case DType::kBFloat16:
+    case DType::kFloat16: {
+      const HalfFormat& f = dtype_ == DType::kBFloat16 ? kBF16Format : kF16Format;
+      const uint16_t bits = half_bits(f, round_half(f, value));
+      std::memcpy(p, &bits, sizeof bits);
+      return;
+    }
     case DType::kBool: break;
   }
   *p = static_cast<std::byte>(static_cast<uint8_t>(value));  // any byte: 0 blocks, others attend

@@ -29,6 +29,8 @@ using sdpa::DType;
 
 inline constexpr DType kF32 = DType::kFloat32;
 inline constexpr DType kF64 = DType::kFloat64;
+inline constexpr DType kBF16 = DType::kBFloat16;
+inline constexpr DType kF16 = DType::kFloat16;
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
 
 // How a GuardedTensor lays out its elements. Every layout surrounds them with guard values.
@@ -129,7 +131,10 @@ Values values(const Outs& outs);
 // independently of src/.
 bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
 
-double eps(DType dtype);  // FLT_EPSILON or DBL_EPSILON
+double eps(DType dtype);  // the unit roundoff's double: FLT_EPSILON, DBL_EPSILON, 2^-7 (bf16), 2^-10 (f16)
+// x rounded to nearest even in dtype (float32, bfloat16, float16; float64: x), as a double.
+// The 16-bit formats are written in test_util.cc from their definitions, independently of src/.
+double round_to(DType dtype, double x);
 
 const char* backend_name(sdpa::Backend b);  // "Auto", "Flash", "Naive", "Reference"
 

@@ -53,9 +53,11 @@ class Error : public std::invalid_argument {
 };
 
 enum class DType : uint8_t {
-  kBool,     // 1 byte per element, 0 = blocked, anything else = attend (masks only)
+  kBool,      // 1 byte per element, 0 = blocked, anything else = attend (masks only)
   kFloat32,
   kFloat64,
+  kBFloat16,  // the upper half of a float32 (8 exponent bits, 7 mantissa bits)
+  kFloat16,   // IEEE binary16 (5 exponent bits, 10 mantissa bits; largest 65504)
 };
 const char* dtype_name(DType dtype);
 int64_t dtype_size(DType dtype);

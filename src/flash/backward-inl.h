@@ -45,15 +45,28 @@ struct BackwardScratch {
         l(hwy::AllocateAligned<T>(mq)),
         lane_lse(hwy::AllocateAligned<T>(mq)),
         lane_D(hwy::AllocateAligned<T>(mq)),
-        lanes(mq) {}
+        ktile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dk))),
+        vtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dv))),
+        qtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dk))),
+        dtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dv))),
+        grad_row(static_cast<size_t>(std::max<int64_t>(1, std::max(p.Dk, p.Dv)))),
+        grad_row2(grad_row.size()),
+        lanes(mq),
+        rows(kTileKeys) {}
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
-  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, AddMaskTile's rows, BeginBlock's m, l
+  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
   hwy::AlignedFreeUniquePtr<T[]> lane_lse, lane_D;  // per query lane: lse and D
-  std::vector<LaneRow> lanes;
+  hwy::AlignedFreeUniquePtr<T[]> ktile, vtile, qtile, dtile;  // rows of k, v, q, dout widened to T (ReadRows)
+  std::vector<T> grad_row, grad_row2;               // one gradient row before write_row
+  std::vector<LaneRow> lanes;  // the dq pass's lanes
+  std::vector<LaneRow> rows;   // the dk/dv pass's query rows of one tile
 };
 
-// problem.h's probability(): p = exp(s - lse), 0 for s = -inf whatever lse, at most 1.
+// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN, and at most
+// 1: s is recomputed here in another order than the forward's (k · scale, not q · scale), so
+// with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far more than rounding of p
+// would, and exp of it overflowed into NaN gradients.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Probability(D d, V s, V lse) {
   using T = hn::TFromD<D>;
@@ -67,13 +80,51 @@ HWY_INLINE V Ds(D d, V p, V dp, V D_row) {
 }
 
 // Row statistics the passes share, contiguous: lse (+inf where the row has no allowed key,
-// so that exp(s - lse) = 0 there) and D = dout · out.
+// so that exp(s - lse) = 0 there) and D = dout · out; and which rows of q and dout, and which
+// key rows of k, hold a NaN or inf (`*_bad`, with `any_bad_*` to skip the checks when none do).
 template <typename T>
 struct RowStats {
   std::vector<T> lse, D;
-  int64_t Hq = 0, Nq = 0;
+  std::vector<uint8_t> q_bad, dout_bad, k_bad;  // per row (b, h, i); per row (b, h, i); per key (b, kvh, j)
+  bool any_bad_rows = false, any_bad_keys = false;
+  int64_t Hq = 0, Nq = 0, Hkv = 0, Nk = 0;
   int64_t index(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * Nq + i; }
+  int64_t key_index(int64_t b, int64_t kvh, int64_t j) const { return (b * Hkv + kvh) * Nk + j; }
 };
+
+// acc[e][lane] += row[e] · w[lane] for one row of q, dout or k that holds a NaN or inf, skipping
+// the lanes where w is 0 (a key the row gives weight 0, ds = 0): OuterAccumulate would add
+// 0 · NaN there. Elsewhere the same fused multiply-add, so the other lanes keep their bits.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AccumulateRowSkippingZeros(D d, const T* HWY_RESTRICT w, size_t mq, const T* HWY_RESTRICT row,
+                                           int64_t width, T* HWY_RESTRICT acc) {
+  const size_t N = hn::Lanes(d);
+  for (int64_t e = 0; e < width; ++e) {
+    const auto x = hn::Set(d, row[e]);
+    for (size_t q = 0; q < QV; ++q) {
+      T* a = acc + e * static_cast<int64_t>(mq) + q * N;
+      const auto wq = hn::Load(d, w + q * N), old = hn::Load(d, a);
+      hn::Store(hn::IfThenElse(hn::Eq(wq, hn::Zero(d)), old, hn::MulAdd(x, wq, old)), d, a);
+    }
+  }
+}
+
+// OuterAccumulate over rows [0, n) (acc += Σ_r rows[r] · w[r]), in row order as it, but with
+// the rows flagged in `bad` (null: none) going through AccumulateRowSkippingZeros. Splitting
+// the rows changes no bit: each accumulator is a chain of fused multiply-adds in row order.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t mq, const T* HWY_RESTRICT rows,
+                               int64_t stride, int64_t width, const hn::Vec<D>* ones, const uint8_t* bad,
+                               T* HWY_RESTRICT acc) {
+  int64_t r0 = 0;
+  for (int64_t r = 0; bad && r < n; ++r) {
+    if (!bad[r]) continue;
+    OuterAccumulate<QV>(d, w + r0 * mq, r - r0, mq, rows + r0 * stride, stride, width, ones, acc);
+    AccumulateRowSkippingZeros<QV>(d, w + r * mq, mq, rows + r * stride, width, acc);
+    r0 = r + 1;
+  }
+  OuterAccumulate<QV>(d, w + r0 * mq, n - r0, mq, rows + r0 * stride, stride, width, ones, acc);
+}
 
 // dk, dv for keys [j0, j0 + nk) of kv head (b, kvh): keys in lanes.
 template <class D, typename T = hn::TFromD<D>>
@@ -89,9 +140,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   // kt = k · scale and vt, transposed; padding lanes zero.
   std::fill(s.xt.get(), s.xt.get() + p.Dk * mq, T(0));
   std::fill(s.yt.get(), s.yt.get() + p.Dv * mq, T(0));
+  const Rows<T> keys = ReadRows(d, p.k, b, kvh, j0, nk, p.Dk, s.ktile.get());
+  const Rows<T> values = ReadRows(d, p.v, b, kvh, j0, nk, p.Dv, s.vtile.get());
   for (int64_t l = 0; l < nk; ++l) {
-    const T* k = p.k.at<T>(b, kvh, j0 + l);
-    const T* v = p.v.at<T>(b, kvh, j0 + l);
+    const T* k = keys.row(l);
+    const T* v = values.row(l);
     for (int64_t c = 0; c < p.Dk; ++c) s.xt[c * mq + l] = k[c] * scale;
     for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = v[e];
   }
@@ -115,22 +168,24 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       if (first < 0) continue;
       const int64_t n = last + 1 - first;
-      const T* q = p.q.at<T>(b, h, first);
-      const T* dout = bp.dout.at<T>(b, h, first);
-      const int64_t qs = p.q.strides[2], ds = bp.dout.strides[2];
+      const Rows<T> qrows = ReadRows(d, p.q, b, h, first, n, p.Dk, s.qtile.get());
+      const Rows<T> drows = ReadRows(d, bp.dout, b, h, first, n, p.Dv, s.dtile.get());
+      const T *q = qrows.data, *dout = drows.data;
+      const int64_t qs = qrows.stride, ds = drows.stride;
       T* pt = s.pt.get();
       T* dpt = s.dpt.get();
-      // p = exp(s - lse) with s = q · (k·scale) + bias, -inf outside the row's keys.
+      // p = exp(s - lse) with s = q · (k·scale) + bias, -inf outside the row's keys and in the
+      // padding lanes past nk.
       OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
       for (int64_t r = 0; r < n; ++r) {
-        const int64_t i = first + r;
+        const KeyRange kr = p.key_range(first + r);
+        s.rows[r] = {h, first + r, kr.begin, kr.end};
+      }
+      MaskScores<QV>(d, p, b, s.rows.data(), n, j0, nk, /*edges=*/true, pt, mq, TileLayout::kRowMajor, static_cast<T*>(nullptr));
+      for (int64_t r = 0; r < n; ++r) {
         T* row = pt + r * mq;
-        const KeyRange kr = p.key_range(i);
-        for (int64_t l = 0; l < static_cast<int64_t>(mq); ++l) {
-          if (l >= nk || j0 + l < kr.begin || j0 + l >= kr.end) row[l] = neg_inf;
-        }
-        if (p.mask) add_mask_row(p, b, h, i, j0, nk, row, 1);
-        const V lse = hn::Set(d, rs.lse[rs.index(b, h, i)]);
+        std::fill(row + nk, row + mq, neg_inf);
+        const V lse = hn::Set(d, rs.lse[rs.index(b, h, first + r)]);
         for (size_t q = 0; q < QV; ++q) hn::Store(Probability(d, hn::Load(d, row + q * N), lse), d, row + q * N);
       }
       // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
@@ -151,26 +206,23 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
           hn::Store(Ds(d, hn::Load(d, pt + r * mq + q * N), hn::Load(d, x), hn::Set(d, Di)), d, x);
         }
       }
-      OuterAccumulate<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, s.gv.get());
-      OuterAccumulate<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, s.gk.get());
+      // A row whose q or dout holds a NaN or inf reaches no key it gives weight 0.
+      const uint8_t *q_bad = nullptr, *dout_bad = nullptr;
+      if (rs.any_bad_rows) {
+        q_bad = rs.q_bad.data() + rs.index(b, h, first);
+        dout_bad = rs.dout_bad.data() + rs.index(b, h, first);
+      }
+      AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
+      AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
     }
   }
+  T* dk = s.grad_row.data();
+  T* dv = s.grad_row2.data();
   for (int64_t l = 0; l < nk; ++l) {
-    T* dk = bp.dk.at<T>(b, kvh, j0 + l);
-    T* dv = bp.dv.at<T>(b, kvh, j0 + l);
-    bool finite = true;
-    for (int64_t c = 0; c < p.Dk; ++c) {
-      dk[c] = s.gk[c * mq + l] * scale;
-      finite &= std::isfinite(dk[c]);
-    }
-    for (int64_t e = 0; e < p.Dv; ++e) {
-      dv[e] = s.gv[e * mq + l];
-      finite &= std::isfinite(dv[e]);
-    }
-    // The outer products multiplied every row's q and dout by its p or ds, so a NaN or inf in
-    // a row that does not attend this key (p = ds = 0) gave 0 · NaN: recompute the key from the
-    // same lse and D, skipping those rows (rare; O(group · Nq · (Dk + Dv))).
-    if (!finite) backward_key<T>(bp, b, kvh, j0 + l, rs.lse.data(), rs.D.data(), dk, dv);
+    for (int64_t c = 0; c < p.Dk; ++c) dk[c] = s.gk[c * mq + l] * scale;
+    for (int64_t e = 0; e < p.Dv; ++e) dv[e] = s.gv[e * mq + l];
+    write_row(bp.dk, b, kvh, j0 + l, dk, p.Dk);
+    write_row(bp.dv, b, kvh, j0 + l, dv, p.Dv);
   }
 }
 
@@ -195,8 +247,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   }
   for (int64_t l = 0; l < blk.rows; ++l) {
     const LaneRow& r = bs.lanes[l];
-    const T* dout = bp.dout.at<T>(blk.b, r.h, r.i);
-    for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = dout[e];
+    for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = bp.dout.load<T>(blk.b, r.h, r.i, e);
     lse_lanes[l] = rs.lse[rs.index(blk.b, r.h, r.i)];
     D_lanes[l] = rs.D[rs.index(blk.b, r.h, r.i)];
   }
@@ -207,17 +258,16 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     lse[q] = hn::Load(d, lse_lanes + q * N);
     Dv[q] = hn::Load(d, D_lanes + q * N);
   }
-  const T* k_head = p.k.at<T>(blk.b, blk.kvh, 0);
-  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
-  const int64_t ks = p.k.strides[2], vs = p.v.strides[2];
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
     const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
     T* pt = s.pt.get();
     T* dpt = s.dpt.get();
-    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, s.mask_rows.get());
-    OuterScores<QV>(d, s.yt.get(), mq, v_head + j0 * vs, vs, p.Dv, n, dpt);  // dp = dout · vᵀ
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
+    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, s.vtile.get());
+    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, s.mask_rows.get());
+    OuterScores<QV>(d, s.yt.get(), mq, values.data, values.stride, p.Dv, n, dpt);  // dp = dout · vᵀ
     if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor (0 · NaN = 0 here)
       for (int64_t j = 0; j < n; ++j)
         for (int64_t l = 0; l < blk.rows; ++l) {
@@ -232,23 +282,14 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
         hn::Store(Ds(d, pj, hn::Load(d, x), Dv[q]), d, x);  // ds = p · (dp - D)
       }
     }
-    OuterAccumulate<QV>(d, dpt, n, mq, k_head + j0 * ks, ks, p.Dk, ones, s.gk.get());  // dq += ds · k
+    // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
+    const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
+    AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
   }
+  T* dq = s.grad_row.data();
   for (int64_t l = 0; l < blk.rows; ++l) {
-    T* dq = bp.dq.at<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
-    bool finite = true;
-    for (int64_t c = 0; c < p.Dk; ++c) {
-      dq[c] = s.gk[c * mq + l] * scale;
-      finite &= std::isfinite(dq[c]);
-    }
-    // ds · k multiplied every key row by its ds, so a NaN or inf in the key row of a key the
-    // row does not attend (ds = 0) gave 0 · NaN: recompute the row exactly (rare; allocates).
-    // (It recomputes the softmax, which backward_key does not need: lse is given.)
-    if (!finite && !std::isnan(lse_lanes[l]) && std::isfinite(D_lanes[l])) {
-      std::vector<T> prob(static_cast<size_t>(p.Nk)), row(static_cast<size_t>(p.Dk));
-      backward_row<T>(bp, blk.b, bs.lanes[l].h, bs.lanes[l].i, prob.data(), row.data(), nullptr, nullptr);
-      std::copy(row.begin(), row.end(), dq);
-    }
+    for (int64_t c = 0; c < p.Dk; ++c) dq[c] = s.gk[c * mq + l] * scale;
+    write_row(bp.dq, blk.b, bs.lanes[l].h, bs.lanes[l].i, dq, p.Dk);
   }
 }
 
@@ -260,27 +301,65 @@ void FlashBackward(const BackwardProblem& bp) {
   RowStats<T> rs;
   rs.Hq = p.Hq;
   rs.Nq = p.Nq;
+  rs.Hkv = p.Hkv;
+  rs.Nk = p.Nk;
   rs.lse.resize(p.B * p.Hq * p.Nq);
   rs.D.resize(rs.lse.size());
+  rs.q_bad.resize(rs.lse.size());
+  rs.dout_bad.resize(rs.lse.size());
+  rs.k_bad.resize(p.B * p.Hkv * p.Nk);
   const int64_t key_blocks = ceil_div(p.Nk, mq);
   const int64_t rows_per_head = p.Nq * p.group, query_blocks = ceil_div(rows_per_head, mq);
   // No more threads than units of the largest pass (set_num_threads may ask for millions).
   const int64_t units = std::max({p.B * p.Hq, p.B * p.Hkv * key_blocks, p.B * p.Hkv * query_blocks});
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
 
+  // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
+  const auto bad_row = [](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width) {
+    bool bad = false;
+    if (v.dtype == dtype_of<T>()) {
+      const T* x = v.at<T>(b, h, n);
+      for (int64_t c = 0; c < width; ++c) bad |= !std::isfinite(x[c]);
+    } else {
+      for (int64_t c = 0; c < width; ++c) bad |= !std::isfinite(v.load<T>(b, h, n, c));
+    }
+    return static_cast<uint8_t>(bad);
+  };
+  int any_bad_rows = 0, any_bad_keys = 0;
+
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) reduction(| : any_bad_keys)
+    for (int64_t bk = 0; bk < p.B * p.Hkv; ++bk) {
+      for (int64_t j = 0; j < p.Nk; ++j) {
+        uint8_t& bad = rs.k_bad[rs.key_index(bk / p.Hkv, bk % p.Hkv, j)];
+        bad = bad_row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk);
+        any_bad_keys |= bad;
+      }
+    }
+#pragma omp for schedule(static) reduction(| : any_bad_rows)
     for (int64_t bh = 0; bh < p.B * p.Hq; ++bh) {
       const int64_t b = bh / p.Hq, h = bh % p.Hq;
       for (int64_t i = 0; i < p.Nq; ++i) {
+        rs.q_bad[rs.index(b, h, i)] = bad_row(p.q, b, h, i, p.Dk);
+        rs.dout_bad[rs.index(b, h, i)] = bad_row(bp.dout, b, h, i, p.Dv);
+        any_bad_rows |= rs.q_bad[rs.index(b, h, i)] | rs.dout_bad[rs.index(b, h, i)];
         const T l = p.lse->load<T>(b, h, i, 0);
         rs.lse[rs.index(b, h, i)] = l == -std::numeric_limits<T>::infinity() ? T(INFINITY) : l;
         T D = 0;
-        for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.at<T>(b, h, i)[e] * p.out.at<T>(b, h, i)[e];
+        if (bp.dout.dtype == dtype_of<T>() && p.out.dtype == dtype_of<T>()) {
+          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.at<T>(b, h, i)[e] * p.out.at<T>(b, h, i)[e];
+        } else {
+          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<T>(b, h, i, e) * p.out.load<T>(b, h, i, e);
+        }
         rs.D[rs.index(b, h, i)] = D;
       }
     }
+#pragma omp single
+    {
+      rs.any_bad_rows = any_bad_rows != 0;
+      rs.any_bad_keys = any_bad_keys != 0;
+    }  // (its barrier publishes them)
     BackwardScratch<T> s(p, static_cast<size_t>(mq));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {

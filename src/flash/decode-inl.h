@@ -20,6 +20,8 @@
 #include <type_traits>
 
 #include "flash/flash_plan.h"
+#include "flash/rows-inl.h"
+#include "flash/score_tile-inl.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -43,29 +45,32 @@ inline constexpr int64_t kVectorRegisters = 16;
 template <int64_t R>
 inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R + 1) * 2 <= kVectorRegisters ? 2 : 1;
 
-// s[r][j] for keys [j0, j0 + n): scaled dot products (q is pre-scaled), then causal/window
-// edges and the mask; the row is padded with -inf to whole vectors. Each score depends only on
-// (row, key), so the weights pass recomputes exactly the scores the forward pass saw.
+// s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
+// pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
+// vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
+// scores the forward pass saw. `prefetch_values`: V is read in place after this (not widened).
 template <int64_t R, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes,
-                             const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, T* HWY_RESTRICT st) {
+                             const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, const Rows<T>& keys,
+                             bool prefetch_values, T* HWY_RESTRICT st) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
-  const T* k_head = p.k.at<T>(blk.b, blk.kvh, 0);
-  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
-  const int64_t ks = p.k.strides[2], vs = p.v.strides[2];
+  const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
-    const T* kj = k_head + (j0 + j) * ks;
+    const T* kj = keys.row(j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
-    // the key row a tile ahead now, so both arrive while this tile computes.
-    const T* vj = v_head + (j0 + j) * vs;
+    // the key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
     if (j0 + j + kTileKeys < p.Nk) {  // a pointer past the tensor would be undefined, even unread
-      for (int64_t c = 0; c < p.Dk; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(kj + kTileKeys * ks + c);
+      const char* next = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + j + kTileKeys, 0));
+      for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
     }
-    for (int64_t c = 0; c < p.Dv; c += 64 / static_cast<int64_t>(sizeof(T))) hwy::Prefetch(vj + c);
+    if (prefetch_values) {
+      const char* vj = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, j0 + j, 0));
+      for (int64_t c = 0; c < v_bytes; c += 64) hwy::Prefetch(vj + c);
+    }
     V acc[R];
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
@@ -81,15 +86,10 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
       st[r * kTileKeys + j] = dot;
     }
   }
-  // 2. Causal/window edges and the mask (scalar: per element, but only O(R·n)).
-  for (int64_t r = 0; r < R; ++r) {
-    T* row = st + r * kTileKeys;
-    for (int64_t j = 0; j < n; ++j) {
-      if (j0 + j < lanes[r].begin || j0 + j >= lanes[r].end) row[j] = neg_inf;
-    }
-    if (p.mask) add_mask_row(p, blk.b, lanes[r].h, lanes[r].i, j0, n, row, 1);
-    for (int64_t j = n; j < (n + N - 1) / N * N; ++j) row[j] = neg_inf;  // whole vectors below
-  }
+  // 2. Causal/window edges and the mask (scalar: per element, but only O(R·n)); then -inf up
+  //    to whole vectors for the softmax below.
+  MaskScores<1>(d, p, blk.b, lanes, R, j0, n, /*edges=*/true, st, kTileKeys, TileLayout::kRowMajor, static_cast<T*>(nullptr));
+  for (int64_t r = 0; r < R; ++r) std::fill(st + r * kTileKeys + n, st + r * kTileKeys + (n + N - 1) / N * N, neg_inf);
 }
 
 // o[r][0..C·N) = alpha[r] · o[r][..] + Σ_j p[r][j] · v_j[0..C·N): R×C accumulators; each
@@ -117,16 +117,16 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
 
 // Rows [row0, row0 + R) of the block: R·Dk queries (pre-scaled, zero-padded to whole
 // vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st.
+// ktile, vtile: scratch for a tile of K and V rows widened to T (ReadRows).
 template <int64_t R, class D, typename T = hn::TFromD<D>>
 void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
-                T* l_out) {
+                T* l_out, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dv_full = p.Dv / N * N;
-  const T* v_head = p.v.at<T>(blk.b, blk.kvh, 0);
-  const int64_t vs = p.v.strides[2];
+  const bool v_in_place = p.v.dtype == dtype_of<T>();
   T m[R], l[R];
   for (int64_t r = 0; r < R; ++r) {
     m[r] = neg_inf;
@@ -137,7 +137,9 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
+    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, vtile);
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, v_in_place, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
@@ -175,12 +177,12 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of C (then 1) vectors of features.
     constexpr int64_t C = kDecodeChunk<R>;
     int64_t e0 = 0;
-    for (; e0 + C * N <= dv_full; e0 += C * N) DecodeValues<R, C>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
-    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, v_head + j0 * vs + e0, vs, alpha, o + e0, dvp);
+    for (; e0 + C * N <= dv_full; e0 += C * N) DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp);
+    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp);
     for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
       for (int64_t e = dv_full; e < p.Dv; ++e) {
         T acc = o[r * dvp + e] * alpha[r];
-        for (int64_t j = 0; j < n; ++j) acc += st[r * kTileKeys + j] * v_head[(j0 + j) * vs + e];
+        for (int64_t j = 0; j < n; ++j) acc += st[r * kTileKeys + j] * values.row(j)[e];
         o[r * dvp + e] = acc;
       }
     }
@@ -194,14 +196,16 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
 // Weights w = exp(s - m) / l for R rows whose final max m and sum l are known.
 template <int64_t R, class D, typename T = hn::TFromD<D>>
 void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
-                   const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l) {
+                   const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l,
+                   T* HWY_RESTRICT ktile) {
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
   }
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, st);
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, st);
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, weight(st[r * kTileKeys + j], m[r], l[r]));
@@ -216,7 +220,7 @@ void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* l
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                  bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
-                 LaneRow* lanes) {
+                 LaneRow* lanes, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
   const T scale = static_cast<T>(p.scale);
@@ -224,16 +228,20 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
   const LaneSpan span = describe_lanes(p, blk, key_begin, key_end, lanes);
   std::fill(qbuf, qbuf + blk.rows * dkp, T(0));
   for (int64_t r = 0; r < blk.rows; ++r) {
-    const T* q = p.q.at<T>(blk.b, lanes[r].h, lanes[r].i);
-    for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
+    if (p.q.dtype == dtype_of<T>()) {
+      const T* q = p.q.at<T>(blk.b, lanes[r].h, lanes[r].i);
+      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
+    } else {  // widened exactly, then scaled as above
+      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = p.q.load<T>(blk.b, lanes[r].h, lanes[r].i, c) * scale;
+    }
   }
   const auto rows = [&](auto r_const) {
     constexpr int64_t R = decltype(r_const)::value;
     if (weights) {
-      DecodeWeights<R>(d, p, blk, lanes, span, qbuf, dkp, st, m, l);
+      DecodeWeights<R>(d, p, blk, lanes, span, qbuf, dkp, st, m, l, ktile);
       return;
     }
-    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l);
+    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, ktile, vtile);
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];
   };

@@ -25,6 +25,8 @@
 #include <vector>
 
 #include "flash/decode-inl.h"
+#include "flash/rows-inl.h"
+#include "flash/score_tile-inl.h"
 #include "flash/flash_plan.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/contrib/math/math-inl.h"
@@ -63,6 +65,8 @@ struct Scratch {
         l(hwy::AllocateAligned<T>(group * mq)),
         decode_q(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dk + lanes_per_vector))),
         decode_o(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dv + lanes_per_vector))),
+        ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
+        vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
     return {BlockRows{}, LaneSpan{}, qt.get() + g * Dk * mq, ot.get() + g * Dv * mq, m.get() + g * mq,
@@ -71,6 +75,7 @@ struct Scratch {
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
   hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q and o
+  hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
   std::vector<LaneRow> lanes;
 };
 
@@ -150,102 +155,14 @@ HWY_INLINE void OuterAccumulate(D d, const T* HWY_RESTRICT p, int64_t n, size_t 
   for (; e < width; ++e) AccumulateValues<1, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
 }
 
-// dst[jj] = the mask's bias for query (b, h, i) and key j0 + jj, jj < n. The common case, a
-// bool mask with contiguous keys and float32 scores, converts a vector of bytes at a time;
-// the rest goes through add_mask_row.
-template <class D, typename T = hn::TFromD<D>>
-HWY_INLINE void MaskRowBias(D d, const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
-                            T* HWY_RESTRICT dst) {
-  int64_t jj = 0;
-  if constexpr (sizeof(T) == 4) {
-    if (p.mask->dtype == DType::kBool && p.mask->strides[3] == 1) {
-      const hn::Rebind<uint8_t, D> d8;
-      const hn::RebindToUnsigned<D> du;
-      const int64_t N = static_cast<int64_t>(hn::Lanes(d));
-      const uint8_t* row = p.mask->at<uint8_t>(b, h, i, j0);
-      const auto blocked = hn::Set(d, -std::numeric_limits<T>::infinity());
-      for (; jj + N <= n; jj += N) {
-        const auto is_zero = hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, row + jj)), hn::Zero(du));
-        hn::StoreU(hn::IfThenElseZero(hn::RebindMask(d, is_zero), blocked), d, dst + jj);
-      }
-    }
-  }
-  if (jj < n && p.mask->dtype != DType::kBool) {  // a float mask's row is its biases: copy it
-    const T* row = p.mask->at<T>(b, h, i, j0);
-    const int64_t js = p.mask->strides[3];
-    for (; jj < n; ++jj) dst[jj] = row[jj * js];
-  }
-  if (jj < n) {
-    std::fill(dst + jj, dst + n, T(0));
-    add_mask_row(p, b, h, i, j0 + jj, n - jj, dst + jj, 1);
-  }
-}
-
-// Adds the mask's biases for keys [j0, j0 + n) to a block's score tile st[jj][lane].
-// mask_rows: mq × kTileKeys scratch.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void AddMaskTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq,
-                            int64_t j0, int64_t n, T* HWY_RESTRICT mask_rows) {
-  const size_t N = hn::Lanes(d);
-  if (p.mask->strides[1] == 0 && p.mask->strides[2] == 0) {
-    // One mask row for every lane (a key-padding mask, (B, 1, 1, Nk) or (Nk,)): read it once
-    // and add each key's bias to all lanes with SIMD. Padding lanes take it too, harmlessly.
-    MaskRowBias(d, p, bs.blk.b, 0, 0, j0, n, mask_rows);
-    for (int64_t jj = 0; jj < n; ++jj) {
-      if (mask_rows[jj] == T(0)) continue;
-      const auto bias = hn::Set(d, mask_rows[jj]);
-      const bool blocked = mask_rows[jj] == -std::numeric_limits<T>::infinity();  // -inf whatever the score
-      for (size_t v = 0; v < QV; ++v) {
-        T* row = st + jj * static_cast<int64_t>(mq) + v * N;
-        hn::Store(blocked ? bias : hn::Add(hn::Load(d, row), bias), d, row);
-      }
-    }
-    return;
-  }
-  // Each lane's mask row runs along the keys, the tile along the lanes. Reading the rows into
-  // mask_rows[lane][jj] (contiguous, vectorised) and adding them a key at a time with one
-  // gather per vector of lanes beats writing each element across the tile (~1.5x here).
-  for (size_t l = 0; l < mq; ++l) {
-    T* dst = mask_rows + l * kTileKeys;
-    if (static_cast<int64_t>(l) < bs.blk.rows) {
-      MaskRowBias(d, p, bs.blk.b, bs.lanes[l].h, bs.lanes[l].i, j0, n, dst);
-    } else {
-      std::fill_n(dst, n, T(0));  // padding lanes: bias 0
-    }
-  }
-  const hn::RebindToSigned<D> di;
-  using TI = hn::TFromD<decltype(di)>;
-  TI offsets[QV * hn::MaxLanes(di)];
-  for (size_t l = 0; l < mq; ++l) offsets[l] = static_cast<TI>(l * kTileKeys);
-  hn::Vec<decltype(di)> index[QV];
-  for (size_t v = 0; v < QV; ++v) index[v] = hn::LoadU(di, offsets + v * N);
-  const auto neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
-  for (int64_t jj = 0; jj < n; ++jj) {
-    for (size_t v = 0; v < QV; ++v) {
-      T* row = st + jj * static_cast<int64_t>(mq) + v * N;
-      const auto bias = hn::GatherIndex(d, mask_rows + jj, index[v]);  // with_bias, a vector at a time
-      hn::Store(hn::IfThenElse(hn::Eq(bias, neg_inf), bias, hn::Add(hn::Load(d, row), bias)), d, row);
-    }
-  }
-}
-
-// Scores of keys [j0, j0 + n) for a block into st, scaled (the scale is folded into qt), masked.
+// Scores of keys [j0, j0 + n) (rows of `keys`, key j0 first) for a block into st, scaled (the
+// scale is folded into qt), masked.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
-                          int64_t n, bool partial, T* HWY_RESTRICT mask_rows) {
-  OuterScores<QV>(d, bs.qt, mq, p.k.at<T>(bs.blk.b, bs.blk.kvh, j0), p.k.strides[2], p.Dk, n, st);
+                          int64_t n, bool partial, const Rows<T>& keys, T* HWY_RESTRICT mask_rows) {
+  OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
 
-  // Causal/window edges: rare tiles, so plain scalar code.
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  if (partial) {
-    for (int64_t jj = 0; jj < n; ++jj) {
-      for (int64_t l = 0; l < bs.blk.rows; ++l) {
-        const LaneRow& r = bs.lanes[l];
-        if (j0 + jj < r.begin || j0 + jj >= r.end) st[jj * mq + l] = neg_inf;
-      }
-    }
-  }
-  if (p.mask) AddMaskTile<QV>(d, p, bs, st, mq, j0, n, mask_rows);
+  MaskScores<QV>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, TileLayout::kKeyMajor, mask_rows);
 }
 
 // Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
@@ -258,8 +175,13 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
   const T scale = static_cast<T>(p.scale);
   std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
   for (int64_t l = 0; l < blk.rows; ++l) {
-    const T* q = p.q.at<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
-    for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = q[c] * scale;
+    const LaneRow& r = bs.lanes[l];
+    if (p.q.dtype == dtype_of<T>()) {
+      const T* q = p.q.at<T>(blk.b, r.h, r.i);
+      for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = q[c] * scale;
+    } else {  // widened exactly, then scaled as above
+      for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = p.q.load<T>(blk.b, r.h, r.i, c) * scale;
+    }
   }
   std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
   std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
@@ -268,8 +190,10 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
 
 // One online-softmax step of a block over the tile that starts at t (a multiple of
 // kTileKeys), clipped to the block's span: scores, new max, rescale, p = exp(s - max), p·V.
+// keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it).
 template <size_t QV, class D, typename T = hn::TFromD<D>>
-void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t) {
+void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
+               int64_t k0, const Rows<T>& keys, const Rows<T>& values) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -277,7 +201,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
   if (n <= 0) return;
   const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
-  ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial, mask_rows);
+  ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial, Rows<T>{keys.row(j0 - k0), keys.stride}, mask_rows);
 
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   V mnew[QV], msafe[QV], alpha[QV], sum[QV];
@@ -342,7 +266,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     }
   }
 
-  OuterAccumulate<QV>(d, st, n, mq, p.v.at<T>(bs.blk.b, bs.blk.kvh, j0), p.v.strides[2], p.Dv, alpha, bs.ot);
+  OuterAccumulate<QV>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha, bs.ot);
 }
 
 // Online softmax for a group of blocks of one kv head over keys [key_begin, key_end), tile
@@ -364,7 +288,12 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     }
   }
   for (int64_t t = begin < end ? tile_start(begin) : end; t < end; t += kTileKeys) {
-    for (size_t g = 0; g < count; ++g) BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t);
+    // The group's keys of this tile, read (widened, for 16-bit storage) once for all its blocks.
+    const int64_t k0 = std::max(t, begin), k1 = std::min(t + kTileKeys, end);
+    const BlockRows& blk = blks[0];  // every block of a group reads the same kv head
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get());
+    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
+    for (size_t g = 0; g < count; ++g) BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, values);
   }
   for (size_t g = 0; g < count; ++g) {
     for (size_t l = 0; l < mq; ++l) {
@@ -386,7 +315,8 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
-    ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, s.mask_rows.get());
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
+    ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st[j * mq + lane], m[lane], l[lane]));
@@ -409,7 +339,7 @@ void Flash(const Problem& p) {
   auto run = [&](Scratch<T>& s, const BlockRows* blks, size_t count, int64_t k0, int64_t k1) {
     if (plan.decode) {  // one block per group: decode has few rows per kv head
       DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data());
+                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data(), s.ktile.get(), s.vtile.get());
     } else if (plan.qv == 1) {
       RunBlocks<1>(d, p, blks, count, k0, k1, s);
     } else {
@@ -425,7 +355,7 @@ void Flash(const Problem& p) {
     std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
     if (plan.decode) {
       DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), m.data(), l.data(), s.lanes.data());
+                  s.ot.get(), m.data(), l.data(), s.lanes.data(), s.ktile.get(), s.vtile.get());
     } else if (plan.qv == 1) {
       WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
     } else {

@@ -24,15 +24,16 @@ HWY_EXPORT(FlashF64);
 HWY_EXPORT(FlashBackwardF32);
 HWY_EXPORT(FlashBackwardF64);
 
+// Dispatches on the compute type (validation admits only these two).
 void flash_attention(const Problem& p) {
-  if (p.dtype == DType::kFloat64) {
+  if (p.compute == DType::kFloat64) {
     HWY_DYNAMIC_DISPATCH(FlashF64)(p);
   } else {
     HWY_DYNAMIC_DISPATCH(FlashF32)(p);
   }
 }
 void flash_backward(const BackwardProblem& bp) {
-  if (bp.fwd.dtype == DType::kFloat64) {
+  if (bp.fwd.compute == DType::kFloat64) {
     HWY_DYNAMIC_DISPATCH(FlashBackwardF64)(bp);
   } else {
     HWY_DYNAMIC_DISPATCH(FlashBackwardF32)(bp);

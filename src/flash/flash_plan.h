@@ -146,48 +146,12 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   // Grouping changes no arithmetic (each block sees the same tiles in the same order), so it
   // may depend on the thread count: keep at least two units per thread.
   const int threads = num_threads();
-  const int64_t kv_bytes = p.Nk * (p.Dk + p.Dv) * dtype_size(p.dtype);
+  const int64_t kv_bytes = p.Nk * (p.Dk + p.Dv) * storage_bytes(p.k.dtype);
   if (!plan.decode && plan.chunks == 1 && kv_bytes > kGroupAboveBytes) plan.group_blocks = kMaxGroupBlocks;
   while (plan.group_blocks > 1 && plan.blocks / plan.group_blocks < 2 * threads) plan.group_blocks /= 2;
   plan.groups_per_head = ceil_div(plan.blocks_per_head, plan.group_blocks);
   plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, plan.units())));
   return plan;
-}
-
-// Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj · dst_stride]:
-// -inf where a bool mask blocks, the value of a float mask (q's dtype, by validation).
-// One row of the mask read through its own (possibly zero, broadcast) key stride.
-template <typename T>
-void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* dst,
-                  int64_t dst_stride) {
-  const View4& mask = *p.mask;
-  const int64_t js = mask.strides[3];
-  const bool unit = js == 1 && dst_stride == 1;  // the common case, in loops the compiler vectorises
-  // Blocked keys become -inf whatever their score (with_bias): +inf or NaN must not leak.
-  if (mask.dtype == DType::kBool) {
-    const uint8_t* row = mask.at<uint8_t>(b, h, i, j0);
-    const T blocked = -std::numeric_limits<T>::infinity();
-    if (unit) {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = row[jj] ? dst[jj] : blocked;
-    } else {
-      for (int64_t jj = 0; jj < n; ++jj) dst[jj * dst_stride] = row[jj * js] ? dst[jj * dst_stride] : blocked;
-    }
-  } else {
-    // with_bias written as an unconditional add and a select, which the compiler vectorises.
-    const T* row = mask.at<T>(b, h, i, j0);
-    const T blocked = -std::numeric_limits<T>::infinity();
-    if (unit) {
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const T sum = dst[jj] + row[jj];
-        dst[jj] = row[jj] == blocked ? blocked : sum;
-      }
-    } else {
-      for (int64_t jj = 0; jj < n; ++jj) {
-        const T sum = dst[jj * dst_stride] + row[jj * js];
-        dst[jj * dst_stride] = row[jj * js] == blocked ? blocked : sum;
-      }
-    }
-  }
 }
 
 // Merges a block's per-chunk results (ot, m, l), stored one after another, in chunk order:
@@ -234,11 +198,14 @@ T weight(T s, T m, T l) {
 template <typename T>
 void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
                   const LaneRow* lanes) {
+  // Rows are formed in T, in place when out holds T, else in `row` and rounded once by write_row.
+  const bool in_place = p.out.dtype == dtype_of<T>();
+  std::vector<T> row(in_place ? 0 : static_cast<size_t>(p.Dv));
   for (int64_t lane = 0; lane < blk.rows; ++lane) {
     const LaneRow& r = lanes[lane];
     const bool any = l[lane] != 0;
     const T inv = any ? T(1) / l[lane] : T(0);
-    T* out = p.out.at<T>(blk.b, r.h, r.i);
+    T* out = in_place ? p.out.at<T>(blk.b, r.h, r.i) : row.data();
     bool finite = true;
     for (int64_t e = 0; e < p.Dv; ++e) {
       out[e] = any ? ot[e * mq + lane] * inv : T(0);
@@ -253,6 +220,7 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
         if (!std::isfinite(out[e])) out[e] = exact[e];
       }
     }
+    if (!in_place) write_row(p.out, blk.b, r.h, r.i, out, p.Dv);
     if (p.lse) {
       p.lse->store(blk.b, r.h, r.i, 0, any ? m[lane] + std::log(l[lane]) : -std::numeric_limits<T>::infinity());
     }

@@ -1,0 +1,68 @@
+// The one way the fused kernels read and write tensor rows: storage dtype in memory, compute
+// type T in registers. A view that already holds T is used in place (no copy: the float32 and
+// float64 paths are what they were); any other storage (bfloat16, float16; a float32 mask
+// beside float64 inputs) is widened exactly into per-thread scratch with SIMD, a tile of rows
+// at a time, and results are rounded once to the output's dtype (storage.h's rules, which the
+// SIMD widening matches bit for bit: widening is exact). Compiled per SIMD target (included by
+// score_tile-inl.h).
+
+#if defined(SDPA_FLASH_ROWS_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef SDPA_FLASH_ROWS_INL_H_
+#undef SDPA_FLASH_ROWS_INL_H_
+#else
+#define SDPA_FLASH_ROWS_INL_H_
+#endif
+
+#include <cstdint>
+
+#include "hwy/highway.h"
+#include "problem.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace sdpa::internal::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Rows of T: row r at data + r · stride (stride may be negative: a view's own row stride).
+template <typename T>
+struct Rows {
+  const T* data = nullptr;
+  int64_t stride = 0;
+  const T* row(int64_t r) const { return data + r * stride; }
+};
+
+// dst[0, n) = src[0, n) of storage dtype `from`, widened to T.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void WidenRow(D d, DType from, const void* src, int64_t n, T* HWY_RESTRICT dst) {
+  int64_t c = 0;
+  if constexpr (sizeof(T) == 4) {
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+    if (from == DType::kBFloat16) {
+      const hn::Rebind<hwy::bfloat16_t, D> dh;
+      const auto* s = static_cast<const hwy::bfloat16_t*>(src);
+      for (; c + N <= n; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + c)), d, dst + c);
+    } else if (from == DType::kFloat16) {
+      const hn::Rebind<hwy::float16_t, D> dh;
+      const auto* s = static_cast<const hwy::float16_t*>(src);
+      for (; c + N <= n; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + c)), d, dst + c);
+    }
+  }
+  const int64_t bytes = storage_bytes(from);
+  for (; c < n; ++c) dst[c] = load_as<T>(from, static_cast<const char*>(src) + c * bytes);
+}
+
+// Rows [n0, n0 + n) of head (b, h) of a (B, H, N, width) view as T: in place when the view holds
+// T, else widened into scratch (n × width, which the caller sizes).
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n, int64_t width,
+                            T* HWY_RESTRICT scratch) {
+  if (v.dtype == dtype_of<T>()) return {v.at<T>(b, h, n0), v.strides[2]};
+  for (int64_t r = 0; r < n; ++r) WidenRow(d, v.dtype, v.ptr(b, h, n0 + r, 0), width, scratch + r * width);
+  return {scratch, width};
+}
+
+// Results go back through problem.h's write_row (rounded once to the output's dtype).
+
+}  // namespace sdpa::internal::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // SDPA_FLASH_ROWS_INL_H_

@@ -1,0 +1,182 @@
+// What turns dot products into scores, written once for every fused kernel (the forward's
+// tiles, decode, and both backward passes): causal/window edges and the mask's bias on a tile of
+// scores, in either of the kernels' two layouts. Score modifiers, per-sequence lengths and
+// paged K/V change this file, not the kernels. Compiled per SIMD target (included by
+// decode-inl.h, which flash-inl.h and backward-inl.h include).
+//
+// A tile holds s(r, jj) for `count` query rows (lanes[r]: head, row and allowed keys
+// [begin, end)) and keys j0 + jj, jj < n:
+//   TileLayout::kKeyMajor  tile[jj · stride + r]   rows along SIMD lanes (forward, dq pass)
+//   TileLayout::kRowMajor  tile[r · stride + jj]   keys along the row (decode, dk/dv pass)
+// The dot products are the kernels' own (outer products or lane-wise dots); the scale is folded
+// into whichever operand they pack.
+
+#if defined(SDPA_FLASH_SCORE_TILE_INL_H_) == defined(HWY_TARGET_TOGGLE)
+#ifdef SDPA_FLASH_SCORE_TILE_INL_H_
+#undef SDPA_FLASH_SCORE_TILE_INL_H_
+#else
+#define SDPA_FLASH_SCORE_TILE_INL_H_
+#endif
+
+#include <algorithm>
+#include <limits>
+
+#include "flash/flash_plan.h"
+#include "hwy/highway.h"
+#include "problem.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace sdpa::internal::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+enum class TileLayout { kKeyMajor, kRowMajor };
+
+// Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj]: -inf where a bool
+// mask blocks, the value of a float mask (widened from its dtype when that is not T's). One
+// row of the mask read through its own (possibly zero, broadcast) key stride.
+template <typename T>
+void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n, T* dst) {
+  const View4& mask = *p.mask;
+  const int64_t js = mask.strides[3];
+  const T blocked = -std::numeric_limits<T>::infinity();
+  // Blocked keys become -inf whatever their score (with_bias): +inf or NaN must not leak.
+  if (mask.dtype == DType::kBool) {
+    const uint8_t* row = mask.at<uint8_t>(b, h, i, j0);
+    if (js == 1) {  // the common case, in a loop the compiler vectorises
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = row[jj] ? dst[jj] : blocked;
+    } else {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = row[jj * js] ? dst[jj] : blocked;
+    }
+  } else if (mask.dtype == dtype_of<T>()) {
+    // with_bias written as an unconditional add and a select, which the compiler vectorises.
+    const T* row = mask.at<T>(b, h, i, j0);
+    if (js == 1) {
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const T sum = dst[jj] + row[jj];
+        dst[jj] = row[jj] == blocked ? blocked : sum;
+      }
+    } else {
+      for (int64_t jj = 0; jj < n; ++jj) {
+        const T sum = dst[jj] + row[jj * js];
+        dst[jj] = row[jj * js] == blocked ? blocked : sum;
+      }
+    }
+  } else {
+    for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], mask.load<T>(b, h, i, j0 + jj));
+  }
+}
+
+// dst[jj] = the mask's bias for query (b, h, i) and key j0 + jj, jj < n. The common case, a
+// bool mask with contiguous keys and float32 scores, converts a vector of bytes at a time;
+// a float mask of T's dtype is copied; the rest goes through add_mask_row.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void MaskRowBias(D d, const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
+                            T* HWY_RESTRICT dst) {
+  int64_t jj = 0;
+  if constexpr (sizeof(T) == 4) {
+    if (p.mask->dtype == DType::kBool && p.mask->strides[3] == 1) {
+      const hn::Rebind<uint8_t, D> d8;
+      const hn::RebindToUnsigned<D> du;
+      const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+      const uint8_t* row = p.mask->at<uint8_t>(b, h, i, j0);
+      const auto blocked = hn::Set(d, -std::numeric_limits<T>::infinity());
+      for (; jj + N <= n; jj += N) {
+        const auto is_zero = hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, row + jj)), hn::Zero(du));
+        hn::StoreU(hn::IfThenElseZero(hn::RebindMask(d, is_zero), blocked), d, dst + jj);
+      }
+    }
+  }
+  if (jj < n && p.mask->dtype == dtype_of<T>()) {  // a float mask's row is its biases: copy it
+    const T* row = p.mask->at<T>(b, h, i, j0);
+    const int64_t js = p.mask->strides[3];
+    for (; jj < n; ++jj) dst[jj] = row[jj * js];
+  }
+  if (jj < n) {
+    std::fill(dst + jj, dst + n, T(0));
+    add_mask_row(p, b, h, i, j0 + jj, n - jj, dst + jj);
+  }
+}
+
+// Adds the mask's biases to a key-major tile (QV vectors of lanes per key; padding lanes past
+// `count` take harmless biases). mask_rows: Mq × kTileKeys scratch.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AddMaskKeyMajor(D d, const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0,
+                                int64_t n, T* HWY_RESTRICT st, size_t mq, T* HWY_RESTRICT mask_rows) {
+  const size_t N = hn::Lanes(d);
+  if (p.mask->strides[1] == 0 && p.mask->strides[2] == 0) {
+    // One mask row for every lane (a key-padding mask, (B, 1, 1, Nk) or (Nk,)): read it once
+    // and add each key's bias to all lanes with SIMD. Padding lanes take it too, harmlessly.
+    MaskRowBias(d, p, b, 0, 0, j0, n, mask_rows);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      if (mask_rows[jj] == T(0)) continue;
+      const auto bias = hn::Set(d, mask_rows[jj]);
+      const bool blocked = mask_rows[jj] == -std::numeric_limits<T>::infinity();  // -inf whatever the score
+      for (size_t v = 0; v < QV; ++v) {
+        T* row = st + jj * static_cast<int64_t>(mq) + v * N;
+        hn::Store(blocked ? bias : hn::Add(hn::Load(d, row), bias), d, row);
+      }
+    }
+    return;
+  }
+  // Each lane's mask row runs along the keys, the tile along the lanes. Reading the rows into
+  // mask_rows[lane][jj] (contiguous, vectorised) and adding them a key at a time with one
+  // gather per vector of lanes beats writing each element across the tile (~1.5x here).
+  for (size_t l = 0; l < mq; ++l) {
+    T* dst = mask_rows + l * kTileKeys;
+    if (static_cast<int64_t>(l) < count) {
+      MaskRowBias(d, p, b, lanes[l].h, lanes[l].i, j0, n, dst);
+    } else {
+      std::fill_n(dst, n, T(0));  // padding lanes: bias 0
+    }
+  }
+  const hn::RebindToSigned<D> di;
+  using TI = hn::TFromD<decltype(di)>;
+  TI offsets[QV * hn::MaxLanes(di)];
+  for (size_t l = 0; l < mq; ++l) offsets[l] = static_cast<TI>(l * kTileKeys);
+  hn::Vec<decltype(di)> index[QV];
+  for (size_t v = 0; v < QV; ++v) index[v] = hn::LoadU(di, offsets + v * N);
+  const auto neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  for (int64_t jj = 0; jj < n; ++jj) {
+    for (size_t v = 0; v < QV; ++v) {
+      T* row = st + jj * static_cast<int64_t>(mq) + v * N;
+      const auto bias = hn::GatherIndex(d, mask_rows + jj, index[v]);  // with_bias, a vector at a time
+      hn::Store(hn::IfThenElse(hn::Eq(bias, neg_inf), bias, hn::Add(hn::Load(d, row), bias)), d, row);
+    }
+  }
+}
+
+// Causal/window edges (when `edges`: tiles inside every row's keys need none) and the mask, on
+// a tile of dot products. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows
+// is Mq × kTileKeys scratch; kRowMajor ignores QV and mask_rows.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0,
+                           int64_t n, bool edges, T* HWY_RESTRICT tile, size_t stride, TileLayout layout,
+                           T* HWY_RESTRICT mask_rows) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t s = static_cast<int64_t>(stride);
+  if (layout == TileLayout::kKeyMajor) {
+    if (edges) {  // rare tiles, so plain scalar code
+      for (int64_t jj = 0; jj < n; ++jj) {
+        for (int64_t r = 0; r < count; ++r) {
+          if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) tile[jj * s + r] = neg_inf;
+        }
+      }
+    }
+    if (p.mask) AddMaskKeyMajor<QV>(d, p, b, lanes, count, j0, n, tile, stride, mask_rows);
+    return;
+  }
+  for (int64_t r = 0; r < count; ++r) {
+    T* row = tile + r * s;
+    if (edges) {
+      for (int64_t jj = 0; jj < n; ++jj) {
+        if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) row[jj] = neg_inf;
+      }
+    }
+    if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
+  }
+}
+
+}  // namespace sdpa::internal::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#endif  // SDPA_FLASH_SCORE_TILE_INL_H_

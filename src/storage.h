@@ -1,0 +1,120 @@
+// Storage types versus compute types. Tensors are stored as float64, float32, bfloat16 or
+// float16; the kernels compute (accumulate scores, sums, outputs, gradients) in float64 for
+// float64 storage and in float32 for everything else. Inputs are widened exactly; results are
+// rounded once, to nearest even, when stored. These are the scalar conversions every slow path
+// uses (validation, the references, fallbacks, writing results); the kernels widen whole rows
+// with SIMD (flash/rows-inl.h) and agree with these bit for bit.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "sdpa/attention.h"
+
+namespace sdpa::internal {
+
+// The compute type of a floating-point storage dtype: float64 for float64, float32 otherwise.
+inline DType compute_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+// Bytes per element (inline: the slow paths ask it per element).
+inline int64_t storage_bytes(DType t) {
+  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : t == DType::kBool ? 1 : 2;
+}
+
+inline bool is_float_dtype(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kBFloat16 || t == DType::kFloat16;
+}
+
+// The dtype of a compute type.
+template <typename T>
+constexpr DType dtype_of() {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "float or double");
+  return sizeof(T) == 8 ? DType::kFloat64 : DType::kFloat32;
+}
+
+// bfloat16 is the upper half of a float32: widening is a shift.
+inline float bf16_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rounds to nearest even; NaN stays NaN (made quiet, sign and top payload bits kept), a value
+// past bfloat16's largest rounds to inf as IEEE rounding does.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// IEEE binary16: 1 sign bit, 5 exponent bits (bias 15), 10 mantissa bits. Widening is exact.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);  // inf, NaN (payload kept)
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (mant << 13);  // normal: rebias 15 -> 127
+  } else {
+    const float f = static_cast<float>(mant) * 0x1p-24f;  // zero or subnormal: mant · 2^-24, exact
+    return sign ? -f : f;
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rounds to nearest even: values from 65520 (halfway past the largest, 65504) up become inf,
+// values below the smallest subnormal's half become 0; NaN stays NaN (quiet).
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (a >= 0x38800000u) {  // normal in float16 (>= 2^-14): round the 13 dropped bits
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((r >> 13) - (112u << 10)));
+  }
+  float mag;
+  std::memcpy(&mag, &a, sizeof mag);
+  // Subnormal: the count of 2^-24 units, rounded to nearest even (the default rounding mode);
+  // 1024 units is the smallest normal, whose encoding is exactly 0x400.
+  return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(mag * 0x1p24f)));
+}
+
+// Element `p` of a float tensor of dtype t, widened to T (exact unless T is narrower than t).
+template <typename T>
+T load_as(DType t, const void* p) {
+  switch (t) {
+    case DType::kFloat32: return static_cast<T>(*static_cast<const float*>(p));
+    case DType::kFloat64: return static_cast<T>(*static_cast<const double*>(p));
+    case DType::kBFloat16: return static_cast<T>(bf16_to_f32(*static_cast<const uint16_t*>(p)));
+    case DType::kFloat16: return static_cast<T>(f16_to_f32(*static_cast<const uint16_t*>(p)));
+    case DType::kBool: break;
+  }
+  std::abort();  // validation admits only float dtypes here
+}
+
+// Stores x rounded once to dtype t (a float64 value bound for bfloat16 goes through float32:
+// two roundings, which only the float64 references do, and which the tests' rule covers).
+template <typename T>
+void store_as(DType t, void* p, T x) {
+  switch (t) {
+    case DType::kFloat32: *static_cast<float*>(p) = static_cast<float>(x); return;
+    case DType::kFloat64: *static_cast<double*>(p) = static_cast<double>(x); return;
+    case DType::kBFloat16: *static_cast<uint16_t*>(p) = f32_to_bf16(static_cast<float>(x)); return;
+    case DType::kFloat16: *static_cast<uint16_t*>(p) = f32_to_f16(static_cast<float>(x)); return;
+    case DType::kBool: break;
+  }
+  std::abort();
+}
+
+}  // namespace sdpa::internal
