@@ -116,9 +116,18 @@ void check_no_zero_stride(const char* name, const TensorView& t) {
   }
 }
 
-void check_dtype(const char* name, const TensorView& t, DType expected) {
+// t must have the dtype of tensor `of` ("q", "k", ...), `expected`.
+void check_dtype(const char* name, const TensorView& t, DType expected, const char* of = "q") {
   if (t.dtype != expected) {
-    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but q has dtype " + dtype_name(expected));
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but " + of + " has dtype " + dtype_name(expected));
+  }
+}
+
+// weights and lse hold the compute type: float64 for float64 q, float32 for the others.
+void check_compute_dtype(const char* name, const TensorView& t, DType q, DType compute) {
+  if (t.dtype != compute) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be " + dtype_name(compute) +
+         ", the compute type of " + dtype_name(q) + " q");
   }
 }
 
@@ -153,7 +162,6 @@ void check_shape(const char* name, const TensorView& t, const int64_t* expected,
 // A float mask holds biases added to the scores: finite values, or -inf to block. NaN or
 // +inf would make a row's softmax undefined (inf - inf), so they are refused with the
 // index of the first one. Reads each stored element once (broadcast dims are not expanded).
-template <typename T>
 void check_mask_values(const TensorView& m) {
   if (m.numel() == 0) return;  // its other dims may be huge: (2^40, 0) holds nothing to check
   int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
@@ -162,14 +170,15 @@ void check_mask_values(const TensorView& m) {
     shape[pad + d] = m.shape[d];
     strides[pad + d] = m.strides[d];
   }
-  const T* base = static_cast<const T*>(m.data);
+  const int64_t bytes = storage_bytes(m.dtype);
+  const char* base = static_cast<const char*>(m.data);
   for (int64_t a = 0; a < shape[0]; ++a)
     for (int64_t b = 0; b < shape[1]; ++b)
       for (int64_t c = 0; c < shape[2]; ++c) {
-        const T* row = base + a * strides[0] + b * strides[1] + c * strides[2];
+        const char* row = base + (a * strides[0] + b * strides[1] + c * strides[2]) * bytes;
         for (int64_t e = 0; e < shape[3]; ++e) {
-          const T x = row[e * strides[3]];
-          if (std::isnan(x) || x == std::numeric_limits<T>::infinity()) {
+          const double x = load_as<double>(m.dtype, row + e * strides[3] * bytes);
+          if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) {
             const int64_t index[4] = {a, b, c, e};
             fail(std::string("mask has ") + (std::isnan(x) ? "NaN" : "+inf") + " at index " +
                  shape_string(index + pad, m.rank) + "; a float mask holds finite biases, or -inf to block");
@@ -211,11 +220,16 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   check_basic("q", q, 2, 4);
   check_basic("k", k, 2, 4);
   check_basic("v", v, 2, 4);
-  if (q.dtype != DType::kFloat32 && q.dtype != DType::kFloat64) {
-    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32 or float64");
+  if (!is_float_dtype(q.dtype)) {
+    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32, float64, bfloat16 or float16");
   }
-  check_dtype("k", k, q.dtype);
-  check_dtype("v", v, q.dtype);
+  // q, k and v share a dtype, but float32 queries may read a bfloat16 or float16 KV cache.
+  const bool f32_over_16 = q.dtype == DType::kFloat32 && (k.dtype == DType::kBFloat16 || k.dtype == DType::kFloat16);
+  if (k.dtype != q.dtype && !f32_over_16) {
+    fail(std::string("k has dtype ") + dtype_name(k.dtype) + " but q has dtype " + dtype_name(q.dtype) +
+         " (k and v take q's dtype, or bfloat16 or float16 under float32 q)");
+  }
+  check_dtype("v", v, k.dtype, "k");
   const int r = q.rank;
   if (k.rank != r) fail("k has rank " + std::to_string(k.rank) + " but q has rank " + std::to_string(r));
   if (v.rank != r) fail("v has rank " + std::to_string(v.rank) + " but q has rank " + std::to_string(r));
@@ -266,8 +280,8 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   if (in.mask) {
     const TensorView& m = *in.mask;
     check_basic("mask", m, 0, 4);  // rank 0: one value for every score
-    if (m.dtype != DType::kBool && m.dtype != q.dtype) {
-      fail(std::string("mask has dtype ") + dtype_name(m.dtype) + " but must be bool or q's dtype " +
+    if (m.dtype != DType::kBool && m.dtype != q.dtype && m.dtype != DType::kFloat32) {
+      fail(std::string("mask has dtype ") + dtype_name(m.dtype) + " but must be bool, float32 or q's dtype " +
            dtype_name(q.dtype));
     }
     const char* target = r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)";
@@ -283,8 +297,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
       }
       mv.shape[d] = full_weights[d];  // broadcast dims already have stride 0
     }
-    if (m.dtype == DType::kFloat32) check_mask_values<float>(m);
-    if (m.dtype == DType::kFloat64) check_mask_values<double>(m);
+    if (m.dtype != DType::kBool) check_mask_values(m);
     p.mask = mv;
   }
 
@@ -341,7 +354,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   if (outs.weights) {
     const TensorView& w = *outs.weights;
     check_basic("weights", w, 2, 4);
-    check_dtype("weights", w, q.dtype);
+    check_compute_dtype("weights", w, q.dtype, p.compute);
     check_shape("weights", w, full_weights + (4 - r), r,
                 r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
     if (written) check_no_zero_stride("weights", w);
@@ -350,7 +363,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   if (outs.lse) {
     const TensorView& l = *outs.lse;
     check_basic("lse", l, 1, 3);
-    check_dtype("lse", l, q.dtype);
+    check_compute_dtype("lse", l, q.dtype, p.compute);
     check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
     if (written) check_no_zero_stride("lse", l);
     p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
@@ -379,7 +392,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     const TensorView& like = *pairs[g].second;
     const TensorView& t = *grads_of[g];
     check_basic(name, t, 2, 4);
-    check_dtype(name, t, in.q.dtype);
+    check_dtype(name, t, like.dtype, g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
     const std::string meaning = std::string("the shape of ") + (g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
     check_shape(name, t, like.shape, like.rank, meaning.c_str());
     check_unit_last_stride(name, t);

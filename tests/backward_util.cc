@@ -36,14 +36,14 @@ std::vector<int64_t> weights_shape(const Tensors& t) {
 }  // namespace
 
 Problem Problem::converted(DType dtype) const {
-  return {t.converted(dtype), out.converted(dtype, out.layout()), lse.converted(dtype, lse.layout()),
+  return {t.converted(dtype), out.converted(dtype, out.layout()), lse.converted(compute_dtype(dtype), lse.layout()),
           dout.converted(dtype, dout.layout())};
 }
 
 Problem make_problem(Tensors t, sdpa::Options options, Layout layout, uint32_t seed) {
   const DType dt = t.q.dtype();
   const std::vector<int64_t> os = out_shape(t), ls = lse_shape(t);
-  Problem p{std::move(t), GuardedTensor(dt, os, layout), GuardedTensor(dt, ls, layout, false),
+  Problem p{std::move(t), GuardedTensor(dt, os, layout), GuardedTensor(compute_dtype(dt), ls, layout, false),
             GuardedTensor(dt, os, layout)};
   options.backend = Backend::kAuto;
   sdpa::Outputs outs;
@@ -63,9 +63,8 @@ testing::AssertionResult Grads::guards_intact() const {
 }
 
 Grads empty_grads(const Tensors& t, Layout layout) {
-  const DType dt = t.q.dtype();
-  return {GuardedTensor(dt, t.q.shape(), layout), GuardedTensor(dt, t.k.shape(), layout),
-          GuardedTensor(dt, t.v.shape(), layout)};
+  return {GuardedTensor(t.q.dtype(), t.q.shape(), layout), GuardedTensor(t.k.dtype(), t.k.shape(), layout),
+          GuardedTensor(t.v.dtype(), t.v.shape(), layout)};
 }
 
 Grads backward(const Problem& p, const sdpa::Options& options, Layout layout) {
@@ -285,9 +284,13 @@ testing::AssertionResult expected(const Problem& p, const sdpa::Options& options
   }
   double M[3];
   cancellation_magnitudes(p, options, M);
+  const DType grad_dtype[3] = {dt, p.t.k.dtype(), p.t.v.dtype()};
   for (int n = 0; n < 3; ++n) {
     const double ref_max = max_abs_finite(e.ref.g[n]);
-    e.tol[n] = factor * err[n] + eps(dt) * (4 * std::max(1.0, ref_max) + M[n]);
+    // 16-bit gradients: one more unit in their last place, as for out (test_util.cc).
+    const bool half = grad_dtype[n] == DType::kBFloat16 || grad_dtype[n] == DType::kFloat16;
+    e.tol[n] = factor * err[n] + eps(compute_dtype(dt)) * (4 * std::max(1.0, ref_max) + M[n]) +
+               (half ? eps(grad_dtype[n]) * ref_max : 0.0);
   }
   return testing::AssertionSuccess();
 }

@@ -409,9 +409,9 @@ Outs run(const Tensors& t, const sdpa::Options& options, Layout layout, bool wit
   Outs outs{GuardedTensor(dtype, shape, layout), std::nullopt, std::nullopt};
   if (with_extras) {
     shape.back() = t.k.shape()[t.k.rank() - 2];
-    outs.weights.emplace(dtype, shape, layout, false);
+    outs.weights.emplace(compute_dtype(dtype), shape, layout, false);
     shape.pop_back();
-    outs.lse.emplace(dtype, shape, layout, false);
+    outs.lse.emplace(compute_dtype(dtype), shape, layout, false);
   }
   sdpa::attention(t.inputs(), outs.outputs(), options);
   return outs;
@@ -574,6 +574,11 @@ testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b) {
 //   weights: 0 <= w <= 1                                                   -> 4 eps
 //   lse:     m + log(sum), rounded relative to |m| and to log(sum) >= 0    -> 4 eps (1 + max|lse|)
 //
+// 16-bit inputs (bfloat16, float16): kNaive computes in float32 from the same stored inputs and
+// rounds out to the 16-bit type, so its error is the naive implementation's with that storage;
+// weights and lse are float32 (the floors use float32's eps), and out gets one more unit in its
+// last place.
+//
 // The scores' own rounding: a score is only accurate to about eps · S, S = |scale| Σ_d |q_d k_d|
 // + |bias| (score_magnitude), whatever the order of its sum; where the terms cancel this is far
 // above eps · |score|. A score off by δ moves its weight by w·δ and the row's lse by up to δ, so
@@ -612,10 +617,15 @@ testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options
     factor = 3;
   }
   const Values g = values(got);
-  const double e = eps(dtype);
+  const double e = eps(compute_dtype(dtype));  // weights and lse are stored in the compute type
   const double out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p);  // / 1 exactly without dropout
   const double S2 = 2 * max_score_magnitude(t, options);
-  if (auto r = all_close("out", g.out, ref.out, factor * err[0] + e * out_max * std::max(4.0, S2)); !r) return r;
+  // 16-bit out: one more unit in its last place (<= eps · max|out|), as the rounding of a float32
+  // result near a tie may go the other way than that of kReference's float64 one.
+  const double out_ulp = dtype == DType::kBFloat16 || dtype == DType::kFloat16 ? eps(dtype) * out_max : 0.0;
+  if (auto r = all_close("out", g.out, ref.out, factor * err[0] + e * out_max * std::max(4.0, S2) + out_ulp); !r) {
+    return r;
+  }
   if (got.weights) {
     if (auto r = all_close("weights", g.weights, ref.weights, factor * err[1] + e * std::max(4.0, S2)); !r) return r;
   }
@@ -670,7 +680,8 @@ std::string number(double x) {
 
 std::string case_name(const Case& c) {
   std::ostringstream s;
-  s << (c.dtype == DType::kFloat32 ? "f32" : "f64") << "_r" << c.rank;
+  s << (c.dtype == DType::kFloat32 ? "f32" : c.dtype == DType::kFloat64 ? "f64" : c.dtype == DType::kBFloat16 ? "bf16" : "f16")
+    << "_r" << c.rank;
   if (c.rank == 4) s << "_b" << c.B;
   if (c.rank >= 3) s << "_h" << c.Hq << "x" << c.Hkv;
   s << "_q" << c.Nq << "_k" << c.Nk << "_d" << c.Dk << "_v" << c.Dv;
@@ -707,7 +718,7 @@ std::vector<Case> sweep_cases() {
   const MaskShape shapes[] = {MaskShape::kFull, MaskShape::kQueryKey, MaskShape::kHeadKey, MaskShape::kKey};
   const sdpa::Window windows[] = {{3, -1}, {-1, 2}, {4, 4}, {0, 0}, {16, 0}};
   std::vector<Case> cases;
-  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
     auto add = [&](Case c) {
       c.dtype = dtype;
       c.name = case_name(c);

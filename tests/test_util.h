@@ -131,6 +131,8 @@ Values values(const Outs& outs);
 // independently of src/.
 bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
 
+// The dtype of weights and lse for q of this dtype: float64 for float64, float32 otherwise.
+inline DType compute_dtype(DType q) { return q == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 double eps(DType dtype);  // the unit roundoff's double: FLT_EPSILON, DBL_EPSILON, 2^-7 (bf16), 2^-10 (f16)
 // x rounded to nearest even in dtype (float32, bfloat16, float16; float64: x), as a double.
 // The 16-bit formats are written in test_util.cc from their definitions, independently of src/.

@@ -104,27 +104,27 @@ TEST_F(Validation, NonFloatQuery) {
   in.q = qb.view();
   in.k = kb.view();
   in.v = vb.view();
-  expect_error({"q has dtype bool but must be float32 or float64"});
+  expect_error({"q has dtype bool but must be float32, float64, bfloat16 or float16"});
 }
 
 TEST_F(Validation, DtypeMismatch) {
   GuardedTensor k64 = k_.converted(DType::kFloat64, Layout::kContiguous);
   in.k = k64.view();
-  expect_error({"k has dtype float64 but q has dtype float32"});
+  expect_error({"k has dtype float64 but q has dtype float32 (k and v take q's dtype, or bfloat16 or float16 under float32 q)"});
   in.k = k_.view();
   GuardedTensor v64 = v_.converted(DType::kFloat64, Layout::kContiguous);
   in.v = v64.view();
-  expect_error({"v has dtype float64 but q has dtype float32"});
+  expect_error({"v has dtype float64 but k has dtype float32"});
   in.v = v_.view();
   GuardedTensor out64(DType::kFloat64, {2, 4, 3, 6}), w64(DType::kFloat64, {2, 4, 3, 5}), l64(DType::kFloat64, {2, 4, 3});
   outs.out = out64.view();
   expect_error({"out has dtype float64 but q has dtype float32"});
   outs.out = out_.view();
   outs.weights = w64.view();
-  expect_error({"weights has dtype float64 but q has dtype float32"});
+  expect_error({"weights has dtype float64 but must be float32, the compute type of float32 q"});
   outs.weights = weights_.view();
   outs.lse = l64.view();
-  expect_error({"lse has dtype float64 but q has dtype float32"});
+  expect_error({"lse has dtype float64 but must be float32, the compute type of float32 q"});
   EXPECT_TRUE(out64.untouched() && w64.untouched() && l64.untouched());
 }
 
@@ -234,7 +234,7 @@ TEST_F(Validation, MaskWithMoreDimsThanTheScores) {
 TEST_F(Validation, MaskOfAnotherFloatDtype) {
   GuardedTensor m(DType::kFloat64, {3, 5});
   in.mask = m.view();
-  expect_error({"mask has dtype float64 but must be bool or q's dtype float32"});
+  expect_error({"mask has dtype float64 but must be bool, float32 or q's dtype float32"});
 }
 
 TEST_F(Validation, FloatMaskWithNanOrPlusInfinity) {
