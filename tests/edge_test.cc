@@ -23,10 +23,11 @@ using sdpa::Backend;
 using sdpa::Causal;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-constexpr DType kDTypes[] = {kF32, kF64};
+constexpr DType kDTypes[] = {kF32, kF64, kBF16};
 
-// A value whose square overflows the dtype: q·k = big² is +inf in the compute type.
-double big(DType dt) { return dt == kF32 ? 1e20 : 1e160; }
+// A value whose square overflows the compute type: q·k = big² is +inf there (bfloat16 has
+// float32's range and computes in it).
+double big(DType dt) { return dt == kF64 ? 1e160 : 1e20; }
 
 class Edge : public testing::TestWithParam<Backend> {
  protected:
@@ -123,11 +124,11 @@ TEST_P(Edge, LseOfBiasesDoesNotDependOnAskingForWeights) {
         const Tensors t{GuardedTensor(dt, {3, 0}), GuardedTensor(dt, {nk, 0}), GuardedTensor(dt, {nk, 0}),
                         tensor(dt, {1}, {bias})};
         const Outs with = run(t, opts(), Layout::kContiguous, /*with_extras=*/true);
-        Outs without{GuardedTensor(dt, {3, 0}), std::nullopt, GuardedTensor(dt, {3})};
+        Outs without{GuardedTensor(dt, {3, 0}), std::nullopt, GuardedTensor(compute_dtype(dt), {3})};
         sdpa::attention(t.inputs(), without.outputs(), opts());
         EXPECT_EQ(with.lse->values(), without.lse->values());
-        const double want = bias + std::log(static_cast<double>(nk));
-        EXPECT_NEAR(with.lse->get(0), want, 4 * eps(dt) * std::fabs(want));
+        const double want = round_to(dt, bias) + std::log(static_cast<double>(nk));  // the bias as stored
+        EXPECT_NEAR(with.lse->get(0), want, 4 * eps(compute_dtype(dt)) * std::fabs(want));
       }
     }
   }
@@ -164,7 +165,7 @@ TEST_P(Edge, MaskedKeysWithInfiniteOrNanScoresDoNotReachTheRow) {
         const Values got = values(run(t, o));
         EXPECT_EQ(got.out[0], 7.0);
         EXPECT_EQ(got.weights, (std::vector<double>{0.0, 1.0}));
-        EXPECT_EQ(got.lse[0], static_cast<double>(dt == kF32 ? static_cast<double>(static_cast<float>(big(dt))) : big(dt)));
+        EXPECT_EQ(got.lse[0], round_to(dt, big(dt)));  // the one allowed key's score: big · 1
       }
     }
   }
@@ -243,7 +244,7 @@ sdpa::TensorView null_view(DType dt, std::vector<int64_t> shape, std::vector<int
 // behaviour, reported by UBSan) from the strides of empty k and v.
 TEST_P(Edge, EmptyViewsWithNullDataAndAnyStrides) {
   for (DType dt : kDTypes) {
-    GuardedTensor q(dt, {2, 3, 4}), out(dt, {2, 3, 2}), lse(dt, {2, 3});
+    GuardedTensor q(dt, {2, 3, 4}), out(dt, {2, 3, 2}), lse(compute_dtype(dt), {2, 3});
     std::mt19937 rng(5);
     fill_normal(q, rng);
     sdpa::Inputs in;
@@ -253,7 +254,7 @@ TEST_P(Edge, EmptyViewsWithNullDataAndAnyStrides) {
     sdpa::Outputs outs;
     outs.out = out.view();
     outs.lse = lse.view();
-    outs.weights = null_view(dt, {2, 3, 0}, {-5, 77, -1});
+    outs.weights = null_view(compute_dtype(dt), {2, 3, 0}, {-5, 77, -1});
     sdpa::attention(in, outs, opts());
     EXPECT_EQ(out.values(), std::vector<double>(12, 0.0));
     EXPECT_EQ(lse.values(), std::vector<double>(6, -kInf));
@@ -266,7 +267,7 @@ TEST_P(Edge, HugeKeyDimsHoldingNoElementGiveLseAtOnce) {
   const int64_t nk = int64_t{1} << 40;
   for (DType dt : kDTypes) {
     SCOPED_TRACE(sdpa::dtype_name(dt));
-    GuardedTensor lse(dt, {1});
+    GuardedTensor lse(compute_dtype(dt), {1});
     sdpa::Inputs in;
     in.q = null_view(dt, {1, 0}, {0, 1});
     in.k = null_view(dt, {nk, 0}, {0, 1});
@@ -276,7 +277,7 @@ TEST_P(Edge, HugeKeyDimsHoldingNoElementGiveLseAtOnce) {
     outs.lse = lse.view();
     const double log_nk = 40 * std::log(2.0);
     sdpa::attention(in, outs, opts());
-    EXPECT_NEAR(lse.get(0), log_nk, 4 * eps(dt) * log_nk);
+    EXPECT_NEAR(lse.get(0), log_nk, 4 * eps(compute_dtype(dt)) * log_nk);
     sdpa::Options o = opts();
     o.causal = Causal::kTopLeft;  // row 0 sees key 0 only
     sdpa::attention(in, outs, o);
@@ -284,7 +285,7 @@ TEST_P(Edge, HugeKeyDimsHoldingNoElementGiveLseAtOnce) {
     GuardedTensor bias = tensor(dt, {1, 1}, {2.5});
     in.mask = bias.view();
     sdpa::attention(in, outs, opts());
-    EXPECT_NEAR(lse.get(0), 2.5 + log_nk, 4 * eps(dt) * (2.5 + log_nk));
+    EXPECT_NEAR(lse.get(0), 2.5 + log_nk, 4 * eps(compute_dtype(dt)) * (2.5 + log_nk));
     GuardedTensor blocked = tensor(DType::kBool, {1}, {0});
     in.mask = blocked.view();
     sdpa::attention(in, outs, opts());
@@ -416,7 +417,7 @@ TEST_P(Edge, BackwardRefusesAnOverflowedLse) {
     EXPECT_TRUE(g.untouched());
     // Also when no gradient has an element to write (found by the fuzzer).
     const Tensors e{GuardedTensor(dt, {2, 0}), GuardedTensor(dt, {0, 0}), GuardedTensor(dt, {0, 0}), std::nullopt};
-    GuardedTensor out(dt, {2, 0}), lse = tensor(dt, {2}, {-kInf, kInf}), dout(dt, {2, 0});
+    GuardedTensor out(dt, {2, 0}), lse = tensor(compute_dtype(dt), {2}, {-kInf, kInf}), dout(dt, {2, 0});
     const Grads ge = empty_grads(e, Layout::kContiguous);
     expect_sdpa_error(
         [&] { sdpa::attention_backward(e.inputs(), out.view(), lse.view(), dout.view(), ge.gradients(), opts()); },

@@ -126,19 +126,25 @@ struct Options {
   std::optional<uint64_t> seed;
 };
 
+// Dtypes. q, k, v share one dtype: float32, float64, bfloat16 or float16; or q is float32 and
+// k, v share bfloat16 or float16 (a 16-bit KV cache read by float32 queries). The compute type
+// is float64 for float64 q and float32 otherwise: scores, softmax sums, outputs and gradients
+// accumulate in it; 16-bit inputs are widened exactly and results are rounded once (to
+// nearest even) to their output's dtype. The kReference backend computes in float64 whatever
+// the dtype (and then rounds to the output's dtype).
 struct Inputs {
   TensorView q = {}, k = {}, v = {};
-  std::optional<TensorView> mask = std::nullopt;  // kBool, or floating point of q's dtype (added to scores)
+  // kBool (0 blocks), or a float mask added to the scores: float32 or q's dtype.
+  std::optional<TensorView> mask = std::nullopt;
 };
 
 struct Outputs {
-  TensorView out = {};  // q's dtype
-  std::optional<TensorView> weights = std::nullopt;  // q's dtype
-  std::optional<TensorView> lse = std::nullopt;  // q's dtype
+  TensorView out = {};                               // q's dtype
+  std::optional<TensorView> weights = std::nullopt;  // the compute type (float32 for 16-bit q)
+  std::optional<TensorView> lse = std::nullopt;      // the compute type (float32 for 16-bit q)
 };
 
-// Computes attention. q, k, v share one dtype (float32 or float64) and compute in it;
-// the kReference backend computes in float64 whatever the dtype.
+// Computes attention in the compute type of q's dtype (see Dtypes above).
 // Throws Error on invalid arguments, before writing anything.
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options = {});
 
@@ -149,12 +155,12 @@ void validate(const Inputs& inputs, const Options& options = {});
 
 // Gradients of attention() with respect to q, k and v.
 struct Gradients {
-  TensorView dq = {};  // shaped like q
-  TensorView dk = {};  // shaped like k: for GQA, the sum over the query heads of its group
-  TensorView dv = {};  // shaped like v
+  TensorView dq = {};  // shaped like q, q's dtype
+  TensorView dk = {};  // shaped like k, k's dtype: for GQA, the sum over the query heads of its group
+  TensorView dv = {};  // shaped like v, v's dtype
 };
 
-// Backward pass: given dout = ∂loss/∂out (shaped like out) and the out and lse that
+// Backward pass: given dout = ∂loss/∂out (shaped like out, out's dtype) and the out and lse that
 // attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
 // recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
 // nothing; a key of weight 0 for a row (blocked, dropped) and that row exchange nothing: the
