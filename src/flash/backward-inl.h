@@ -92,40 +92,6 @@ struct RowStats {
   int64_t key_index(int64_t b, int64_t kvh, int64_t j) const { return (b * Hkv + kvh) * Nk + j; }
 };
 
-// acc[e][lane] += row[e] · w[lane] for one row of q, dout or k that holds a NaN or inf, skipping
-// the lanes where w is 0 (a key the row gives weight 0, ds = 0): OuterAccumulate would add
-// 0 · NaN there. Elsewhere the same fused multiply-add, so the other lanes keep their bits.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void AccumulateRowSkippingZeros(D d, const T* HWY_RESTRICT w, size_t mq, const T* HWY_RESTRICT row,
-                                           int64_t width, T* HWY_RESTRICT acc) {
-  const size_t N = hn::Lanes(d);
-  for (int64_t e = 0; e < width; ++e) {
-    const auto x = hn::Set(d, row[e]);
-    for (size_t q = 0; q < QV; ++q) {
-      T* a = acc + e * static_cast<int64_t>(mq) + q * N;
-      const auto wq = hn::Load(d, w + q * N), old = hn::Load(d, a);
-      hn::Store(hn::IfThenElse(hn::Eq(wq, hn::Zero(d)), old, hn::MulAdd(x, wq, old)), d, a);
-    }
-  }
-}
-
-// OuterAccumulate over rows [0, n) (acc += Σ_r rows[r] · w[r]), in row order as it, but with
-// the rows flagged in `bad` (null: none) going through AccumulateRowSkippingZeros. Splitting
-// the rows changes no bit: each accumulator is a chain of fused multiply-adds in row order.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t mq, const T* HWY_RESTRICT rows,
-                               int64_t stride, int64_t width, const hn::Vec<D>* ones, const uint8_t* bad,
-                               T* HWY_RESTRICT acc) {
-  int64_t r0 = 0;
-  for (int64_t r = 0; bad && r < n; ++r) {
-    if (!bad[r]) continue;
-    OuterAccumulate<QV>(d, w + r0 * mq, r - r0, mq, rows + r0 * stride, stride, width, ones, acc);
-    AccumulateRowSkippingZeros<QV>(d, w + r * mq, mq, rows + r * stride, width, acc);
-    r0 = r + 1;
-  }
-  OuterAccumulate<QV>(d, w + r0 * mq, n - r0, mq, rows + r0 * stride, stride, width, ones, acc);
-}
-
 // dk, dv for keys [j0, j0 + nk) of kv head (b, kvh): keys in lanes.
 template <class D, typename T = hn::TFromD<D>>
 void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_t b, int64_t kvh, int64_t j0,

@@ -93,10 +93,11 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 }
 
 // o[r][0..C·N) = alpha[r] · o[r][..] + Σ_j p[r][j] · v_j[0..C·N): R×C accumulators; each
-// chunk of a value row is loaded once for all R rows.
+// chunk of a value row is loaded once for all R rows. A value row flagged in v_bad (NaN or
+// inf) is skipped by the rows that give its key weight 0 (no 0 · NaN); the others add it.
 template <int64_t R, int64_t C, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T* HWY_RESTRICT v, int64_t vs,
-                             const T* alpha, T* HWY_RESTRICT o, int64_t dvp) {
+                             const T* alpha, T* HWY_RESTRICT o, int64_t dvp, const uint8_t* v_bad) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> acc[R][C];
   for (int64_t r = 0; r < R; ++r) {
@@ -106,7 +107,9 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = hn::LoadU(d, v + j * vs + c * N);
+    const bool bad = v_bad && v_bad[j];
     for (int64_t r = 0; r < R; ++r) {
+      if (bad && p[r * kTileKeys + j] == T(0)) continue;
       const auto pj = hn::Set(d, p[r * kTileKeys + j]);
       for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::MulAdd(pj, vv[c], acc[r][c]);
     }
@@ -140,6 +143,8 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, vtile);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, v_in_place, st);
+    uint8_t v_bad[kTileKeys];
+    const uint8_t* bad = FlagNonFiniteRows(d, values.data, values.stride, n, p.Dv, v_bad) ? v_bad : nullptr;
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
@@ -177,12 +182,17 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of C (then 1) vectors of features.
     constexpr int64_t C = kDecodeChunk<R>;
     int64_t e0 = 0;
-    for (; e0 + C * N <= dv_full; e0 += C * N) DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp);
-    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp);
+    for (; e0 + C * N <= dv_full; e0 += C * N) {
+      DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
+    }
+    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
     for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
       for (int64_t e = dv_full; e < p.Dv; ++e) {
         T acc = o[r * dvp + e] * alpha[r];
-        for (int64_t j = 0; j < n; ++j) acc += st[r * kTileKeys + j] * values.row(j)[e];
+        for (int64_t j = 0; j < n; ++j) {
+          if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
+          acc += st[r * kTileKeys + j] * values.row(j)[e];
+        }
         o[r * dvp + e] = acc;
       }
     }

@@ -67,6 +67,7 @@ struct Scratch {
         decode_o(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
+        v_bad(kTileKeys),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
     return {BlockRows{}, LaneSpan{}, qt.get() + g * Dk * mq, ot.get() + g * Dv * mq, m.get() + g * mq,
@@ -76,6 +77,7 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
   hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q and o
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
+  std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
 };
 
@@ -155,6 +157,45 @@ HWY_INLINE void OuterAccumulate(D d, const T* HWY_RESTRICT p, int64_t n, size_t 
   for (; e < width; ++e) AccumulateValues<1, QV>(d, p, n, mq, rows + e, stride, alpha, acc + e * mq);
 }
 
+// acc[e][lane] += row[e] · w[lane] for one row (of v, or of q, dout, k in the backward) that
+// holds a NaN or inf, skipping the lanes where w is 0 (a blocked, dropped or underflowed key;
+// ds = 0): OuterAccumulate would add 0 · NaN there. Elsewhere the same fused multiply-add, so
+// the other lanes keep their bits.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AccumulateRowSkippingZeros(D d, const T* HWY_RESTRICT w, size_t mq, const T* HWY_RESTRICT row,
+                                           int64_t width, T* HWY_RESTRICT acc) {
+  const size_t N = hn::Lanes(d);
+  for (int64_t e = 0; e < width; ++e) {
+    const auto x = hn::Set(d, row[e]);
+    for (size_t q = 0; q < QV; ++q) {
+      T* a = acc + e * static_cast<int64_t>(mq) + q * N;
+      const auto wq = hn::Load(d, w + q * N), old = hn::Load(d, a);
+      hn::Store(hn::IfThenElse(hn::Eq(wq, hn::Zero(d)), old, hn::MulAdd(x, wq, old)), d, a);
+    }
+  }
+}
+
+// OuterAccumulate over rows [0, n) (acc = alpha · acc + Σ_r rows[r] · w[r]), in row order as
+// it, but with the rows flagged in `bad` (null: none) going through AccumulateRowSkippingZeros.
+// Splitting the rows changes no bit: alpha is applied once, first, and each accumulator is a
+// chain of fused multiply-adds in row order.
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t mq, const T* HWY_RESTRICT rows,
+                               int64_t stride, int64_t width, const hn::Vec<D>* alpha, const uint8_t* bad,
+                               T* HWY_RESTRICT acc) {
+  hn::Vec<D> ones[QV];
+  for (size_t q = 0; q < QV; ++q) ones[q] = hn::Set(d, T(1));
+  int64_t r0 = 0;
+  for (int64_t r = 0; bad && r < n; ++r) {
+    if (!bad[r]) continue;
+    OuterAccumulate<QV>(d, w + r0 * mq, r - r0, mq, rows + r0 * stride, stride, width, alpha, acc);
+    AccumulateRowSkippingZeros<QV>(d, w + r * mq, mq, rows + r * stride, width, acc);
+    alpha = ones;
+    r0 = r + 1;
+  }
+  OuterAccumulate<QV>(d, w + r0 * mq, n - r0, mq, rows + r0 * stride, stride, width, alpha, acc);
+}
+
 // Scores of keys [j0, j0 + n) (rows of `keys`, key j0 first) for a block into st, scaled (the
 // scale is folded into qt), masked.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
@@ -190,10 +231,11 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
 
 // One online-softmax step of a block over the tile that starts at t (a multiple of
 // kTileKeys), clipped to the block's span: scores, new max, rescale, p = exp(s - max), p·V.
-// keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it).
+// keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it);
+// v_bad (null: none) flags the value rows holding NaN or inf, from k0 on.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
-               int64_t k0, const Rows<T>& keys, const Rows<T>& values) {
+               int64_t k0, const Rows<T>& keys, const Rows<T>& values, const uint8_t* v_bad) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -266,7 +308,9 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     }
   }
 
-  OuterAccumulate<QV>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha, bs.ot);
+  // A value row holding NaN or inf reaches no lane that gives its key weight 0 (no 0 · NaN).
+  AccumulateRows<QV>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha, v_bad ? v_bad + (j0 - k0) : nullptr,
+                     bs.ot);
 }
 
 // Online softmax for a group of blocks of one kv head over keys [key_begin, key_end), tile
@@ -293,7 +337,10 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     const BlockRows& blk = blks[0];  // every block of a group reads the same kv head
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get());
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
-    for (size_t g = 0; g < count; ++g) BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, values);
+    const bool v_bad = FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
+    for (size_t g = 0; g < count; ++g) {
+      BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, values, v_bad ? s.v_bad.data() : nullptr);
+    }
   }
   for (size_t g = 0; g < count; ++g) {
     for (size_t l = 0; l < mq; ++l) {

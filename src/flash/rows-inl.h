@@ -13,6 +13,7 @@
 #define SDPA_FLASH_ROWS_INL_H_
 #endif
 
+#include <cmath>
 #include <cstdint>
 
 #include "hwy/highway.h"
@@ -59,6 +60,28 @@ HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n
   for (int64_t r = 0; r < n; ++r) WidenRow(d, v.dtype, v.ptr(b, h, n0 + r, 0), width, scratch + r * width);
   return {scratch, width};
 }
+
+// flags[r] = whether row r of rows[0, n) (width elements each) holds a NaN or inf; returns
+// whether any does. x · 0 is NaN exactly for those, so one fused multiply-add per vector.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE bool FlagNonFiniteRows(D d, const T* HWY_RESTRICT rows, int64_t stride, int64_t n, int64_t width,
+                                  uint8_t* HWY_RESTRICT flags) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  bool any = false;
+  for (int64_t r = 0; r < n; ++r) {
+    const T* x = rows + r * stride;
+    auto acc = hn::Zero(d);
+    int64_t c = 0;
+    for (; c + N <= width; c += N) acc = hn::MulAdd(hn::LoadU(d, x + c), hn::Zero(d), acc);
+    bool bad = !hn::AllFalse(d, hn::IsNaN(acc));
+    for (; c < width; ++c) bad |= !std::isfinite(x[c]);
+    flags[r] = bad;
+    any |= bad;
+  }
+  return any;
+}
+
+
 
 // Results go back through problem.h's write_row (rounded once to the output's dtype).
 
