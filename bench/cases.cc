@@ -1,6 +1,7 @@
 #include "cases.h"
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -10,7 +11,65 @@ namespace sdpa::bench {
 
 bool has_window(const BenchCase& c) { return c.window.left >= 0 || c.window.right >= 0; }
 
+const char* dtype_tag(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "f16";
+    case DType::kFloat32: return "f32";
+    case DType::kFloat64: return "f64";
+    case DType::kBool: break;
+  }
+  return "?";
+}
+
+std::optional<DType> dtype_of_tag(const std::string& tag) {
+  for (DType d : {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat64}) {
+    if (tag == dtype_tag(d)) return d;
+  }
+  return std::nullopt;
+}
+
 namespace {
+
+DType compute_dtype(DType dtype) { return dtype == DType::kFloat64 ? dtype : DType::kFloat32; }
+
+// float32 to float16 or bfloat16 bits, rounded to nearest even (as the library rounds its outputs).
+uint16_t to_float16(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t magnitude = x & 0x7fffffff;
+  if (magnitude > 0x7f800000) return sign | 0x7e00;   // NaN
+  if (magnitude >= 0x477ff000) return sign | 0x7c00;  // 65520 and above round to inf
+  if (magnitude < 0x38800000) {                       // below 2^-14: subnormal, m · 2^-24
+    const float scaled = std::bit_cast<float>(magnitude) * 16777216.0f;  // exact: < 1024
+    return sign | static_cast<uint16_t>(std::nearbyint(scaled));          // to even (the default mode)
+  }
+  uint32_t h = (((magnitude >> 23) - 112) << 10) | ((magnitude >> 13) & 0x3ff);
+  const uint32_t rest = magnitude & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry into the exponent is right
+  return sign | static_cast<uint16_t>(h);
+}
+
+uint16_t to_bfloat16(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN stays NaN
+  return static_cast<uint16_t>((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+// Stores `value` as element i of a buffer of `dtype`, rounded to nearest even.
+void store(DType dtype, std::vector<char>& buf, size_t i, double value) {
+  switch (dtype) {
+    case DType::kFloat64: reinterpret_cast<double*>(buf.data())[i] = value; return;
+    case DType::kFloat32: reinterpret_cast<float*>(buf.data())[i] = static_cast<float>(value); return;
+    case DType::kFloat16:
+      reinterpret_cast<uint16_t*>(buf.data())[i] = to_float16(static_cast<float>(value));
+      return;
+    case DType::kBFloat16:
+      reinterpret_cast<uint16_t*>(buf.data())[i] = to_bfloat16(static_cast<float>(value));
+      return;
+    case DType::kBool: break;
+  }
+}
 
 // The (i, j) pairs that causal and the window allow: the header's rules, summed row by row.
 double allowed_pairs(const BenchCase& c) {
@@ -40,7 +99,9 @@ double kv_bytes(const BenchCase& c) { return 2.0 * c.B * c.Hkv * c.Nk * c.D * dt
 
 bool is_decode(const BenchCase& c) { return c.Nq * (c.Hq / std::max<int64_t>(c.Hkv, 1)) <= 16; }
 
-std::vector<BenchCase> default_cases() {
+namespace {
+
+std::vector<BenchCase> float32_cases() {
   const auto backward = [](BenchCase c) {
     c.backward = true;
     return c;
@@ -76,8 +137,34 @@ std::vector<BenchCase> default_cases() {
   };
 }
 
+BenchCase in_dtype(BenchCase c, DType dtype) {
+  c.dtype = dtype;
+  if (dtype != DType::kFloat32) c.name += std::string(" ") + dtype_tag(dtype);
+  return c;
+}
+
+}  // namespace
+
+std::vector<BenchCase> cases_in(DType dtype) {
+  std::vector<BenchCase> cases;
+  for (const BenchCase& c : float32_cases()) cases.push_back(in_dtype(c, dtype));
+  return cases;
+}
+
+std::vector<BenchCase> default_cases() {
+  std::vector<BenchCase> cases = float32_cases();
+  const std::vector<BenchCase> all = cases;
+  for (const char* name : {"prefill d64", "prefill d128", "prefill d64 causal", "prefill d128 causal",
+                           "decode gqa 32:8 d128", "backward d64"}) {
+    const auto c = std::find_if(all.begin(), all.end(), [&](const BenchCase& x) { return x.name == name; });
+    if (c != all.end()) cases.push_back(in_dtype(*c, DType::kBFloat16));
+  }
+  return cases;
+}
+
 CaseData::CaseData(const BenchCase& c) : c_(c) {
   const int64_t es = dtype_size(c.dtype);
+  const DType compute = compute_dtype(c.dtype);
   q_.resize(c.B * c.Hq * c.Nq * c.D * es);
   k_.resize(c.B * c.Hkv * c.Nk * c.D * es);
   v_.resize(k_.size());
@@ -86,27 +173,15 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   std::uniform_real_distribution<double> normal(-1.7, 1.7);  // unit variance, like randn
   for (auto* buf : {&q_, &k_, &v_}) {
     const size_t n = buf->size() / es;
-    for (size_t i = 0; i < n; ++i) {
-      if (c.dtype == DType::kFloat32) {
-        reinterpret_cast<float*>(buf->data())[i] = static_cast<float>(normal(rng));
-      } else {
-        reinterpret_cast<double*>(buf->data())[i] = normal(rng);
-      }
-    }
+    for (size_t i = 0; i < n; ++i) store(c.dtype, *buf, i, normal(rng));
   }
   if (c.backward) {  // the forward's out and lse, and a random incoming gradient
-    lse_.resize(c.B * c.Hq * c.Nq * es);
+    lse_.resize(c.B * c.Hq * c.Nq * dtype_size(compute));
     dout_.resize(out_.size());
     dq_.resize(q_.size());
     dk_.resize(k_.size());
     dv_.resize(v_.size());
-    for (size_t i = 0; i < dout_.size() / es; ++i) {
-      if (c.dtype == DType::kFloat32) {
-        reinterpret_cast<float*>(dout_.data())[i] = static_cast<float>(normal(rng));
-      } else {
-        reinterpret_cast<double*>(dout_.data())[i] = normal(rng);
-      }
-    }
+    for (size_t i = 0; i < dout_.size() / es; ++i) store(c.dtype, dout_, i, normal(rng));
   }
   if (c.mask == MaskKind::kBool) {
     mask_.resize(c.Nq * c.Nk);
@@ -119,11 +194,7 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
     const size_t n = c.Nq * c.Nk;
     for (size_t i = 0; i < n; ++i) {
       const double bias = rng() % 8 ? 0.1 * normal(rng) : -std::numeric_limits<double>::infinity();
-      if (c.dtype == DType::kFloat32) {
-        reinterpret_cast<float*>(mask_.data())[i] = static_cast<float>(bias);
-      } else {
-        reinterpret_cast<double*>(mask_.data())[i] = bias;
-      }
+      store(c.dtype, mask_, i, bias);
     }
   }
   if (c.backward) {  // out and lse of these inputs, which the backward pass takes as given
@@ -132,7 +203,7 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
     opt.window = c.window;
     Outputs outs;
     outs.out = TensorView::contiguous(out_.data(), c.dtype, {c.B, c.Hq, c.Nq, c.D});
-    outs.lse = TensorView::contiguous(lse_.data(), c.dtype, {c.B, c.Hq, c.Nq});
+    outs.lse = TensorView::contiguous(lse_.data(), compute, {c.B, c.Hq, c.Nq});
     attention(inputs(), outs, opt);
   }
 }
@@ -163,7 +234,7 @@ void CaseData::run(Backend backend) {
     attention(inputs(), outs, opt);
     return;
   }
-  const TensorView lse = TensorView::contiguous(lse_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq});
+  const TensorView lse = TensorView::contiguous(lse_.data(), compute_dtype(c_.dtype), {c_.B, c_.Hq, c_.Nq});
   Gradients g;
   g.dq = TensorView::contiguous(dq_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
   g.dk = TensorView::contiguous(dk_.data(), c_.dtype, {c_.B, c_.Hkv, c_.Nk, c_.D});

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,11 +19,12 @@ enum class MaskKind {
 };
 
 struct BenchCase {
-  std::string name;
+  std::string name;  // ends in the dtype's tag (" bf16") unless the dtype is float32
   int64_t B = 1, Hq = 1, Hkv = 1, Nq = 1, Nk = 1, D = 64;
   MaskKind mask = MaskKind::kNone;
   Causal causal = Causal::kNone;
-  DType dtype = DType::kFloat32;
+  DType dtype = DType::kFloat32;  // of q, k, v, out (and dout, the gradients, an additive mask);
+                                 // lse has the compute type: float64 for float64, else float32
   bool backward = false;  // time attention_backward (given out and lse) instead of attention
   Window window = {};     // sliding window (left, right); -1 = unbounded
 };
@@ -36,8 +38,17 @@ bool has_window(const BenchCase& c);
 double kv_bytes(const BenchCase& c);
 bool is_decode(const BenchCase& c);  // Nq·(Hq/Hkv) small: bandwidth, not flops, is the measure
 
-// The default table: prefill (D 64/128, causal, masks, GQA) and decode cases.
+// "bf16", "f16", "f32", "f64": what `sdpa bench --dtype` takes and case names end in.
+const char* dtype_tag(DType dtype);
+// The dtype of a tag, or nullopt for anything else.
+std::optional<DType> dtype_of_tag(const std::string& tag);
+
+// The default table: prefill (D 64/128, causal, masks, GQA), decode, backward and window cases
+// in float32, then a few of them in bfloat16 (prefill D 64/128 with and without causal, GQA
+// decode, backward D 64).
 std::vector<BenchCase> default_cases();
+// Every case of the float32 table in `dtype` instead, named with its tag.
+std::vector<BenchCase> cases_in(DType dtype);
 
 // Random inputs for a case, owned; `run` calls sdpa::attention once with the given backend.
 class CaseData {

@@ -51,6 +51,11 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       ->check(CLI::Range(0, kMaxInt));
   cmd->add_option("--reps", options.reps, "Timed runs per case; the median is reported")->check(CLI::Range(1, kMaxInt));
   cmd->add_option("--filter", options.filter, "Only cases whose name contains this text");
+  cmd->add_option("--dtype", options.dtype,
+                  "Every case in this dtype (q, k, v, out; lse float32, float64 for f64) instead of the default "
+                  "table: float32, then the cases named 'bf16' in bfloat16")
+      ->check(CLI::IsMember({"bf16", "f16", "f32", "f64"}))
+      ->type_name("DTYPE");
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
   cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");
   return cmd;
@@ -61,10 +66,18 @@ void bench_command(const BenchOptions& options) {
   if (options.threads > 0) sdpa::set_num_threads(options.threads);
   const int threads = sdpa::num_threads();
   std::vector<sdpa::bench::BenchCase> cases;
-  for (const auto& c : sdpa::bench::default_cases()) {
+  const auto dtype = sdpa::bench::dtype_of_tag(options.dtype);  // CLI11 has checked the tag
+  for (const auto& c : dtype ? sdpa::bench::cases_in(*dtype) : sdpa::bench::default_cases()) {
     if (c.name.find(options.filter) != std::string::npos) cases.push_back(c);
   }
   if (cases.empty()) throw std::runtime_error("--filter '" + options.filter + "' matches no case");
+  std::string dtypes;  // the dtypes of the cases, as the header names them: "float32, bfloat16"
+  for (const auto& c : cases) {
+    const std::string name = sdpa::dtype_name(c.dtype);
+    if ((", " + dtypes + ", ").find(", " + name + ", ") == std::string::npos) {
+      dtypes += (dtypes.empty() ? "" : ", ") + name;
+    }
+  }
 
   // Progress on stderr: one line rewritten in place on a terminal, plain lines to a log.
   const bool tty = isatty(STDERR_FILENO);
@@ -93,37 +106,38 @@ void bench_command(const BenchOptions& options) {
     std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"fma_peak_gflops\": %.2f, \"read_bandwidth_gbs\": %.2f,\n",
                 threads, target.c_str(), peak, bandwidth);
     std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D (backward: 10*B*Hq*Nq*Nk*D), halved for causal; with a window, "
-                "Nq*Nk counts the (i, j) pairs it and causal allow\",\n \"cases\": [\n");
+                "Nq*Nk counts the (i, j) pairs it and causal allow; the same for every dtype\",\n \"cases\": [\n");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       std::printf(
-          "  {\"name\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Nq\": %lld, \"Nk\": %lld, \"D\": %lld, "
+          "  {\"name\": \"%s\", \"dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Nq\": %lld, "
+          "\"Nk\": %lld, \"D\": %lld, "
           "\"mask\": \"%s\", \"causal\": \"%s\", \"window\": [%lld, %lld], \"median_ms\": %.4f, "
           "\"gflops\": %.2f, \"peak_share\": %.4f, \"kv_gbs\": %.2f, \"bandwidth_share\": %.4f}%s\n",
-          r.c.name.c_str(), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv, (long long)r.c.Nq,
-          (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), (long long)r.c.window.left,
-          (long long)r.c.window.right, r.seconds * 1e3, r.gflops, r.gflops / peak, r.kv_gbs, r.kv_gbs / bandwidth,
-          i + 1 < rows.size() ? "," : "");
+          r.c.name.c_str(), sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
+          (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
+          (long long)r.c.window.left, (long long)r.c.window.right, r.seconds * 1e3, r.gflops, r.gflops / peak, r.kv_gbs,
+          r.kv_gbs / bandwidth, i + 1 < rows.size() ? "," : "");
     }
     std::printf(" ]}\n");
     return;
   }
-  std::printf("sdpa bench: %d threads, SIMD target %s, float32, median of %d runs\n", threads, target.c_str(),
-              options.reps);
+  std::printf("sdpa bench: %d threads, SIMD target %s, %s, median of %d runs\n", threads, target.c_str(),
+              dtypes.c_str(), options.reps);
   std::printf("machine (measured now, %d threads): FMA peak %.1f GFLOP/s, read bandwidth %.1f GB/s\n", threads,
               peak, bandwidth);
   std::printf(
       "GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (backward: 10*B*Hq*Nq*Nk*D), halved for causal;\n"
-      "  with a window, Nq*Nk counts the (i, j) pairs it and causal allow;\n"
-      "KV GB/s = bytes of K and V / time\n\n");
-  std::printf("%-28s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "B", "Hq", "Hkv", "Nq",
-              "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
+      "  with a window, Nq*Nk counts the (i, j) pairs it and causal allow; the same for every dtype;\n"
+      "KV GB/s = bytes of K and V (in the case's dtype) / time\n\n");
+  std::printf("%-32s %-4s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "type", "B", "Hq", "Hkv",
+              "Nq", "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
   for (const auto& r : rows) {
     const bool decode = sdpa::bench::is_decode(r.c);
-    std::printf("%-28s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.3f %8.1f %5.1f%% ", r.c.name.c_str(),
-                (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv, (long long)r.c.Nq, (long long)r.c.Nk,
-                (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal), r.seconds * 1e3, r.gflops,
-                100 * r.gflops / peak);
+    std::printf("%-32s %-4s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.3f %8.1f %5.1f%% ", r.c.name.c_str(),
+                sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
+                (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
+                r.seconds * 1e3, r.gflops, 100 * r.gflops / peak);
     if (decode) {
       std::printf("%8.1f %4.0f%%\n", r.kv_gbs, 100 * r.kv_gbs / bandwidth);
     } else {

@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <bit>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -302,8 +303,13 @@ TEST_F(CliTest, HelpDescribesEveryOption) {
   const Result bench = sdpa("bench --help");
   EXPECT_EQ(bench.status, 0) << bench.err;
   EXPECT_EQ(bench.err, "");
-  for (const char* option : {"--threads", "--reps", "--filter", "--json", "--no-avx512"}) {
+  for (const char* option : {"--threads", "--reps", "--filter", "--dtype", "bf16", "f16", "--json", "--no-avx512"}) {
     EXPECT_NE(bench.out.find(option), std::string::npos) << option;
+  }
+  // The dtypes and their .npy descrs, and what NumPy does with bfloat16.
+  for (const char* text : {"float16 '<f2'", "bfloat16 '<V2'", "ml_dtypes.bfloat16", "view(ml_dtypes.bfloat16)",
+                           "out has q's dtype", "weights and lse have the compute type"}) {
+    EXPECT_NE(run.out.find(text), std::string::npos) << text << " in: " << run.out;
   }
 }
 
@@ -510,13 +516,225 @@ TEST_F(CliTest, BenchJsonSmoke) {
   for (const char* key : {"\"threads\": 1", "\"simd_target\":", "\"fma_peak_gflops\":", "\"read_bandwidth_gbs\":",
                           "\"flops_formula\":", "\"cases\": [", "\"name\": \"decode mha 8 d64 (4 tokens)\"",
                           "\"Nk\": 16384", "\"median_ms\":", "\"gflops\":", "\"peak_share\":", "\"kv_gbs\":",
-                          "\"bandwidth_share\":"}) {
+                          "\"bandwidth_share\":", "\"dtype\": \"f32\""}) {
     EXPECT_NE(r.out.find(key), std::string::npos) << key << " in: " << r.out;
   }
   EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '{'), 2) << "the run and exactly one case: " << r.out;
   EXPECT_FALSE(JsonChecker("{\"a\": 1,}").valid());  // the checker does reject things
   EXPECT_FALSE(JsonChecker("{\"a\": 1} {}").valid());
   expect_one_line_error(sdpa("bench --filter 'no such case' --reps 1"), "--filter 'no such case' matches no case");
+}
+
+TEST_F(CliTest, BenchDtypeRunsTheTableInThatDtype) {
+  const Result r = sdpa("bench --dtype f16 --filter 'decode mha 8 d64' --reps 1 --threads 1 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(JsonChecker(r.out).valid()) << r.out;
+  EXPECT_NE(r.out.find("\"name\": \"decode mha 8 d64 (4 tokens) f16\", \"dtype\": \"f16\""), std::string::npos)
+      << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '{'), 2) << "the run and exactly one case: " << r.out;
+  // The table: its header names the dtype, and a row says it too.
+  const Result table = sdpa("bench --dtype bf16 --filter 'decode mha 8 d64' --reps 1 --threads 1");
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_NE(table.out.find(", bfloat16, median of 1 runs"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("decode mha 8 d64 (4 tokens) bf16 bf16"), std::string::npos) << table.out;
+  const Result bad = sdpa("bench --dtype bf32");
+  EXPECT_EQ(bad.status, 2) << bad.err;
+  EXPECT_NE(bad.err.find("--dtype"), std::string::npos) << bad.err;
+  EXPECT_EQ(r.err.find("error"), std::string::npos) << r.err;
+}
+
+// float16 bits of a random value in ±[0.25, 4): sign, exponent 13..16, any mantissa; bfloat16
+// likewise (exponent 125..128). Random bits, not rounded floats: no conversion to trust.
+uint16_t random_bits(DType dtype, uint32_t& state) {
+  state = state * 1664525u + 1013904223u;
+  const uint32_t r = state >> 8;
+  const uint32_t sign = (r & 1) << 15;
+  if (dtype == DType::kFloat16) return static_cast<uint16_t>(sign | ((13 + ((r >> 1) & 3)) << 10) | ((r >> 3) & 0x3ff));
+  return static_cast<uint16_t>(sign | ((125 + ((r >> 1) & 3)) << 7) | ((r >> 3) & 0x7f));
+}
+
+NpyArray random_16(DType dtype, std::vector<int64_t> shape, uint32_t seed) {
+  NpyArray a = NpyArray::zeros(dtype, std::move(shape));
+  for (int64_t i = 0; i < a.numel(); ++i) a.values<uint16_t>()[i] = random_bits(dtype, seed);
+  return a;
+}
+
+// Element i of a float array, as a double.
+double value_at(const NpyArray& a, int64_t i) {
+  switch (a.dtype) {
+    case DType::kFloat16: return float16_to_float(a.values<uint16_t>()[i]);
+    case DType::kBFloat16: return bfloat16_to_float(a.values<uint16_t>()[i]);
+    case DType::kFloat32: return a.values<float>()[i];
+    case DType::kFloat64: return a.values<double>()[i];
+    case DType::kBool: break;
+  }
+  ADD_FAILURE() << "not a float array";
+  return 0;
+}
+
+// The array in float64 (exactly).
+NpyArray to_float64(const NpyArray& a) {
+  NpyArray b = NpyArray::zeros(DType::kFloat64, a.shape);
+  for (int64_t i = 0; i < a.numel(); ++i) b.values<double>()[i] = value_at(a, i);
+  return b;
+}
+
+// What sdpa::attention itself gives for these arrays (the .npy files the CLI read, read again),
+// with out of `out_dtype` and weights and lse of `compute`.
+struct Direct {
+  NpyArray out, weights, lse;
+};
+Direct attention_of(NpyArray q, NpyArray k, NpyArray v, NpyArray* mask, DType out_dtype, DType compute,
+                    sdpa::Options options, sdpa::Backend backend = sdpa::Backend::kAuto) {
+  options.backend = backend;
+  const size_t r = q.shape.size();
+  std::vector<int64_t> out_shape = q.shape, w_shape = q.shape, lse_shape(q.shape.begin(), q.shape.end() - 1);
+  out_shape[r - 1] = v.shape.back();
+  w_shape[r - 1] = k.shape[r - 2];
+  Direct d{NpyArray::zeros(out_dtype, out_shape), NpyArray::zeros(compute, w_shape),
+           NpyArray::zeros(compute, lse_shape)};
+  sdpa::Inputs in{q.view(), k.view(), v.view(), std::nullopt};
+  if (mask) in.mask = mask->view();
+  sdpa::attention(in, sdpa::Outputs{d.out.view(), d.weights.view(), d.lse.view()}, options);
+  return d;
+}
+
+TEST_F(CliTest, Float16RunGivesFloat16OutAsTheLibraryDoes) {
+  // GQA 4:2, a float16 additive mask broadcast over batch and heads (-inf blocks), causal.
+  save("q.npy", random_16(DType::kFloat16, {2, 4, 5, 8}, 1));
+  save("k.npy", random_16(DType::kFloat16, {2, 2, 7, 8}, 2));
+  save("v.npy", random_16(DType::kFloat16, {2, 2, 7, 3}, 3));
+  NpyArray mask = random_16(DType::kFloat16, {5, 7}, 4);
+  mask.values<uint16_t>()[3] = mask.values<uint16_t>()[15] = 0xfc00;  // -inf
+  save("mask.npy", mask);
+  const Result r = sdpa(
+      "run --q q.npy --k k.npy --v v.npy --mask mask.npy --causal top_left -o out.npy --weights w.npy --lse lse.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  const NpyArray out = read_npy(path("out.npy")), w = read_npy(path("w.npy")), lse = read_npy(path("lse.npy"));
+  EXPECT_EQ(out.dtype, DType::kFloat16);  // q's
+  EXPECT_EQ(w.dtype, DType::kFloat32);    // the compute type
+  EXPECT_EQ(lse.dtype, DType::kFloat32);
+  EXPECT_EQ(out.shape, (std::vector<int64_t>{2, 4, 5, 3}));
+  EXPECT_EQ(w.shape, (std::vector<int64_t>{2, 4, 5, 7}));
+  EXPECT_EQ(lse.shape, (std::vector<int64_t>{2, 4, 5}));
+  EXPECT_NE(slurp(path("out.npy")).find("'descr': '<f2'"), std::string::npos);
+
+  sdpa::Options options;
+  options.causal = sdpa::Causal::kTopLeft;
+  NpyArray file_mask = read_npy(path("mask.npy"));
+  const Direct direct = attention_of(read_npy(path("q.npy")), read_npy(path("k.npy")), read_npy(path("v.npy")),
+                                     &file_mask, DType::kFloat16, DType::kFloat32, options);
+  EXPECT_EQ(out.data, direct.out.data);  // bit for bit: the library's results are deterministic
+  EXPECT_EQ(w.data, direct.weights.data);
+  EXPECT_EQ(lse.data, direct.lse.data);
+
+  // And near the float64 oracle on the same (widened) values: half an ulp of float16 and a bit.
+  NpyArray mask64 = to_float64(file_mask);
+  const Direct oracle = attention_of(to_float64(read_npy(path("q.npy"))), to_float64(read_npy(path("k.npy"))),
+                                     to_float64(read_npy(path("v.npy"))), &mask64, DType::kFloat64, DType::kFloat64,
+                                     options, sdpa::Backend::kReference);
+  int nonzero = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    const double x = value_at(out, i), expected = oracle.out.values<double>()[i];
+    EXPECT_NEAR(x, expected, 1e-3 * std::max(1.0, std::abs(expected))) << i;
+    nonzero += x != 0;
+  }
+  EXPECT_GT(nonzero, out.numel() / 2);
+  for (int64_t i = 0; i < lse.numel(); ++i) EXPECT_NEAR(value_at(lse, i), oracle.lse.values<double>()[i], 1e-5) << i;
+}
+
+TEST_F(CliTest, BFloat16RunReadsAndWritesMlDtypesFiles) {
+  save("q.npy", random_16(DType::kBFloat16, {3, 6, 4}, 5));
+  save("k.npy", random_16(DType::kBFloat16, {3, 9, 4}, 6));
+  save("v.npy", random_16(DType::kBFloat16, {3, 9, 5}, 7));
+  // A bfloat16 mask beside float16 inputs is not the library's to take: the CLI widens it
+  // (exactly) to float32, so the result is the library's with that float32 mask.
+  NpyArray mask = random_16(DType::kBFloat16, {6, 9}, 8);
+  mask.values<uint16_t>()[10] = 0xff80;  // -inf
+  save("bmask.npy", mask);
+  const Result r = sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --lse lse.npy --weights w.npy --scale 0.75");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string file = slurp(path("out.npy"));
+  EXPECT_NE(file.find("{'descr': '<V2', 'fortran_order': False, 'shape': (3, 6, 5), }"), std::string::npos) << file;
+  const NpyArray out = read_npy(path("out.npy")), lse = read_npy(path("lse.npy")), w = read_npy(path("w.npy"));
+  EXPECT_EQ(out.dtype, DType::kBFloat16);
+  EXPECT_EQ(lse.dtype, DType::kFloat32);
+  EXPECT_EQ(w.dtype, DType::kFloat32);
+  sdpa::Options options;
+  options.scale = 0.75;
+  const Direct direct = attention_of(read_npy(path("q.npy")), read_npy(path("k.npy")), read_npy(path("v.npy")), nullptr,
+                                     DType::kBFloat16, DType::kFloat32, options);
+  EXPECT_EQ(out.data, direct.out.data);
+  EXPECT_EQ(lse.data, direct.lse.data);
+  EXPECT_EQ(w.data, direct.weights.data);
+
+  save("q16.npy", random_16(DType::kFloat16, {3, 6, 4}, 9));
+  save("k16.npy", random_16(DType::kFloat16, {3, 9, 4}, 10));
+  save("v16.npy", random_16(DType::kFloat16, {3, 9, 5}, 11));
+  const Result masked = sdpa("run --q q16.npy --k k16.npy --v v16.npy --mask bmask.npy -o out.npy");
+  ASSERT_EQ(masked.status, 0) << masked.err;
+  NpyArray mask32 = NpyArray::zeros(DType::kFloat32, {6, 9});
+  for (int64_t i = 0; i < mask32.numel(); ++i) {
+    mask32.values<float>()[i] = std::bit_cast<float>(uint32_t{mask.values<uint16_t>()[i]} << 16);
+  }
+  const Direct widened = attention_of(read_npy(path("q16.npy")), read_npy(path("k16.npy")), read_npy(path("v16.npy")),
+                                      &mask32, DType::kFloat16, DType::kFloat32, {});
+  const NpyArray masked_out = read_npy(path("out.npy"));
+  EXPECT_EQ(masked_out.dtype, DType::kFloat16);
+  EXPECT_EQ(masked_out.data, widened.out.data);
+}
+
+TEST_F(CliTest, Float32QueriesOverFloat16KeysAndValues) {
+  // A float32 query against a float16 KV cache: out and lse float32.
+  NpyArray q = NpyArray::zeros(DType::kFloat32, {2, 6});
+  for (int64_t i = 0; i < q.numel(); ++i) q.values<float>()[i] = 0.3f * static_cast<float>(i % 5) - 0.55f;
+  save("q.npy", q);
+  save("k.npy", random_16(DType::kFloat16, {11, 6}, 12));
+  save("v.npy", random_16(DType::kFloat16, {11, 2}, 13));
+  const Result r = sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --lse lse.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const NpyArray out = read_npy(path("out.npy")), lse = read_npy(path("lse.npy"));
+  EXPECT_EQ(out.dtype, DType::kFloat32);
+  EXPECT_EQ(lse.dtype, DType::kFloat32);
+  const Direct direct = attention_of(read_npy(path("q.npy")), read_npy(path("k.npy")), read_npy(path("v.npy")), nullptr,
+                                     DType::kFloat32, DType::kFloat32, {});
+  EXPECT_EQ(out.data, direct.out.data);
+  EXPECT_EQ(lse.data, direct.lse.data);
+}
+
+TEST_F(CliTest, DtypeErrorsNameTheFiles) {
+  save("q16.npy", random_16(DType::kFloat16, {2, 4}, 1));
+  save("k16.npy", random_16(DType::kFloat16, {3, 4}, 2));
+  save("v16.npy", random_16(DType::kFloat16, {3, 4}, 3));
+  save("kb.npy", random_16(DType::kBFloat16, {3, 4}, 4));
+  save("k32.npy", NpyArray::zeros(DType::kFloat32, {3, 4}));
+  save("q64.npy", NpyArray::zeros(DType::kFloat64, {2, 4}));
+  save("big.npy", array<double>(DType::kFloat64, {1, 3}, {0, 1e300, 0}));
+  save("bool.npy", array<uint8_t>(DType::kBool, {2, 4}, {1, 1, 1, 1, 1, 1, 1, 1}));
+  // np.load of a bfloat16 file, saved again without the view: '|V2'.
+  std::ofstream(path("raw.npy"), std::ios::binary)
+      << std::string("\x93NUMPY\x01\x00v\x00", 10) + "{'descr': '|V2', 'fortran_order': False, 'shape': (3, 4), }" +
+             std::string(128 - 11 - 59, ' ') + "\n" + std::string(24, '\0');
+  const auto before = files();
+  const std::string o = " -o out.npy --lse lse.npy";
+  // float16 and bfloat16 are not converted: the library's rule, and the files, are named.
+  expect_one_line_error(sdpa("run --q q16.npy --k kb.npy --v v16.npy" + o),
+                        "k has dtype bfloat16 but q has dtype float16", "k = kb.npy");
+  expect_one_line_error(sdpa("run --q q16.npy --k k16.npy --v kb.npy" + o),
+                        "v has dtype bfloat16 but k has dtype float16", "v = kb.npy");
+  expect_one_line_error(sdpa("run --q q16.npy --k k32.npy --v v16.npy" + o),
+                        "k has dtype float32 but q has dtype float16", "k = k32.npy");
+  // float64 meets float32 in float64, but not float16.
+  expect_one_line_error(sdpa("run --q q64.npy --k k16.npy --v v16.npy" + o),
+                        "k has dtype float16 but q has dtype float64", "q = q64.npy, k = k16.npy");
+  expect_one_line_error(sdpa("run --q bool.npy --k k16.npy --v v16.npy" + o), "q has dtype bool", "q = bool.npy");
+  expect_one_line_error(sdpa("run --q raw.npy --k k16.npy --v v16.npy" + o), "raw.npy: unsupported dtype '|V2'");
+  // A float64 bias that float32, the compute type of float16, cannot hold.
+  expect_one_line_error(sdpa("run --q q16.npy --k k16.npy --v v16.npy --mask big.npy" + o),
+                        "mask (big.npy) has 1e+300 at index (0, 1), which float32 cannot hold (the compute type of "
+                        "float16 q)");
+  EXPECT_EQ(files(), before);  // no output, no temporary
 }
 
 TEST_F(CliTest, DemoPrintsTheToyHead) {

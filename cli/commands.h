@@ -36,6 +36,7 @@ struct BenchOptions {
   int threads = 0;  // 0: OpenMP's default
   int reps = 5;
   std::string filter;
+  std::string dtype;  // "bf16", "f16", "f32", "f64": the whole table in it; empty: the default table
   bool json = false;
   bool no_avx512 = false;
 };

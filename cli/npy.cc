@@ -11,6 +11,7 @@
 #include <atomic>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -35,6 +36,11 @@ constexpr size_t kPreludeSize = sizeof(kMagic) + 2;  // magic + major + minor ve
 // making us allocate gigabytes. (NumPy itself refuses headers over 10000 bytes by default.)
 constexpr uint32_t kMaxHeaderSize = 1 << 16;
 constexpr int kMaxRank = 4;
+// numpy.save writes dtype.str as the descr. ml_dtypes.bfloat16 is a legacy user dtype without a
+// NumPy type code: its str is '<V2', a 2-byte void with a byte order, which no NumPy type has
+// ('V2' is '|V2'), and bfloat16 is the only 2-byte type in ml_dtypes (its float8, float6,
+// float4 and int4 types are 1 byte, '<V1'). So '<V2' is read as bfloat16, and bfloat16 written so.
+constexpr const char* kBFloat16Descr = "<V2";
 
 [[noreturn]] void fail(const fs::path& path, const std::string& what) {
   throw std::runtime_error(path.string() + ": " + what);
@@ -46,7 +52,8 @@ const char* descr_of(sdpa::DType dtype) {
     case sdpa::DType::kFloat64: return "<f8";
     case sdpa::DType::kBool: return "|b1";
     case sdpa::DType::kFloat16: return "<f2";
-    case sdpa::DType::kBFloat16: break;  // NumPy has no bfloat16 (see the CLI's --help)
+    // NumPy has no bfloat16: this is what numpy.save writes for an ml_dtypes.bfloat16 array.
+    case sdpa::DType::kBFloat16: return kBFloat16Descr;
   }
   throw std::logic_error("npy: unknown dtype");
 }
@@ -177,12 +184,23 @@ std::string quoted_excerpt(std::string_view text) {
 sdpa::DType dtype_from_descr(const fs::path& path, const std::string& descr) {
   if (descr == "<f4") return sdpa::DType::kFloat32;
   if (descr == "<f8") return sdpa::DType::kFloat64;
+  if (descr == "<f2") return sdpa::DType::kFloat16;
+  if (descr == kBFloat16Descr) return sdpa::DType::kBFloat16;
   if (descr == "|b1") return sdpa::DType::kBool;
   if (!descr.empty() && descr[0] == '>') {
     fail(path,
          "big-endian data ('" + descr + "') is not supported; convert with arr.astype(arr.dtype.newbyteorder('<'))");
   }
-  fail(path, "unsupported dtype '" + descr + "' (supported: '<f4' float32, '<f8' float64, '|b1' bool)");
+  if (descr == "|V2") {
+    // What np.load makes of a bfloat16 file (the type is lost, the bytes kept), saved again.
+    fail(path,
+         "unsupported dtype '|V2' (2 raw bytes, no number type); if they are bfloat16, save "
+         "arr.view(ml_dtypes.bfloat16), which NumPy writes as '<V2'");
+  }
+  fail(path,
+       "unsupported dtype '" + descr +
+           "' (supported: '<f4' float32, '<f8' float64, '<f2' float16, '<V2' bfloat16 as ml_dtypes saves it, "
+           "'|b1' bool)");
 }
 
 // Reads exactly n bytes or fails: the size checks before the reads make a failure here rare
@@ -355,6 +373,19 @@ NpyArray read_npy(const fs::path& path) {
   read_exactly(in, path, a.data.data(), a.data.size());
   return a;
 }
+
+float float16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits >> 15) << 31;
+  const uint32_t exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  return std::bit_cast<float>(sign | ((exponent + 127 - 15) << 23) | (mantissa << 13));
+}
+
+float bfloat16_to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
 
 std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape) {
   // Key order and spacing as NumPy writes them, so our files look like NumPy's.

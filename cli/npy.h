@@ -6,9 +6,17 @@
 //     {'descr': '<f8', 'fortran_order': False, 'shape': (2, 3), }
 // padded with spaces and ended by '\n', then the raw elements.
 //
-// Supported: versions 1.0 and 2.0 read, 1.0 written; dtypes '<f4', '<f8' and '|b1' (bool);
-// C order only; rank 0..4. Anything else is refused with a std::runtime_error whose message
-// starts with the file name and says what is wrong.
+// Supported: versions 1.0 and 2.0 read, 1.0 written; dtypes '<f4' (float32), '<f8' (float64),
+// '<f2' (float16), '<V2' (bfloat16) and '|b1' (bool); C order only; rank 0..4. Anything else is
+// refused with a std::runtime_error whose message starts with the file name and says what is
+// wrong.
+//
+// bfloat16: NumPy has no such type. numpy.save of an ml_dtypes.bfloat16 array writes its
+// dtype.str, '<V2' (a 2-byte void with a byte order, which no NumPy type has: NumPy's own 2-byte
+// void is '|V2'), and bfloat16 is ml_dtypes' only 2-byte type, so '<V2' is read as bfloat16 and
+// bfloat16 is written as '<V2', byte for byte what numpy.save writes. np.load gives such a file
+// back as '|V2' bytes: arr.view(ml_dtypes.bfloat16) makes them bfloat16 again. '|V2' itself (those
+// bytes saved again without the view) says nothing about the type and is refused.
 #pragma once
 
 #include <cstddef>
@@ -38,7 +46,8 @@ struct NpyArray {
   int64_t numel() const;  // checked_numel("array", shape)
   std::string shape_string() const;  // "(2, 3)", "(4,)", "()" like NumPy
 
-  // The array seen as T (float, double, or uint8_t for bool); T must match dtype.
+  // The array seen as T (float, double, uint16_t for the bits of float16 and bfloat16, uint8_t
+  // for bool); T must match dtype's size.
   template <class T>
   T* values() {
     return reinterpret_cast<T*>(data.data());
@@ -83,6 +92,10 @@ void write_npy(const std::filesystem::path& path, const NpyArray& array);
 // directory, or a folder that does not exist or is not writable. Finds out by creating and
 // removing a temporary; destinations written in place are not opened.
 void check_npy_destinations(const std::vector<std::filesystem::path>& paths);
+
+// The value of float16 / bfloat16 bits, exactly (every one is a float32; NaN payloads kept).
+float float16_to_float(uint16_t bits);
+float bfloat16_to_float(uint16_t bits);
 
 // The header dict text for an array (without padding): exposed for tests.
 std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape);

@@ -7,6 +7,8 @@
 #include <sys/sysinfo.h>
 
 #include <algorithm>
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -63,6 +65,11 @@ std::string npy_bytes(const std::string& dict, const std::string& data = "", int
   return s + header + data;
 }
 
+std::string contents(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 template <class T>
 std::string bytes_of(const std::vector<T>& values) {
   return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
@@ -75,13 +82,16 @@ NpyArray sample(DType dtype, std::vector<int64_t> shape) {
     if (dtype == DType::kFloat32) a.values<float>()[i] = 0.5f + static_cast<float>(i) * 1.25f;
     if (dtype == DType::kFloat64) a.values<double>()[i] = -1.0 / (3.0 + static_cast<double>(i));
     if (dtype == DType::kBool) a.values<uint8_t>()[i] = (i % 3) != 1;
+    if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {  // bits; both bytes vary
+      a.values<uint16_t>()[i] = static_cast<uint16_t>(0x3c01 + i * 0x0101);
+    }
   }
   return a;
 }
 
 TEST_F(NpyTest, RoundTripsEveryDtypeAndRank) {
   const std::vector<std::vector<int64_t>> shapes = {{}, {5}, {2, 3}, {2, 1, 3}, {2, 3, 1, 2}, {0, 3}, {4, 0, 2, 1}};
-  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kBool}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kBool}) {
     for (const auto& shape : shapes) {
       const NpyArray a = sample(dtype, shape);
       const fs::path p = dir_ / "a.npy";
@@ -190,10 +200,109 @@ TEST_F(NpyTest, ErrorBigEndian) {
 }
 
 TEST_F(NpyTest, ErrorUnsupportedDtype) {
-  for (const char* descr : {"<i4", "<f2", "<c16", "|u1", "<U3"}) {
+  // '<V1' is what numpy.save writes for ml_dtypes' 1-byte types (float8_e4m3fn, int4, ...).
+  for (const char* descr : {"<i4", "<u2", "<i2", "<c16", "|u1", "<U3", "<V1", "<V4", "|V2", "<e2"}) {
     const std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (1,), }";
     const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(16, '\0'))));
     EXPECT_NE(message.find(std::string("unsupported dtype '") + descr + "'"), std::string::npos) << message;
+  }
+}
+
+TEST_F(NpyTest, ErrorRawTwoByteVoidSaysHowToSaveBFloat16) {
+  // np.load of a bfloat16 file gives '|V2' bytes; saved again without .view(ml_dtypes.bfloat16)
+  // they say nothing about their type: refused, with the way out.
+  const std::string dict = "{'descr': '|V2', 'fortran_order': False, 'shape': (2,), }";
+  const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(4, '\0'))));
+  EXPECT_NE(message.find("arr.view(ml_dtypes.bfloat16)"), std::string::npos) << message;
+  const std::string big_endian = "{'descr': '>f2', 'fortran_order': False, 'shape': (2,), }";
+  const std::string big = read_error(file("b.npy", npy_bytes(big_endian, std::string(4, '\0'))));
+  EXPECT_NE(big.find("big-endian"), std::string::npos) << big;
+}
+
+// What numpy.save (NumPy 2.4) writes, byte for byte, for
+//   np.array([[1.0, 65504, -0.0], [2**-24, np.inf, -np.nan]], dtype=np.float16)
+//   np.array([1.0, -2.5, np.inf, 2**-133, 3.0e38], dtype=ml_dtypes.bfloat16)   (ml_dtypes 0.6)
+// and the bits they hold.
+std::string numpy_file(const std::string& dict, const std::vector<uint16_t>& bits) {
+  std::string header = dict;
+  header.append(128 - 10 - 1 - dict.size(), ' ');
+  header += '\n';
+  return std::string("\x93NUMPY\x01\x00v\x00", 10) + header + bytes_of(bits);
+}
+const std::vector<uint16_t> kFloat16Bits = {0x3c00, 0x7bff, 0x8000, 0x0001, 0x7c00, 0xfe00};
+const std::vector<uint16_t> kBFloat16Bits = {0x3f80, 0xc020, 0x7f80, 0x0001, 0x7f62};
+
+TEST_F(NpyTest, Float16AndBFloat16FilesAreNumPysByteForByte) {
+  const std::string f16 = numpy_file("{'descr': '<f2', 'fortran_order': False, 'shape': (2, 3), }", kFloat16Bits);
+  const std::string bf16 = numpy_file("{'descr': '<V2', 'fortran_order': False, 'shape': (5,), }", kBFloat16Bits);
+  ASSERT_EQ(f16.size(), 140u);  // as NumPy's: 128 bytes of header, 6 elements of 2 bytes
+  ASSERT_EQ(bf16.size(), 138u);
+  // Read: NumPy's files give the bits, unchanged.
+  const NpyArray a = read_npy(file("f16.npy", f16));
+  EXPECT_EQ(a.dtype, DType::kFloat16);
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(std::vector<uint16_t>(a.values<uint16_t>(), a.values<uint16_t>() + 6), kFloat16Bits);
+  const NpyArray b = read_npy(file("bf16.npy", bf16));
+  EXPECT_EQ(b.dtype, DType::kBFloat16);
+  EXPECT_EQ(b.shape, (std::vector<int64_t>{5}));
+  EXPECT_EQ(std::vector<uint16_t>(b.values<uint16_t>(), b.values<uint16_t>() + 5), kBFloat16Bits);
+  // Written: the same bytes as NumPy's.
+  write_npy(dir_ / "f16_out.npy", a);
+  write_npy(dir_ / "bf16_out.npy", b);
+  EXPECT_EQ(contents(dir_ / "f16_out.npy"), f16);
+  EXPECT_EQ(contents(dir_ / "bf16_out.npy"), bf16);
+  EXPECT_EQ(npy_header_dict(DType::kBFloat16, {}), "{'descr': '<V2', 'fortran_order': False, 'shape': (), }");
+}
+
+TEST_F(NpyTest, EveryFloat16AndBFloat16BitPatternRoundTrips) {
+  // All 65536 patterns of each, NaN payloads and signalling NaNs included, bit for bit.
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    NpyArray a = NpyArray::zeros(dtype, {256, 256});
+    for (int i = 0; i < 65536; ++i) a.values<uint16_t>()[i] = static_cast<uint16_t>(i);
+    write_npy(dir_ / "all.npy", a);
+    const NpyArray b = read_npy(dir_ / "all.npy");
+    EXPECT_EQ(b.dtype, dtype);
+    EXPECT_EQ(b.data, a.data) << sdpa::dtype_name(dtype);
+  }
+}
+
+TEST(NpyWiden, Float16AndBFloat16ToFloatAreExact) {
+  EXPECT_EQ(float16_to_float(0x3c00), 1.0f);
+  EXPECT_EQ(float16_to_float(0x7bff), 65504.0f);
+  EXPECT_EQ(float16_to_float(0xc000), -2.0f);
+  EXPECT_EQ(float16_to_float(0x0001), std::ldexp(1.0f, -24));  // the smallest subnormal
+  EXPECT_EQ(float16_to_float(0x03ff), std::ldexp(1023.0f, -24));  // the largest
+  EXPECT_EQ(float16_to_float(0x0400), std::ldexp(1.0f, -14));  // the smallest normal
+  EXPECT_TRUE(std::signbit(float16_to_float(0x8000)) && float16_to_float(0x8000) == 0.0f);
+  EXPECT_EQ(float16_to_float(0xfc00), -INFINITY);
+  EXPECT_EQ(bfloat16_to_float(0x3f80), 1.0f);
+  EXPECT_EQ(bfloat16_to_float(0xc020), -2.5f);
+  EXPECT_EQ(bfloat16_to_float(0x0001), std::ldexp(1.0f, -133));
+  // Every pattern against the definition: (-1)^s · 2^(e - bias) · (1 + m / 2^mbits), subnormals
+  // 2^(1 - bias) · m / 2^mbits, e all ones inf or NaN (the NaN's payload kept in float32's top bits).
+  for (int i = 0; i < 65536; ++i) {
+    const uint16_t bits = static_cast<uint16_t>(i);
+    const double sign = (bits & 0x8000) ? -1.0 : 1.0;
+    const int h_exp = (bits >> 10) & 0x1f, h_man = bits & 0x3ff;
+    const float h = float16_to_float(bits);
+    if (h_exp == 0x1f) {
+      EXPECT_TRUE(h_man ? std::isnan(h) : h == sign * INFINITY) << i;
+      if (h_man) {
+        EXPECT_EQ((std::bit_cast<uint32_t>(h) >> 13) & 0x3ff, static_cast<uint32_t>(h_man)) << i;
+      }
+    } else {
+      const double expected = sign * (h_exp ? std::ldexp(1.0 + h_man / 1024.0, h_exp - 15) : std::ldexp(h_man, -24));
+      EXPECT_EQ(static_cast<double>(h), expected) << i;
+      EXPECT_EQ(std::signbit(h), (bits & 0x8000) != 0) << i;
+    }
+    const int b_exp = (bits >> 7) & 0xff, b_man = bits & 0x7f;
+    const float b = bfloat16_to_float(bits);
+    if (b_exp == 0xff) {
+      EXPECT_TRUE(b_man ? std::isnan(b) : b == sign * INFINITY) << i;
+    } else {
+      const double expected = sign * (b_exp ? std::ldexp(1.0 + b_man / 128.0, b_exp - 127) : std::ldexp(b_man, -133));
+      EXPECT_EQ(static_cast<double>(b), expected) << i;
+    }
   }
 }
 
@@ -326,11 +435,6 @@ std::vector<std::string> names_in(const fs::path& dir) {
   for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   return names;
-}
-
-std::string contents(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 TEST_F(NpyTest, WriteFilesIsAllOrNothing) {

@@ -81,7 +81,7 @@ struct Input {
 
   std::string label() const { return name + " (" + path + ")"; }
   const std::vector<int64_t>& shape() const { return array.shape; }
-  bool is_float() const { return array.dtype == sdpa::DType::kFloat32 || array.dtype == sdpa::DType::kFloat64; }
+  bool is_float() const { return array.dtype != sdpa::DType::kBool; }
 };
 
 Input read_input(const char* name, const std::string& path) { return {name, path, read_npy(path)}; }
@@ -96,35 +96,58 @@ std::string index_string(const std::vector<int64_t>& shape, int64_t flat) {
   return shape_string(index);
 }
 
-// A float64 mask beside float32 inputs is narrowed to float32, where a finite bias beyond
+bool is_16_bit(sdpa::DType dtype) { return dtype == sdpa::DType::kFloat16 || dtype == sdpa::DType::kBFloat16; }
+
+// The type the library computes in for queries of this dtype, and so the dtype of weights and lse.
+sdpa::DType compute_dtype(sdpa::DType q) { return q == sdpa::DType::kFloat64 ? q : sdpa::DType::kFloat32; }
+
+// A float64 mask beside float32 compute is narrowed to float32, where a finite bias beyond
 // float32's range would become ±inf: +inf, which the library would then report as if it were
 // in the file, or -inf, silently blocking a key that the bias (huge, but finite) left in the
-// softmax. (NaN and +inf in the file itself are the library's to refuse, by index.)
-void check_mask_narrowing(const Input& mask, sdpa::DType to) {
+// softmax. (NaN and +inf in the file itself are the library's to refuse, by index.) `why` says
+// why float32: "q, k and v are float32".
+void check_mask_narrowing(const Input& mask, sdpa::DType to, const std::string& why) {
   if (mask.array.dtype != sdpa::DType::kFloat64 || to != sdpa::DType::kFloat32) return;
   const double* values = mask.array.values<double>();
   const int64_t n = mask.array.numel();
   for (int64_t i = 0; i < n; ++i) {
     if (std::isfinite(values[i]) && std::isinf(static_cast<float>(values[i]))) {
       refuse(mask.label() + " has " + number_string(values[i]) + " at index " + index_string(mask.shape(), i) +
-             ", which float32 cannot hold (q, k and v are float32)");
+             ", which float32 cannot hold (" + why + ")");
     }
   }
 }
 
-// A float array of the other float dtype is converted to `to`: float32 inputs beside a
-// float64 one compute in float64 (the Python package's rule), and a float mask takes the
-// inputs' dtype, as the library requires (check_mask_narrowing has made its narrowing safe).
+// Element i of a float array, widened (exactly) to T.
+template <class T>
+T float_at(const NpyArray& a, int64_t i) {
+  switch (a.dtype) {
+    case sdpa::DType::kFloat32: return static_cast<T>(a.values<float>()[i]);
+    case sdpa::DType::kFloat64: return static_cast<T>(a.values<double>()[i]);
+    case sdpa::DType::kFloat16: return static_cast<T>(float16_to_float(a.values<uint16_t>()[i]));
+    case sdpa::DType::kBFloat16: return static_cast<T>(bfloat16_to_float(a.values<uint16_t>()[i]));
+    case sdpa::DType::kBool: break;
+  }
+  throw std::logic_error("float_at: not a float array");
+}
+
+// A float array is converted to `to`, float32 or float64: float32 inputs beside a float64 one
+// compute in float64 (the Python package's rule), and a float mask of another dtype than q's
+// becomes the compute type (q's own for float32 and float64). Only float64 to float32 can round (and
+// check_mask_narrowing has made that safe for masks); float16 and bfloat16 widen exactly.
 void convert_float(Input& t, sdpa::DType to) {
   using sdpa::DType;
   NpyArray& a = t.array;
   if (!t.is_float() || a.dtype == to) return;
+  if (to != DType::kFloat32 && to != DType::kFloat64) throw std::logic_error("convert_float: to a 16-bit type");
   NpyArray converted = NpyArray::zeros(to, a.shape, t.label() + " converted to " + sdpa::dtype_name(to));
   const int64_t n = a.numel();
-  if (to == DType::kFloat32) {
-    std::copy_n(a.values<double>(), n, converted.values<float>());
-  } else {
-    std::copy_n(a.values<float>(), n, converted.values<double>());
+  for (int64_t i = 0; i < n; ++i) {
+    if (to == DType::kFloat32) {
+      converted.values<float>()[i] = float_at<float>(a, i);
+    } else {
+      converted.values<double>()[i] = float_at<double>(a, i);
+    }
   }
   a = std::move(converted);
 }
@@ -149,14 +172,15 @@ fs::path resolve_output(const std::string& path) {
 
 CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   CLI::App* run = app.add_subcommand("run", "Compute attention on .npy files: out = softmax(q k^T * scale + mask) v");
-  run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), float32 or float64 (any float64 input makes all float64), rank 2..4")
+  run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), rank 2..4: float32, float64, float16 or bfloat16 (see below)")
       ->type_name("FILE")
       ->required();
   run->add_option("--k", o.k, "Keys (..., Hkv, Nk, Dk); Hq must be a multiple of Hkv")
       ->type_name("FILE")
       ->required();
   run->add_option("--v", o.v, "Values (..., Hkv, Nk, Dv)")->type_name("FILE")->required();
-  run->add_option("--mask", o.mask, "Bool mask (true = attend) or float bias, broadcast to (..., Hq, Nq, Nk)")
+  run->add_option("--mask", o.mask,
+                  "Bool mask (true = attend) or float bias of any float dtype, broadcast to (..., Hq, Nq, Nk)")
       ->type_name("FILE");
   run->add_option("--causal", o.causal,
                   "Causal masking: none, bottom_right, top_left (true = bottom_right, false = none)")
@@ -167,11 +191,25 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   run->add_option_function<std::string>(
          "--scale", [&o](const std::string& text) { o.scale = parse_scale(text); }, "Score scale (default 1/sqrt(Dk))")
       ->type_name("S");
-  run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in the inputs' dtype")
+  run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in q's dtype")
       ->type_name("FILE")
       ->required();
-  run->add_option("--weights", o.weights, "Also write the softmax weights (..., Hq, Nq, Nk)")->type_name("FILE");
-  run->add_option("--lse", o.lse, "Also write each row's log-sum-exp of the scores (..., Hq, Nq)")->type_name("FILE");
+  run->add_option("--weights", o.weights, "Also write the softmax weights (..., Hq, Nq, Nk), in the compute type")
+      ->type_name("FILE");
+  run->add_option("--lse", o.lse, "Also write each row's log-sum-exp of the scores (..., Hq, Nq), in the compute type")
+      ->type_name("FILE");
+  run->footer(
+      "Dtypes (.npy descr):\n"
+      "  float32 '<f4', float64 '<f8', float16 '<f2', bfloat16 '<V2', bool '|b1' (masks only).\n"
+      "  float32 and float64 inputs meet in float64: any float64 among q, k, v makes all three float64.\n"
+      "  float16 and bfloat16 are never converted: q, k and v then share one dtype, or q is float32 over\n"
+      "  float16 or bfloat16 k and v (a KV cache). They compute in float32, and out is rounded once.\n"
+      "  out has q's dtype; weights and lse have the compute type: float64 for float64 q, else float32.\n"
+      "  A float mask of another dtype than q's is converted to the compute type (exactly, or float64 to\n"
+      "  float32 when every value fits).\n"
+      "bfloat16: NumPy has no such type. np.save of an ml_dtypes.bfloat16 array writes descr '<V2', read\n"
+      "  here as bfloat16; bfloat16 outputs are written the same way. np.load gives them back as raw\n"
+      "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).");
   return run;
 }
 
@@ -199,13 +237,26 @@ void run_command(const RunOptions& o) {
   Input q = read_input("q", o.q), k = read_input("k", o.k), v = read_input("v", o.v);
   std::optional<Input> mask;
   if (!o.mask.empty()) mask = read_input("mask", o.mask);
-  const bool any_f64 = q.array.dtype == sdpa::DType::kFloat64 || k.array.dtype == sdpa::DType::kFloat64 ||
-                       v.array.dtype == sdpa::DType::kFloat64;
-  const sdpa::DType dtype = any_f64 ? sdpa::DType::kFloat64 : sdpa::DType::kFloat32;
-  for (Input* t : {&q, &k, &v}) convert_float(*t, dtype);
-  if (mask) {
-    check_mask_narrowing(*mask, dtype);
-    convert_float(*mask, dtype);
+  // float32 and float64 inputs meet in float64. float16 and bfloat16 are never converted (that
+  // would change what is computed): beside them the library's rule holds as it is, q, k and v
+  // one dtype or float32 q over float16 or bfloat16 k and v, and its error names the files.
+  const auto dtype_of = [](const Input& t) { return t.array.dtype; };
+  if (!is_16_bit(dtype_of(q)) && !is_16_bit(dtype_of(k)) && !is_16_bit(dtype_of(v))) {
+    const bool any_f64 = dtype_of(q) == sdpa::DType::kFloat64 || dtype_of(k) == sdpa::DType::kFloat64 ||
+                         dtype_of(v) == sdpa::DType::kFloat64;
+    for (Input* t : {&q, &k, &v}) convert_float(*t, any_f64 ? sdpa::DType::kFloat64 : sdpa::DType::kFloat32);
+  }
+  const sdpa::DType dtype = q.array.dtype;  // out's (a bool q is the library's to refuse)
+  const sdpa::DType compute = compute_dtype(dtype);  // weights' and lse's
+  // A float mask of q's dtype is used as it is; any other becomes the compute type, as the
+  // library requires (float32 or q's dtype): widened exactly, or float64 narrowed to float32
+  // where every value fits.
+  if (mask && mask->is_float() && mask->array.dtype != dtype) {
+    const bool all_f32 = dtype_of(q) == sdpa::DType::kFloat32 && dtype_of(k) == sdpa::DType::kFloat32;
+    check_mask_narrowing(*mask, compute,
+                         all_f32 ? std::string("q, k and v are float32")
+                                 : std::string("the compute type of ") + sdpa::dtype_name(dtype) + " q");
+    convert_float(*mask, compute);
   }
   // The library's own checks of the inputs and options (sdpa::validate), before any output is
   // allocated: q (N, 1) and k (N, 2) would otherwise cost weights (N, N) before it said that Dk
@@ -235,17 +286,19 @@ void run_command(const RunOptions& o) {
     planned.push_back({"weights (" + o.weights + ")", q_shape_with_last(q.array, k.shape()[k.shape().size() - 2])});
   }
   if (!o.lse.empty()) planned.push_back({"lse (" + o.lse + ")", q_shape_with_last(q.array, std::nullopt)});
-  for (const Planned& p : planned) checked_nbytes(p.name, dtype, p.shape);
+  for (size_t i = 0; i < planned.size(); ++i) {
+    checked_nbytes(planned[i].name, i == 0 ? dtype : compute, planned[i].shape);  // out, then weights and lse
+  }
 
   NpyArray out = NpyArray::zeros(dtype, planned.front().shape, planned.front().name);
   NpyArray weights, lse;
   sdpa::Outputs outputs{out.view(), std::nullopt, std::nullopt};
   if (!o.weights.empty()) {
-    weights = NpyArray::zeros(dtype, planned[1].shape, planned[1].name);  // right after out
+    weights = NpyArray::zeros(compute, planned[1].shape, planned[1].name);  // right after out
     outputs.weights = weights.view();
   }
   if (!o.lse.empty()) {
-    lse = NpyArray::zeros(dtype, planned.back().shape, planned.back().name);  // always last
+    lse = NpyArray::zeros(compute, planned.back().shape, planned.back().name);  // always last
     outputs.lse = lse.view();
   }
 

@@ -1374,8 +1374,8 @@ void apply_invalid(Case& c, Invalid inv, sdpa::Inputs& in, sdpa::Outputs& outs, 
     case Invalid::kOutDtype: outs.out.dtype = DType::kBool; break;
     case Invalid::kWeightsDtype: if (outs.weights) outs.weights->dtype = c.dtype == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; else must_throw = false; break;
     case Invalid::kLseDtype: if (outs.lse) outs.lse->dtype = DType::kBool; else must_throw = false; break;
-    case Invalid::kMaskDtype:  // a float mask of the other float dtype
-      if (in.mask && c.mask->dtype() != DType::kBool) in.mask->dtype = c.dtype == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32;
+    case Invalid::kMaskDtype:  // a float mask of a dtype neither float32 nor q's (float32 is allowed under float64 q)
+      if (in.mask && c.mask->dtype() != DType::kBool) in.mask->dtype = c.dtype == DType::kFloat32 ? DType::kFloat64 : DType::kFloat16;
       else must_throw = false;
       break;
     case Invalid::kDk: in.k.shape[r - 1] += 1; break;

@@ -83,7 +83,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // Parsed: it must describe itself consistently.
   if (a.shape.size() > 4) fail("rank " + std::to_string(a.shape.size()) + " accepted");
-  if (a.dtype != sdpa::DType::kFloat32 && a.dtype != sdpa::DType::kFloat64 && a.dtype != sdpa::DType::kBool) {
+  if (a.dtype != sdpa::DType::kFloat32 && a.dtype != sdpa::DType::kFloat64 && a.dtype != sdpa::DType::kBool &&
+      a.dtype != sdpa::DType::kFloat16 && a.dtype != sdpa::DType::kBFloat16) {
     fail("unknown dtype accepted");
   }
   const int64_t numel = sdpa_cli::checked_numel("parsed", a.shape);

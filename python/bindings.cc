@@ -1,6 +1,9 @@
 // sdpa._core: a thin bridge from NumPy arrays to sdpa::attention and sdpa::attention_backward.
 // All conversion and dtype policy lives in sdpa/__init__.py; here arrays are only wrapped as
-// TensorViews (no copies).
+// TensorViews (no copies). bfloat16 arrives as uint16: NumPy has no bfloat16 of its own, and
+// neither DLPack nor the buffer protocol carries ml_dtypes.bfloat16, so the package passes a
+// uint16 view of the same memory (arr.view(numpy.uint16)); it never passes integer arrays for
+// anything else (it converts them to float64 first).
 // sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
 #include <cstdint>
 #include <string>
@@ -28,10 +31,15 @@ sdpa::TensorView to_view(const A& a, const char* name) {
     t.dtype = sdpa::DType::kFloat32;
   } else if (dt == nb::dtype<double>()) {
     t.dtype = sdpa::DType::kFloat64;
+  } else if (dt == nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1}) {
+    t.dtype = sdpa::DType::kFloat16;
+  } else if (dt == nb::dtype<uint16_t>()) {
+    t.dtype = sdpa::DType::kBFloat16;  // the bits of an ml_dtypes.bfloat16 array (see the top)
   } else if (dt == nb::dtype<bool>()) {
     t.dtype = sdpa::DType::kBool;
   } else {
-    throw nb::type_error((std::string(name) + " must be float32, float64 or bool").c_str());
+    throw nb::type_error(
+        (std::string(name) + " must be float32, float64, float16, bfloat16 (as a uint16 view) or bool").c_str());
   }
   if (a.ndim() > 4) throw nb::value_error((std::string(name) + " has more than 4 dims").c_str());
   // NumPy allows data at any byte address (np.frombuffer(..., offset=1)); the kernels read

@@ -13,6 +13,7 @@ import numbers
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 
 from . import _core
@@ -23,6 +24,11 @@ __version__ = "0.1.0"
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
            "top_left": "top_left"}
 _INT64_MAX = 2**63 - 1
+_FLOAT16 = np.dtype(np.float16)
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_FLOAT32 = np.dtype(np.float32)
+_FLOAT64 = np.dtype(np.float64)
+_LOW = (_FLOAT16, _BFLOAT16)  # the 16-bit storage types: computed in float32, results rounded once
 
 
 def _memory_bytes():
@@ -86,9 +92,9 @@ def _asarray(name, a):
 
 
 def _check_real(name, a):
-    if a.dtype.kind not in "biuf":
-        raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers "
-                        "(float32, float64, or integer/bool promoted to float64)")
+    if a.dtype.kind not in "biuf" and a.dtype != _BFLOAT16:
+        raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers (float32, float64, "
+                        "float16, ml_dtypes.bfloat16, or integer/bool promoted to float64)")
 
 
 def _check_kind(name, a):
@@ -98,12 +104,41 @@ def _check_kind(name, a):
                          "(N, D), (H, N, D) or (B, H, N, D)")
 
 
-def _compute_dtype(*arrays):
-    # float32 (and float16) inputs compute in float32, in either byte order; anything with
-    # float64 or integers in float64.
-    if all(a.dtype.kind == "f" and a.dtype.itemsize <= 4 for a in arrays):
-        return np.dtype(np.float32)
-    return np.dtype(np.float64)
+def _narrow_float(a):
+    """float16, bfloat16 or float32 (native byte order) for an array of one of them, in either
+    byte order; None for anything else (float64, long double, integers, bool)."""
+    if a.dtype == _BFLOAT16:
+        return _BFLOAT16
+    if a.dtype.kind == "f" and a.dtype.itemsize in (2, 4):
+        return _FLOAT16 if a.dtype.itemsize == 2 else _FLOAT32
+    return None
+
+
+def _storage_dtypes(q, k, v):
+    """(q's dtype, k's and v's dtype) as _core gets them: the dtype policy of ``attention``.
+
+    q, k, v all float16, or all bfloat16: kept (computed in float32, out rounded to it);
+    float32 q over float16 or bfloat16 k and v (one dtype): kept (a 16-bit KV cache);
+    any other mix of float32, float16 and bfloat16: float32; anything with float64, long
+    double, integers or bool: float64."""
+    q_dt, k_dt, v_dt = (_narrow_float(a) for a in (q, k, v))
+    if k_dt in _LOW and k_dt == v_dt and q_dt in (k_dt, _FLOAT32):
+        return q_dt, k_dt
+    if None in (q_dt, k_dt, v_dt):
+        return _FLOAT64, _FLOAT64
+    return _FLOAT32, _FLOAT32
+
+
+def _compute_dtype(dtype):
+    """The dtype the kernels compute in for q of `dtype`, and that of weights and lse:
+    float64 for float64, float32 for float32, float16 and bfloat16."""
+    return _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
+
+
+def _core_view(a):
+    """a as _core takes it: a bfloat16 array as a uint16 view of the same memory (NumPy has no
+    bfloat16 of its own, and _core cannot read ml_dtypes' dtype), others as they are."""
+    return None if a is None else a.view(np.uint16) if a.dtype == _BFLOAT16 else a
 
 
 def _readable_in_place(a):
@@ -143,19 +178,23 @@ def _prepared(name, a, dtype, unit_last_stride=True):
     return a
 
 
-def _prepared_mask(mask, dtype, scores_shape):
-    """mask as bool or as `dtype`, its rank checked against the scores' (B, Hq, Nq, Nk)."""
+def _prepared_mask(mask, q_dtype, scores_shape):
+    """mask as bool, as q's dtype `q_dtype` when it has that dtype, or else as q's compute
+    dtype; its rank checked against the scores' (B, Hq, Nq, Nk)."""
     mask = _asarray("mask", mask)
     if mask.ndim > 4:  # _core only takes up to 4 dims and would not say which shape it got
         raise ValueError(f"mask has shape {mask.shape}, more dims than the scores {scores_shape}; "
                          "a mask has at most 4 dims, (B, Hq, Nq, Nk)")
     if mask.dtype == np.bool_:
         return _converted("mask", mask, mask.dtype)
-    if mask.dtype.kind != "f":
+    if mask.dtype.kind != "f" and mask.dtype != _BFLOAT16:
         raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
                         "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
+    if q_dtype in _LOW and _narrow_float(mask) == q_dtype:
+        return _converted("mask", mask, q_dtype)  # a 16-bit mask of q's own dtype: _core widens it
+    dtype = _compute_dtype(q_dtype)
     if mask.dtype.itemsize <= dtype.itemsize:
-        return _converted("mask", mask, dtype)  # exact: float16 -> float32, float32 -> float64, ...
+        return _converted("mask", mask, dtype)  # exact: float16 or bfloat16 -> float32, float32 -> float64, ...
     # Narrowing (float64 -> float32, long double -> float64): a bias below the compute dtype's
     # lowest value becomes -inf, which blocks, as documented; one above its largest value
     # would become +inf, a value the caller never passed, so it is refused here by name.
@@ -195,15 +234,17 @@ def _window_bounds(window):
 
 
 def _prepared_inputs(q, k, v, mask):
-    """(compute dtype, q, k, v, mask) ready for _core: the dtype policy of ``attention``."""
+    """(compute dtype, q, k, v, mask) ready for _core (bfloat16 still as ml_dtypes.bfloat16:
+    see _core_view): the dtype policy of ``attention``."""
     arrays = [_asarray(name, x) for name, x in zip("qkv", (q, k, v))]
     for name, a in zip("qkv", arrays):
         _check_kind(name, a)
-    dtype = _compute_dtype(*arrays)
-    q, k, v = (_prepared(name, a, dtype) for name, a in zip("qkv", arrays))
+    q_dtype, kv_dtype = _storage_dtypes(*arrays)
+    q = _prepared("q", arrays[0], q_dtype)
+    k, v = (_prepared(name, a, kv_dtype) for name, a in zip("kv", arrays[1:]))
     if mask is not None:
-        mask = _prepared_mask(mask, dtype, q.shape[:-1] + k.shape[-2:-1])
-    return dtype, q, k, v, mask
+        mask = _prepared_mask(mask, q_dtype, q.shape[:-1] + k.shape[-2:-1])
+    return _compute_dtype(q_dtype), q, k, v, mask
 
 
 def _parsed_options(causal, scale, window, backend, dtype):
@@ -279,20 +320,37 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
                  lse      (B, Hq, Nq)       if return_lse: log-sum-exp of each row's scores
 
     Args:
-        q, k, v: arrays or array-likes (nested lists work). float32 inputs compute and return
-            float32 (float32 accumulation); float64, integer or bool inputs compute and return
-            float64; float16 computes in float32 when all three are float16 or float32, and
-            long double in float64. Byte order does not matter (big-endian float32 computes in
-            float32). Arrays the kernels cannot read in place (data not aligned to the item
-            size, byte strides that are not a multiple of it, a last dim with stride != 1)
-            are copied; broadcast (stride-0) dims stay broadcast. Complex or object arrays
-            raise TypeError. NaN is never mistaken for a blocked key: a NaN in q, in k or in v
+        q, k, v: arrays or array-likes (nested lists work). Their dtypes decide those of
+            the results and of the arithmetic (the compute dtype, also that of weights, lse):
+
+                q, k, v                             out        compute, weights, lse
+                float32                             float32    float32
+                float64                             float64    float64
+                float16                             float16    float32
+                ml_dtypes.bfloat16                  bfloat16   float32
+                q float32 over k and v both         float32    float32
+                  float16 or both bfloat16 (a 16-bit KV cache, read as it is)
+                any other mix of float32, float16   float32    float32
+                  and bfloat16 (converted to float32)
+                anything with float64, integers,    float64    float64
+                  bool or long double (converted to float64)
+
+            float16 and bfloat16 values are widened exactly to float32, every result is
+            computed in float32 and rounded once (to nearest even) to out's dtype: float16
+            in gives float16 out (earlier versions returned float32). Byte order does not
+            matter (big-endian float32 computes in float32). Arrays the kernels cannot read
+            in place (data not aligned to the item size, byte strides that are not a
+            multiple of it, a last dim with stride != 1) are copied; broadcast (stride-0)
+            dims stay broadcast. Complex, object or other dtypes (e.g. ml_dtypes' float8
+            types) raise TypeError. NaN is never mistaken for a blocked key: a NaN in q, in k or in v
             makes every row that attends to it NaN (a NaN value row of a key a row blocks may
             reach it too: 0 · NaN).
         mask: bool (True = attend, False = block) or floating point, added to the scaled
             scores: finite biases, or -inf to block (NaN and +inf raise ValueError). Blocking
-            happens before the softmax, never after. A float mask is converted to the compute
-            dtype: a float64 mask with float32 q, k, v becomes float32, where a bias above
+            happens before the softmax, never after. A float mask of q's float16 or bfloat16
+            dtype is read as it is; any other float mask is converted to the compute dtype
+            (exactly for float16, bfloat16 and float32 masks): a float64 mask with float32 (or
+            16-bit) q, k, v becomes float32, where a bias above
             float32's largest value (about 3.4e38) raises ValueError (it would become +inf)
             and one below its lowest (e.g. -1e300) becomes -inf, i.e. blocks. That equals the
             float64 result unless every key of a row has such a bias: float64 still weighs
@@ -319,7 +377,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
             every key (the KV-cache convention of FlashAttention); "top_left" lets query i see
             keys j <= i (PyTorch's is_causal). They agree when Nq == Nk. Combines with mask.
         scale: multiplies q·k; default 1 / sqrt(Dk). Must be finite and held by the compute
-            dtype, else ValueError: with float32 inputs a magnitude of at most about 3.4e38
+            dtype, else ValueError: with float32 (or 16-bit) inputs a magnitude of at most about 3.4e38
             and, when not 0, not so small that it rounds to 0 (below about 7e-46).
         window: (left, right) sliding window; query i sees keys j with
             i' - left <= j <= i' + right, where i' = i + (Nk - Nq). -1 or None is unbounded.
@@ -337,13 +395,15 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
             of the tests) or "naive" (the reference's algorithm in the inputs' precision).
 
     Returns:
-        out, or a tuple (out, weights), (out, lse) or (out, weights, lse).
+        out, or a tuple (out, weights), (out, lse) or (out, weights, lse); out in q's dtype,
+        weights and lse in the compute dtype (float32 for float16 and bfloat16 inputs).
 
     A query row with no allowed key (fully masked, or Nk == 0) gives an output row of zeros,
     weights of zeros and lse = -inf; never NaN. Results are bitwise reproducible.
 
     Raises:
-        TypeError: complex, object or string inputs; a mask that is neither bool nor float.
+        TypeError: complex, object or string inputs, and dtypes other than those above (e.g.
+            ml_dtypes' float8 types); a mask that is neither bool nor float.
         ValueError: shapes that do not fit together, a ragged nested list, a mask that does
             not broadcast, has more than 4 dims, holds NaN or +inf, or a value too large for
             the compute dtype, an unknown causal mode or backend, a non-finite scale (an
@@ -357,10 +417,11 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
     p, seed = _parsed_dropout(dropout_p, seed)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
-    out = _empty("out", lead + (v.shape[-1],), dtype)
+    out = _empty("out", lead + (v.shape[-1],), q.dtype)
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
-    _core.attention(q, k, v, mask, out, weights, lse, scale, causal_code, left, right, backend, p, seed)
+    _core.attention(*map(_core_view, (q, k, v, mask, out, weights, lse)), scale, causal_code, left, right, backend,
+                    p, seed)
 
     extra = tuple(x for x in (weights, lse) if x is not None)
     return (out,) + extra if extra else out
@@ -397,11 +458,15 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     are only meaningful then (nothing checks it).
 
     Args:
-        dout, out, lse: arrays or array-likes, converted to the compute dtype.
+        dout, out, lse: arrays or array-likes; dout and out are converted to the dtype
+            ``attention`` gives out (q's, after its dtype policy), lse to the compute dtype
+            (float32 for float32, float16 and bfloat16 q; float64 for float64).
         q, k, v, mask, causal, scale, window, dropout_p, seed, backend: as in ``attention``
-            (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)). The compute dtype is
-            that of ``attention`` for q, k and v (float32 inputs give float32; float64,
-            integer or bool give float64); dq, dk and dv are returned in it.
+            (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)),
+            with its dtype policy: dq is returned in q's dtype and dk, dv in k's and v's
+            (float16 q, k, v give float16 gradients; float32 q over bfloat16 k and v gives a
+            float32 dq and bfloat16 dk, dv; integer or bool inputs give float64). Gradients of
+            16-bit inputs are computed in float32 and rounded once.
         backend: "auto"/"flash" (fused FlashAttention-2 backward, O(N) extra memory),
             "reference" (float64, materialises each row's softmax) or "naive" (the
             reference's algorithm in the inputs' precision).
@@ -420,15 +485,15 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
     for name, a in arrays.items():
         _check_real(name, a)
-    dout = _prepared("dout", arrays["dout"], dtype)
-    out = _prepared("out", arrays["out"], dtype)
+    dout = _prepared("dout", arrays["dout"], q.dtype)
+    out = _prepared("out", arrays["out"], q.dtype)
     lse = _prepared("lse", arrays["lse"], dtype, unit_last_stride=False)
 
-    dq = _empty("dq", q.shape, dtype)
-    dk = _empty("dk", k.shape, dtype)
-    dv = _empty("dv", v.shape, dtype)
-    _core.attention_backward(q, k, v, mask, out, lse, dout, dq, dk, dv, scale, causal_code, left, right, backend,
-                             p, seed)
+    dq = _empty("dq", q.shape, q.dtype)
+    dk = _empty("dk", k.shape, k.dtype)
+    dv = _empty("dv", v.shape, v.dtype)
+    _core.attention_backward(*map(_core_view, (q, k, v, mask, out, lse, dout, dq, dk, dv)), scale, causal_code,
+                             left, right, backend, p, seed)
     return dq, dk, dv
 
 

@@ -25,13 +25,18 @@ PyTorch's semantics, with these limits:
   allowed key gives zeros in the output and zero gradients, as PyTorch 2.15 does. The mask
   gets no gradient: a float mask that requires grad raises ValueError (sdpa never
   materialises the L x S matrix the mask gradient would be); pass ``attn_mask.detach()``.
+  A float32 mask on bfloat16 or float16 tensors is added in float32 as it is (not rounded to
+  the query's dtype first).
 - ``dropout_p`` must be a real number in [0, 1); other values raise ValueError (PyTorch also
   takes 1.0 and returns zeros), non-numbers TypeError. When it is > 0, the dropout seed is
   drawn from torch's global generator, so ``torch.manual_seed`` reproduces it, and it is
   reused in the backward pass. The dropped weights differ from PyTorch's (a different
   generator).
-- float32 and float64 CPU tensors, passed to sdpa without copies where their strides allow
-  (last dim contiguous; a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied).
+- float32, float64, bfloat16 and float16 CPU tensors, query, key and value of one dtype (as
+  in PyTorch), passed to sdpa without copies where their strides allow (last dim contiguous;
+  a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied). bfloat16 and float16
+  compute in float32 and round each result once: the output and the gradients have the
+  inputs' dtype.
 - First derivatives only: the backward is marked ``once_differentiable``, so asking for a
   second derivative (double backward) raises RuntimeError.
 
@@ -42,6 +47,8 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
+import numpy as np
 import torch
 
 from . import _parsed_dropout, attention, attention_backward
@@ -50,11 +57,21 @@ __all__ = ["scaled_dot_product_attention"]
 
 
 def _numpy(t):
-    """A NumPy view of a CPU tensor (no copy when its last dim is contiguous)."""
+    """A NumPy view of a CPU tensor (no copy when its last dim is contiguous); a bfloat16 tensor
+    becomes an ml_dtypes.bfloat16 array over the same memory (NumPy has no bfloat16 of its own)."""
     t = t.detach()
     if t.dim() and t.size(-1) > 1 and t.stride(-1) != 1:
         t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
+
+
+def _torch(a):
+    """A tensor over the memory of a NumPy array from sdpa (ml_dtypes.bfloat16 as torch.bfloat16)."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 class _Attention(torch.autograd.Function):
@@ -65,10 +82,10 @@ class _Attention(torch.autograd.Function):
         m = None if mask is None else _numpy(mask)
         out, lse = attention(_numpy(query), _numpy(key), _numpy(value), m, causal=causal, scale=scale,
                              dropout_p=dropout_p, seed=seed, return_lse=True)
-        out = torch.from_numpy(out)
+        out = _torch(out)
         # Saved through autograd (not as ctx attributes) so that an in-place change of the
         # returned output, or of an input, makes backward raise instead of using stale data.
-        ctx.save_for_backward(query, key, value, mask, out, torch.from_numpy(lse))
+        ctx.save_for_backward(query, key, value, mask, out, _torch(lse))
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed = causal, scale, dropout_p, seed
         return out
 
@@ -80,7 +97,7 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = attention_backward(_numpy(dout), _numpy(query), _numpy(key), _numpy(value), _numpy(out),
                                         _numpy(lse), m, causal=ctx.causal, scale=ctx.scale,
                                         dropout_p=ctx.dropout_p, seed=ctx.seed)
-        return torch.from_numpy(dq), torch.from_numpy(dk), torch.from_numpy(dv), None, None, None, None, None
+        return _torch(dq), _torch(dk), _torch(dv), None, None, None, None, None
 
 
 def _heads(t):
@@ -138,8 +155,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             raise TypeError(f"{name} must be a CPU torch.Tensor")
-        if t.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32 or float64")
+        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32, float64, bfloat16 or float16")
     if not (query.dtype == key.dtype == value.dtype):
         raise RuntimeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
     if min(query.dim(), key.dim(), value.dim()) < 2:
@@ -165,8 +182,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             # Silently returning no gradient would be worse than refusing.
             raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
                              "matrix they need); pass attn_mask.detach() if the mask is a constant")
-        if attn_mask.dtype != torch.bool:
-            attn_mask = attn_mask.to(query.dtype)  # float32 -> float64 is exact
+        # A float mask goes to sdpa as it is (float32 or the query's dtype, as sdpa takes it):
+        # sdpa widens it exactly, and never rounds a float32 bias to a 16-bit query's dtype.
         if attn_mask.dim() > 3:  # else sdpa broadcasts it against (B, H, L, S) as it is
             attn_mask = _as_4d(attn_mask, batch, attn_mask.size(-3))
     # A real number in [0, 1), else TypeError / ValueError naming dropout_p (seed 0: no seed check).

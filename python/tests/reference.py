@@ -13,7 +13,9 @@ the same algorithm with every step in float32; it is the yardstick for float32 t
 from __future__ import annotations
 
 import math
+import zlib
 
+import ml_dtypes
 import numpy as np
 
 _CAUSAL_MODES = {False: "none", None: "none", "none": "none",
@@ -180,7 +182,7 @@ def assert_close(got, ref, tol, what="result"):
 # are summed over its group. Rows without an allowed key have P = 0 and contribute nothing.
 
 
-def _attention_backward(dout, q, k, v, mask, causal, scale, window, dtype, magnitudes=False):
+def _attention_backward(dout, q, k, v, mask, causal, scale, window, dtype, magnitudes=False, out=None):
     q = np.asarray(q)
     k = np.asarray(k)
     v = np.asarray(v)
@@ -190,7 +192,10 @@ def _attention_backward(dout, q, k, v, mask, causal, scale, window, dtype, magni
     group = hq // hkv
     if scale is None:
         scale = 1.0 / math.sqrt(dk) if dk > 0 else 1.0
-    out, p, _ = _attention(q4, k4, v4, mask, causal, scale, window, dtype)  # (b, hq, nq, ·)
+    recomputed, p, _ = _attention(q4, k4, v4, mask, causal, scale, window, dtype)  # (b, hq, nq, ·)
+    # D from the out given (as sdpa.attention_backward takes it: a 16-bit out is rounded), else
+    # from the out recomputed here.
+    out = recomputed if out is None else _to4(np.asarray(out, dtype=dtype)).reshape(b, hq, nq, dv)
     g = _to4(np.asarray(dout, dtype=dtype)).reshape(b, hq, nq, dv)
     scale = dtype.type(scale)
     kr = np.repeat(k4, group, axis=1)
@@ -215,15 +220,16 @@ def _attention_backward(dout, q, k, v, mask, causal, scale, window, dtype, magni
     return dq.reshape(q.shape), dk_sum.reshape(k.shape), dv_sum.reshape(v.shape)
 
 
-def reference_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None):
+def reference_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None, out=None):
     """float64 oracle of ``sdpa.attention_backward``: (dq, dk, dv) shaped like q, k, v. The
-    forward quantities (P, out) are recomputed here in float64 from q, k, v."""
-    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float64))
+    forward quantities (P, out) are recomputed here in float64 from q, k, v; with `out` given,
+    D = rowsum(dout * out) uses that out instead (sdpa's backward reads the out it is given)."""
+    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float64), out=out)
 
 
-def naive_float32_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None):
+def naive_float32_attention_backward(dout, q, k, v, mask=None, causal=False, scale=None, window=None, out=None):
     """The same algorithm with every step (forward included) in float32: the yardstick."""
-    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float32))
+    return _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float32), out=out)
 
 
 def backward_floors(dout, q, k, v, mask=None, causal=False, scale=None, window=None, eps=EPS32):
@@ -246,3 +252,53 @@ def backward_floors(dout, q, k, v, mask=None, causal=False, scale=None, window=N
     lse_max = finite_max_abs(reference_attention(q, k, v, mask, causal, scale, window)[2])
     mags = _attention_backward(dout, q, k, v, mask, causal, scale, window, np.dtype(np.float64), magnitudes=True)
     return [eps * (4 * max(1.0, finite_max_abs(r)) + 2 * lse_max * finite_max_abs(r) + m) for r, m in zip(ref, mags)]
+
+
+# 16-bit storage (float16, bfloat16)
+# ----------------------------------
+# sdpa widens 16-bit inputs exactly to float32, computes in float32 and rounds each result once
+# to its dtype. A 16-bit result is compared with the float64 oracle, run on the inputs widened
+# to float64, at
+#
+#     tol = 2 * max|round16(naive32) - oracle| + ulp16(max|oracle|) + floor32
+#
+# naive32: the naive float32 implementation on the same widened inputs, its result rounded to
+#     the 16-bit dtype once: the simplest implementation with the same storage, which the
+#     library may be at most twice as wrong as (the float32 rule's factor);
+# ulp16: one unit in the last place of the 16-bit dtype at the result's largest magnitude: a
+#     float32 result near a tie between two 16-bit values may round the other way than the
+#     naive one, by up to one unit;
+# floor32: the float32 rule's floor (``float32_tolerance`` with naive32 exact), since the
+#     arithmetic is float32's.
+# Results stored in float32 (weights, lse, and out of float32 q over 16-bit k and v) keep the
+# float32 rule. The library's tests (tests/test_util.cc) use the same rule.
+
+
+def ulp(dtype, x):
+    """One unit in the last place of `dtype` (float16, bfloat16, float32) at magnitude |x|:
+    the spacing of its values in the binade of x (that of the subnormals below the normals)."""
+    info = ml_dtypes.finfo(dtype)
+    x = max(abs(float(x)), float(info.smallest_normal))
+    return 2.0 ** (math.floor(math.log2(x)) - int(info.nmant))
+
+
+def lowp_tolerance(naive32, ref64, dtype, score_scale=1.0):
+    """The rule above for one result of dtype `dtype`; float32 results get ``float32_tolerance``."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float32:
+        return float32_tolerance(naive32, ref64, score_scale)
+    naive = np.asarray(naive32, dtype=np.float32).astype(dtype)  # rounded once, to nearest even
+    return (2.0 * max_error(naive, ref64) + ulp(dtype, finite_max_abs(ref64)) +
+            float32_tolerance(ref64, ref64, score_scale))
+
+
+def case_seed(*parts):
+    """A seed from a case's parameters (stable across runs and machines)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def case_shapes(rank, B, Hq, Hkv, Nq, Nk, Dk, Dv):
+    """q, k, v and out shapes of a case in rank 2, 3 or 4."""
+    lead_q = {2: (), 3: (Hq,), 4: (B, Hq)}[rank]
+    lead_kv = {2: (), 3: (Hkv,), 4: (B, Hkv)}[rank]
+    return lead_q + (Nq, Dk), lead_kv + (Nk, Dk), lead_kv + (Nk, Dv), lead_q + (Nq, Dv)

@@ -685,7 +685,7 @@ def test_thread_count_does_not_change_results(dtype, restore_threads):
 @pytest.mark.parametrize("dtypes,expect", [
     ((np.float32,) * 3, np.float32),
     ((np.float64,) * 3, np.float64),
-    ((np.float16,) * 3, np.float32),
+    ((np.float16, np.float16, np.float32), np.float32),  # float16 q, k, v stay float16: test_lowp.py
     ((np.float32, np.float64, np.float32), np.float64),
     ((np.float32, np.float32, np.int64), np.float64),
     ((np.int64,) * 3, np.float64),

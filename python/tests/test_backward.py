@@ -21,27 +21,19 @@ one allowed key per row it gets dP - D = 0 exactly), a correct fused kernel does
 NaN never passes.
 """
 
-import zlib
 
 import numpy as np
 import pytest
 
 import sdpa
-from reference import (EPS32, assert_close, backward_floors, finite_max_abs, float64_tolerance, max_error,
+from reference import (case_seed, case_shapes, EPS32, assert_close, backward_floors, finite_max_abs, float64_tolerance, max_error,
                        naive_float32_attention_backward, reference_attention_backward)
 
 EPS64 = float(np.finfo(np.float64).eps)
 GRADS = ("dq", "dk", "dv")
 
 
-def _seed(*parts):
-    return zlib.crc32(repr(parts).encode())
-
-
-def _shapes(rank, B, Hq, Hkv, Nq, Nk, Dk, Dv):
-    lead_q = {2: (), 3: (Hq,), 4: (B, Hq)}[rank]
-    lead_kv = {2: (), 3: (Hkv,), 4: (B, Hkv)}[rank]
-    return lead_q + (Nq, Dk), lead_kv + (Nk, Dk), lead_kv + (Nk, Dv), lead_q + (Nq, Dv)
+_seed, _shapes = case_seed, case_shapes
 
 
 def make_case(rng, rank, B=1, Hq=1, Hkv=1, Nq=4, Nk=4, Dk=8, Dv=8, dtype=np.float64, amp=1.0):
@@ -556,7 +548,7 @@ def test_inputs_are_not_modified():
     (np.float32, np.float32, np.float32),
     (np.float32, np.float64, np.float32),  # dout, out, lse follow q, k, v: converted
     (np.float64, np.float32, np.float64),
-    (np.float16, np.float32, np.float32),
+    (np.float16, np.float32, np.float16),  # float16 q, k, v: float16 gradients (more in test_lowp.py)
     (np.int64, np.float64, np.float64),
     (np.float64, np.int64, np.float64),
 ])
@@ -567,8 +559,9 @@ def test_result_dtype(qkv, grads, expect):
     out, lse = sdpa.attention(q, k, v, return_lse=True)
     dq, dk, dv = sdpa.attention_backward(dout, q, k, v, out.astype(grads), lse.astype(grads))
     assert dq.dtype == expect and dk.dtype == expect and dv.dtype == expect
-    same = sdpa.attention_backward(*(np.asarray(x).astype(expect) for x in (dout, q, k, v, out.astype(grads),
-                                                                             lse.astype(grads))))
+    lse_dtype = np.float32 if expect == np.float16 else expect  # lse is in the compute dtype
+    same = sdpa.attention_backward(*(np.asarray(x).astype(expect) for x in (dout, q, k, v, out.astype(grads))),
+                                   lse.astype(grads).astype(lse_dtype))
     for g, s in zip((dq, dk, dv), same):
         np.testing.assert_array_equal(g, s)
 

@@ -214,16 +214,18 @@ def test_core_refuses_misaligned_data():
 
 
 @pytest.mark.parametrize("order", [">", "<"])
-@pytest.mark.parametrize("dtype,computes", [("f4", np.float32), ("f2", np.float32), ("f8", np.float64)])
-def test_non_native_byte_order_computes_in_the_same_precision(dtype, computes, order):
+@pytest.mark.parametrize("dtype,stores,computes", [("f4", np.float32, np.float32), ("f2", np.float16, np.float32),
+                                                   ("f8", np.float64, np.float64)])
+def test_non_native_byte_order_computes_in_the_same_precision(dtype, stores, computes, order):
+    # out and the gradients in the inputs' dtype (native order), weights and lse in the compute dtype.
     native = _qkv(np.dtype(dtype))
     swapped = tuple(a.astype(np.dtype(order + dtype)) for a in native)
     want = sdpa.attention(*native, causal=True, return_weights=True, return_lse=True)
     got = sdpa.attention(*swapped, causal=True, return_weights=True, return_lse=True)
-    for a, b in zip(got, want):
-        assert a.dtype == computes
+    for a, b, expect in zip(got, want, (stores, computes, computes)):
+        assert a.dtype == expect
         np.testing.assert_array_equal(a, b)
-    # Mixed with native float32: still float32.
+    # Mixed with native float32 k and v: float32 (float64 for float64 q).
     mixed = sdpa.attention(swapped[0], native[1].astype(np.float32), native[2].astype(np.float32))
     assert mixed.dtype == computes
     # The backward too.
@@ -232,7 +234,7 @@ def test_non_native_byte_order_computes_in_the_same_precision(dtype, computes, o
     grads = sdpa.attention_backward(dout.astype(np.dtype(order + dout.dtype.str[1:])), *swapped,
                                     *(a.astype(a.dtype.newbyteorder()) for a in args), causal=True)
     for a, b in zip(grads, sdpa.attention_backward(dout, *native, *args, causal=True)):
-        assert a.dtype == computes
+        assert a.dtype == stores
         np.testing.assert_array_equal(a, b)
 
 
@@ -341,21 +343,24 @@ def test_huge_copy_of_an_input_raises_before_allocating():
         sdpa.attention(q, k, v)
 
 
-@pytest.mark.parametrize("dtype,rows", [(np.float16, 2**61), (np.bool_, 2**62)], ids=["float16", "bool"])
-def test_empty_input_numpy_cannot_convert_names_it(dtype, rows):
+@pytest.mark.parametrize("dtype,kv_dtype,rows", [(np.float16, np.float32, 2**61), (np.bool_, np.bool_, 2**62)],
+                         ids=["float16", "bool"])
+def test_empty_input_numpy_cannot_convert_names_it(dtype, kv_dtype, rows):
     # q of shape (rows, 0) holds nothing, but NumPy cannot make that shape in the compute
-    # dtype (rows times the wider item size exceeds its largest array size).
-    q, k, v = np.zeros((rows, 0), dtype), np.zeros((3, 0), dtype), np.zeros((3, 0), dtype)
+    # dtype (rows times the wider item size exceeds its largest array size). float16 q is
+    # converted only beside float32 k and v (float16 q, k and v stay float16).
+    q, k, v = np.zeros((rows, 0), dtype), np.zeros((3, 0), kv_dtype), np.zeros((3, 0), kv_dtype)
     with pytest.raises(ValueError, match=rf"^q needs a copy as float(32|64) of shape \({rows}, 0\).*NumPy cannot make"):
         sdpa.attention(q, k, v)
 
 
 def test_broadcast_inputs_are_converted_without_expanding():
-    # float16 k and v broadcast over 2**22 keys convert to float32 one row each, not 2**22.
+    # float16 k and int8 v broadcast over 2**22 keys convert to float64 (the int8 makes
+    # everything float64) one row each, not 2**22.
     n = 2**22
     q = np.random.default_rng(5).standard_normal((4, 8)).astype(np.float16)
     k = np.broadcast_to(np.ones((1, 8), np.float16), (n, 8))
-    v = np.broadcast_to(np.arange(2, dtype=np.float16)[None], (n, 2))
+    v = np.broadcast_to(np.arange(2, dtype=np.int8)[None], (n, 2))
     mask = np.broadcast_to(np.zeros((1, 1), np.float16), (4, n))
     tracemalloc.start()
     try:
@@ -363,9 +368,9 @@ def test_broadcast_inputs_are_converted_without_expanding():
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert out.dtype == np.float32
-    np.testing.assert_allclose(out, np.broadcast_to([0.0, 1.0], (4, 2)), atol=1e-6)
-    assert peak < 2**20, peak  # a converted k alone would be 128 MiB
+    assert out.dtype == np.float64
+    np.testing.assert_allclose(out, np.broadcast_to([0.0, 1.0], (4, 2)), atol=1e-12)
+    assert peak < 2**20, peak  # a converted k alone would be 256 MiB
 
 
 def test_dropout_mask_shape_is_checked():

@@ -342,3 +342,155 @@ def test_float32_mask_with_float64_query_is_accepted_like_torch():
     mask = torch.randn(5, 7)
     torch.testing.assert_close(scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+# ---------------------------------------------------------------- bfloat16 and float16
+# Forward and backward through autograd in the 16-bit dtype, compared with the float64 oracle of
+# reference.py on the inputs widened, by its 16-bit rule (test_lowp.py's), and with torch's own
+# SDPA in float32 on the widened inputs within that tolerance plus torch's own float32 error
+# (measured against the same oracle). The backward's oracle reads the 16-bit out that the forward
+# returned, as sdpa's backward does; torch's float32 backward reads its float32 out, and that
+# difference is measured too (the oracle's for either out).
+
+import ml_dtypes  # noqa: E402
+
+from reference import (EPS32, backward_floors, lowp_tolerance, max_error, naive_float32_attention,  # noqa: E402
+                       naive_float32_attention_backward, reference_attention, reference_attention_backward)
+
+LOWP = [torch.bfloat16, torch.float16]
+LOWP_CASES = [  # (q shape, k shape, v shape, kwargs): shapes reference.py takes as they are
+    ((2, 4, 33, 16), (2, 4, 65, 16), (2, 4, 65, 8), {}),
+    ((2, 4, 33, 16), (2, 4, 65, 16), (2, 4, 65, 8), {"is_causal": True}),
+    ((1, 8, 40, 32), (1, 2, 40, 32), (1, 2, 40, 32), {"enable_gqa": True}),
+    ((3, 17, 8), (3, 17, 8), (3, 17, 8), {"scale": 0.3}),
+    ((2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), {"attn_mask": "bool_empty_rows"}),
+    ((2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), {"attn_mask": "query_dtype"}),
+    ((2, 2, 20, 8), (2, 2, 30, 8), (2, 2, 30, 8), {"attn_mask": "float32"}),
+    ((17, 8), (23, 8), (23, 5), {"is_causal": True}),
+]
+
+
+def _as_numpy(t):
+    """A tensor's values as NumPy (bfloat16 as ml_dtypes.bfloat16), for reference.py and sdpa."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _lowp_case(qs, ks, vs, kwargs, dtype):
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(s, generator=g).to(dtype).requires_grad_() for s in (qs, ks, vs))
+    kwargs = dict(kwargs)
+    mask = kwargs.get("attn_mask")
+    if mask is not None:
+        allowed = torch.rand(qs[-2], ks[-2], generator=g) > 0.3
+        allowed[:, 0] = True
+        allowed[3] = False  # a row with no allowed key: zeros, and zero gradients
+        bias = torch.randn(allowed.shape, generator=g).masked_fill(~allowed, float("-inf"))
+        kwargs["attn_mask"] = {"bool_empty_rows": allowed, "query_dtype": bias.to(dtype), "float32": bias}[mask]
+    return q, k, v, kwargs
+
+
+def _reference_kwargs(kwargs):
+    """reference.py's arguments for torch's keyword arguments (top-left causal, as torch's)."""
+    mask = kwargs.get("attn_mask")
+    if mask is not None:
+        mask = _as_numpy(mask)
+        mask = mask if mask.dtype == np.bool_ else mask.astype(np.float64)
+    return dict(mask=mask, causal="top_left" if kwargs.get("is_causal") else False, scale=kwargs.get("scale"))
+
+
+def _torch32(q, k, v, dout, kwargs):
+    """torch's SDPA in float32 on the widened inputs: out and (dq, dk, dv), as float64 NumPy."""
+    q2, k2, v2 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    kw = dict(kwargs)
+    if "attn_mask" in kw and kw["attn_mask"].dtype != torch.bool:
+        kw["attn_mask"] = kw["attn_mask"].float()
+    out = F.scaled_dot_product_attention(q2, k2, v2, **kw)
+    out.backward(dout.float())
+    return [t.detach().double().numpy() for t in (out, q2.grad, k2.grad, v2.grad)]
+
+
+def _close(got, want, tol, what):
+    got = got.detach().double().numpy() if isinstance(got, torch.Tensor) else got
+    diff = np.abs(got - want)
+    assert np.isfinite(tol) and not np.isnan(got).any(), what
+    assert float(diff.max()) <= tol, f"{what}: max abs error {float(diff.max()):.3g} > tolerance {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+@pytest.mark.parametrize("qs,ks,vs,kwargs", LOWP_CASES)
+def test_lowp_matches_the_oracle_and_torch_float32(qs, ks, vs, kwargs, dtype):
+    q, k, v, kwargs = _lowp_case(qs, ks, vs, kwargs, dtype)
+    out = scaled_dot_product_attention(q, k, v, **kwargs)
+    assert out.dtype == dtype
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(13)).to(dtype)
+    out.backward(dout)
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (dtype,) * 3
+
+    np_dtype = _as_numpy(out).dtype
+    args = [_as_numpy(t).astype(np.float64) for t in (q, k, v)]
+    ref_kwargs = _reference_kwargs(kwargs)
+    t32 = _torch32(q, k, v, dout, kwargs)
+
+    ref_out = reference_attention(*args, **ref_kwargs)[0]
+    tol = lowp_tolerance(naive_float32_attention(*args, **ref_kwargs)[0], ref_out, np_dtype)
+    _close(out, ref_out, tol, "out against the oracle")
+    _close(out, t32[0], tol + max_error(t32[0], ref_out), "out against torch float32")
+
+    out64 = _as_numpy(out).astype(np.float64)
+    dout64 = _as_numpy(dout).astype(np.float64)
+    ref = reference_attention_backward(dout64, *args, out=out64, **ref_kwargs)
+    naive = naive_float32_attention_backward(dout64, *args, out=out64, **ref_kwargs)
+    exact = reference_attention_backward(dout64, *args, **ref_kwargs)  # with the exact out, as torch's
+    floors = backward_floors(dout64, *args, eps=EPS32, **ref_kwargs)
+    for name, t, r, n, f, e, theirs in zip(("dq", "dk", "dv"), (q, k, v), ref, naive, floors, exact, t32[1:]):
+        tol = lowp_tolerance(n, r, np_dtype) + f
+        _close(t.grad, r, tol, f"{name} against the oracle")
+        _close(t.grad, theirs, tol + max_error(r, e) + max_error(theirs, e), f"{name} against torch float32")
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_lowp_equals_the_numpy_front_door_bit_for_bit(dtype):
+    # The same kernels on the same values: sdpa.torch adds nothing but the views.
+    import sdpa
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(s, generator=g).to(dtype).requires_grad_() for s in ((2, 4, 9, 8), (2, 2, 12, 8),
+                                                                               (2, 2, 12, 8)))
+    mask = torch.randn(9, 12, generator=g)  # float32: added as it is, not rounded to the query's dtype
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    out.backward(dout)
+    arrays = [_as_numpy(t) for t in (q, k, v)]
+    want, lse = sdpa.attention(*arrays, mask.numpy(), causal=False, return_lse=True)
+    grads = sdpa.attention_backward(_as_numpy(dout), *arrays, want, lse, mask.numpy())
+    for got, w in zip((out, q.grad, k.grad, v.grad), (want,) + grads):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(_as_numpy(got).view(np.uint16), w.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", LOWP)
+def test_lowp_blhe_transposed_inputs_reach_the_kernel_without_copies(monkeypatch, dtype):
+    calls = _spy_on_core(monkeypatch)
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(2, n, 4, 8, generator=g).to(dtype).transpose(1, 2).requires_grad_() for n in (9, 12, 12))
+    mask = torch.randn(9, 12, generator=g).to(dtype)
+    out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.sum().backward()
+    assert [c[0] for c in calls] == ["attention", "attention_backward"]
+    for _, ptrs in calls:
+        assert ptrs["q"] == q.data_ptr() and ptrs["k"] == k.data_ptr() and ptrs["v"] == v.data_ptr()
+        assert ptrs["mask"] == mask.data_ptr()
+    assert calls[1][1]["out"] == out.data_ptr()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (dtype,) * 3
+
+
+def test_lowp_dtype_errors_name_the_argument():
+    q, k, v = (torch.randn(s) for s in ((5, 8), (7, 8), (7, 8)))
+    with pytest.raises(RuntimeError, match=r"share a dtype, got torch.bfloat16, torch.float16, torch.float16"):
+        scaled_dot_product_attention(q.bfloat16(), k.half(), v.half())
+    with pytest.raises(RuntimeError, match=r"^attn_mask has dtype torch.float16, but must be bool, float32 or query's"):
+        scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), attn_mask=torch.zeros(5, 7).half())
+    with pytest.raises(TypeError, match=r"^query has dtype torch.float8_e4m3fn"):
+        scaled_dot_product_attention(q.to(torch.float8_e4m3fn), k, v)

@@ -16,6 +16,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
@@ -58,17 +59,23 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
   const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
+  // Byte addresses of key row j0 + kTileKeys (a tile ahead) and value row j0, advanced per key.
+  const char* k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, 0, 0));
+  const char* v_row = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, 0, 0));
+  const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype), vs_bytes = p.v.strides[2] * storage_bytes(p.v.dtype);
+  k_ahead += (j0 + kTileKeys) * ks_bytes;
+  v_row += j0 * vs_bytes;
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
     const T* kj = keys.row(j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
     // the key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
     if (j0 + j + kTileKeys < p.Nk) {  // a pointer past the tensor would be undefined, even unread
-      const char* next = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + j + kTileKeys, 0));
+      const char* next = k_ahead + j * ks_bytes;
       for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
     }
     if (prefetch_values) {
-      const char* vj = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, j0 + j, 0));
+      const char* vj = v_row + j * vs_bytes;
       for (int64_t c = 0; c < v_bytes; c += 64) hwy::Prefetch(vj + c);
     }
     V acc[R];
@@ -107,7 +114,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = hn::LoadU(d, v + j * vs + c * N);
-    const bool bad = v_bad && v_bad[j];
+    const bool bad = v_bad != nullptr && v_bad[j];  // v_bad is null on the common path
     for (int64_t r = 0; r < R; ++r) {
       if (bad && p[r * kTileKeys + j] == T(0)) continue;
       const auto pj = hn::Set(d, p[r * kTileKeys + j]);
@@ -124,7 +131,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
 template <int64_t R, class D, typename T = hn::TFromD<D>>
 void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
-                T* l_out, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile) {
+                T* l_out, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -143,8 +150,6 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, vtile);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, v_in_place, st);
-    uint8_t v_bad[kTileKeys];
-    const uint8_t* bad = FlagNonFiniteRows(d, values.data, values.stride, n, p.Dv, v_bad) ? v_bad : nullptr;
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
@@ -180,21 +185,34 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
         for (int64_t j = 0; j < n; ++j) st[r * kTileKeys + j] *= p.dropout.factor<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j);
     }
     // 4. o_r = alpha_r · o_r + Σ_j p[r][j] · v_j, in chunks of C (then 1) vectors of features.
-    constexpr int64_t C = kDecodeChunk<R>;
-    int64_t e0 = 0;
-    for (; e0 + C * N <= dv_full; e0 += C * N) {
-      DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
-    }
-    for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
-    for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
-      for (int64_t e = dv_full; e < p.Dv; ++e) {
-        T acc = o[r * dvp + e] * alpha[r];
-        for (int64_t j = 0; j < n; ++j) {
-          if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
-          acc += st[r * kTileKeys + j] * values.row(j)[e];
-        }
-        o[r * dvp + e] = acc;
+    //    A value row holding NaN or inf must not reach a row that gives its key weight 0
+    //    (0 · NaN). Scanning every tile of V for them would cost a second pass (decode streams
+    //    V: ~10 %), so the tile runs unchecked from a copy of o, and only if some o came out
+    //    non-finite are V's bad rows flagged and the tile redone, skipping them where p = 0.
+    const auto accumulate = [&](const uint8_t* bad) {
+      constexpr int64_t C = kDecodeChunk<R>;
+      int64_t e0 = 0;
+      for (; e0 + C * N <= dv_full; e0 += C * N) {
+        DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
       }
+      for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
+      for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
+        for (int64_t e = dv_full; e < p.Dv; ++e) {
+          T acc = o[r * dvp + e] * alpha[r];
+          for (int64_t j = 0; j < n; ++j) {
+            if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
+            acc += st[r * kTileKeys + j] * values.row(j)[e];
+          }
+          o[r * dvp + e] = acc;
+        }
+      }
+    };
+    std::copy(o, o + R * dvp, o_prev);
+    accumulate(nullptr);
+    uint8_t v_bad[kTileKeys];
+    if (AnyNonFinite(d, o, R * dvp) && FlagNonFiniteRows(d, values.data, values.stride, n, p.Dv, v_bad)) {
+      std::copy(o_prev, o_prev + R * dvp, o);
+      accumulate(v_bad);
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -251,7 +269,8 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
       DecodeWeights<R>(d, p, blk, lanes, span, qbuf, dkp, st, m, l, ktile);
       return;
     }
-    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, ktile, vtile);
+    // obuf holds two sets of rows: o, and o before the current tile (DecodeRows' redo).
+    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, ktile, vtile, obuf + kDecodeMaxRows * (p.Dv + N));
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];
   };

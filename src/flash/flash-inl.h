@@ -64,7 +64,7 @@ struct Scratch {
         m(hwy::AllocateAligned<T>(group * mq)),
         l(hwy::AllocateAligned<T>(group * mq)),
         decode_q(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dk + lanes_per_vector))),
-        decode_o(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dv + lanes_per_vector))),
+        decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
         v_bad(kTileKeys),
@@ -75,7 +75,7 @@ struct Scratch {
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
-  hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q and o
+  hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q, and of o (twice)
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;

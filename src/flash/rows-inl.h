@@ -61,22 +61,28 @@ HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n
   return {scratch, width};
 }
 
+// Whether x[0, n) holds a NaN or inf: x · 0 is NaN exactly for those, so one fused
+// multiply-add per vector.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE bool AnyNonFinite(D d, const T* HWY_RESTRICT x, int64_t n) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto acc = hn::Zero(d);
+  int64_t c = 0;
+  for (; c + N <= n; c += N) acc = hn::MulAdd(hn::LoadU(d, x + c), hn::Zero(d), acc);
+  bool bad = !hn::AllFalse(d, hn::IsNaN(acc));
+  for (; c < n; ++c) bad |= !std::isfinite(x[c]);
+  return bad;
+}
+
 // flags[r] = whether row r of rows[0, n) (width elements each) holds a NaN or inf; returns
-// whether any does. x · 0 is NaN exactly for those, so one fused multiply-add per vector.
+// whether any does.
 template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE bool FlagNonFiniteRows(D d, const T* HWY_RESTRICT rows, int64_t stride, int64_t n, int64_t width,
                                   uint8_t* HWY_RESTRICT flags) {
-  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   bool any = false;
   for (int64_t r = 0; r < n; ++r) {
-    const T* x = rows + r * stride;
-    auto acc = hn::Zero(d);
-    int64_t c = 0;
-    for (; c + N <= width; c += N) acc = hn::MulAdd(hn::LoadU(d, x + c), hn::Zero(d), acc);
-    bool bad = !hn::AllFalse(d, hn::IsNaN(acc));
-    for (; c < width; ++c) bad |= !std::isfinite(x[c]);
-    flags[r] = bad;
-    any |= bad;
+    flags[r] = AnyNonFinite(d, rows + r * stride, width);
+    any |= flags[r] != 0;
   }
   return any;
 }
