@@ -26,6 +26,17 @@ constexpr sdpa::DType dtype_of() {
   return sizeof(T) == 4 ? sdpa::DType::kFloat32 : sdpa::DType::kFloat64;
 }
 
+// The upper halves of float32 values: bfloat16 (truncated; any bits do for these tests).
+std::vector<uint16_t> upper_halves(const std::vector<float>& x) {
+  std::vector<uint16_t> h(x.size());
+  for (size_t n = 0; n < x.size(); ++n) {
+    uint32_t u;
+    std::memcpy(&u, &x[n], sizeof u);
+    h[n] = static_cast<uint16_t>(u >> 16);
+  }
+  return h;
+}
+
 template <typename T>
 std::vector<uint8_t> bytes(const std::vector<T>& x) {
   std::vector<uint8_t> b(x.size() * sizeof(T));
@@ -48,6 +59,7 @@ struct Shape {
   bool f64 = false;
   sdpa::Window window = {};
   MaskForm mask_form = MaskForm::kBoolQueryKey;
+  bool bf16 = false;  // q, k, v and out stored as bfloat16 (the float32 values' upper halves)
 };
 
 struct Result {
@@ -76,6 +88,15 @@ Result run_as(const Shape& s, int threads) {
   in.q = sdpa::TensorView::contiguous(q.data(), dt, {s.B, s.Hq, s.Nq, s.D});
   in.k = sdpa::TensorView::contiguous(k.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
   in.v = sdpa::TensorView::contiguous(v.data(), dt, {s.B, s.Hkv, s.Nk, s.D});
+  std::vector<uint16_t> q16, k16, v16, out16(s.bf16 ? out.size() : 0);
+  if constexpr (sizeof(T) == 4) {
+    if (s.bf16) {
+      q16 = upper_halves(q), k16 = upper_halves(k), v16 = upper_halves(v);
+      in.q = sdpa::TensorView::contiguous(q16.data(), sdpa::DType::kBFloat16, {s.B, s.Hq, s.Nq, s.D});
+      in.k = sdpa::TensorView::contiguous(k16.data(), sdpa::DType::kBFloat16, {s.B, s.Hkv, s.Nk, s.D});
+      in.v = sdpa::TensorView::contiguous(v16.data(), sdpa::DType::kBFloat16, {s.B, s.Hkv, s.Nk, s.D});
+    }
+  }
   if (s.mask) {
     switch (s.mask_form) {
       case MaskForm::kBoolQueryKey:
@@ -89,7 +110,8 @@ Result run_as(const Shape& s, int threads) {
     }
   }
   sdpa::Outputs outs;
-  outs.out = sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.D});
+  outs.out = s.bf16 ? sdpa::TensorView::contiguous(out16.data(), sdpa::DType::kBFloat16, {s.B, s.Hq, s.Nq, s.D})
+                    : sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.D});
   outs.lse = sdpa::TensorView::contiguous(lse.data(), dt, {s.B, s.Hq, s.Nq});
   if (s.weights) outs.weights = sdpa::TensorView::contiguous(weights.data(), dt, {s.B, s.Hq, s.Nq, s.Nk});
   sdpa::Options opt;
@@ -100,7 +122,7 @@ Result run_as(const Shape& s, int threads) {
   sdpa::set_num_threads(threads);
   sdpa::attention(in, outs, opt);
   sdpa::set_num_threads(0);
-  return {bytes(out), bytes(lse), bytes(weights)};
+  return {s.bf16 ? bytes(out16) : bytes(out), bytes(lse), bytes(weights)};
 }
 
 Result run(const Shape& s, int threads) { return s.f64 ? run_as<double>(s, threads) : run_as<float>(s, threads); }
@@ -160,7 +182,14 @@ INSTANTIATE_TEST_SUITE_P(
                     Shape{"chunked_prefill_window_key_padding_weights", 1, 2, 1, 60, 4100, 16, sdpa::Causal::kNone,
                           true, true, 0, false, {600, 0}, MaskForm::kBoolBatchKey},
                     Shape{"chunked_prefill_additive_mask_f64", 1, 1, 1, 100, 3000, 16, sdpa::Causal::kTopLeft, true,
-                          false, 0, true, {}, MaskForm::kAdditiveQueryKey}),
+                          false, 0, true, {}, MaskForm::kAdditiveQueryKey},
+                    // bfloat16 storage (tiles widened per thread; float32 additive mask beside it).
+                    Shape{"prefill_additive_mask_weights_bf16", 1, 2, 1, 70, 260, 16, sdpa::Causal::kNone, true, true,
+                          0.3, false, {}, MaskForm::kAdditiveQueryKey, true},
+                    Shape{"decode_split_keys_bf16", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft, true, true, 0,
+                          false, {}, MaskForm::kBoolQueryKey, true},
+                    Shape{"grouped_blocks_bf16", 1, 2, 1, 400, 1100, 64, sdpa::Causal::kNone, false, false, 0, false,
+                          {}, MaskForm::kBoolQueryKey, true}),
     [](const testing::TestParamInfo<Shape>& info) { return std::string(info.param.name); });
 
 // ---- Backward ----
