@@ -835,9 +835,14 @@ void check_edge_semantics(const Case& c, const Outs& o) {
           continue;
         }
         // Finite scores (some maybe -inf): -inf keys weight 0; lse finite; out per (c).
+        // lse is a smooth max: off by at most the largest error of any score (not only the top
+        // one's: a key whose score cancels from huge products may be the max in the kernels).
         long double m = -INFINITY, merr = 0;
         for (int64_t j = 0; j < d.Nk; ++j)
-          if (sc[j].cls == Cls::kFinite && sc[j].s > m) { m = sc[j].s; merr = sc[j].err; }
+          if (sc[j].cls == Cls::kFinite) {
+            m = std::max(m, sc[j].s);
+            merr = std::max(merr, sc[j].err);
+          }
         long double l = 0;
         for (int64_t j = 0; j < d.Nk; ++j)
           if (sc[j].cls == Cls::kFinite) l += std::exp(sc[j].s - m);

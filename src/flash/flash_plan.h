@@ -212,12 +212,22 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
       finite &= std::isfinite(out[e]);
     }
     if (!finite && !std::isnan(l[lane])) {
-      // Only the non-finite columns are replaced: the others met no NaN or inf and keep the
-      // tiles' arithmetic, bit for bit.
+      // Only the non-finite columns whose value rows are finite over the row's allowed, kept
+      // keys are replaced: those overflowed in the unnormalised sum. A column holding NaN or
+      // inf in such a value row came out of the tiles right by their own weights (rows of
+      // weight 0 were skipped there), and the recomputation could weigh a key differently at
+      // the edge of underflow. The other columns keep the tiles' arithmetic, bit for bit.
       std::vector<T> prob(static_cast<size_t>(p.Nk)), exact(static_cast<size_t>(p.Dv));
       attend_row(p, blk.b, r.h, r.i, prob.data(), exact.data());
       for (int64_t e = 0; e < p.Dv; ++e) {
-        if (!std::isfinite(out[e])) out[e] = exact[e];
+        if (std::isfinite(out[e])) continue;
+        bool column_finite = true;
+        for (int64_t j = r.begin; j < r.end && column_finite; ++j) {
+          const bool blocked = p.mask_bias<T>(blk.b, r.h, r.i, j) == -std::numeric_limits<T>::infinity();
+          const bool dropped = p.dropout.enabled() && p.dropout.factor<T>(blk.b, r.h, r.i, j) == T(0);
+          column_finite = blocked || dropped || std::isfinite(p.v.load<T>(blk.b, blk.kvh, j, e));
+        }
+        if (column_finite) out[e] = exact[e];
       }
     }
     if (!in_place) write_row(p.out, blk.b, r.h, r.i, out, p.Dv);
