@@ -281,12 +281,10 @@ void FlashBackward(const BackwardProblem& bp) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
 
   // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
-  const auto bad_row = [](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width) {
-    bool bad = false;
-    if (v.dtype == dtype_of<T>()) {
-      const T* x = v.at<T>(b, h, n);
-      for (int64_t c = 0; c < width; ++c) bad |= !std::isfinite(x[c]);
-    } else {
+  const auto bad_row = [d](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width) {
+    if (v.dtype == dtype_of<T>()) return static_cast<uint8_t>(AnyNonFinite(d, v.at<T>(b, h, n), width));
+    bool bad = false;  // 16-bit storage: widening is exact, so finiteness is the stored value's
+    {
       for (int64_t c = 0; c < width; ++c) bad |= !std::isfinite(v.load<T>(b, h, n, c));
     }
     return static_cast<uint8_t>(bad);
