@@ -1,7 +1,7 @@
 // sdpa_digest: one hash per case of every output bit (forward out, lse, weights; backward dq,
 // dk, dv) over a fixed table of random problems covering every kernel path (prefill tiles,
-// decode, key split, masks of each kind, both causal alignments, windows, GQA, dropout, f32 and
-// f64). Not a test: a refactor that promises unchanged arithmetic is checked by building this at
+// decode, key split, masks of each kind, both causal alignments, windows, GQA, dropout, f32, f64,
+// bf16, f16). Not a test: a refactor that promises unchanged arithmetic is checked by building this at
 // the old and the new commit and diffing the two outputs:
 //   build/tests/sdpa_digest > new.txt;  (old build)/sdpa_digest > old.txt;  diff old.txt new.txt
 // (and the same with the argument avx2).
@@ -17,6 +17,19 @@
 #include "sdpa/attention.h"
 
 namespace {
+
+// Finite values and -inf only (what fill() makes), rounded to nearest even.
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+uint16_t to_f16(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
 
 struct Buffer {
   sdpa::DType dtype;
@@ -51,6 +64,10 @@ struct Buffer {
       } else if (dtype == sdpa::DType::kFloat32) {
         const float f = density >= 0 && u(rng) >= density ? -INFINITY : static_cast<float>(x);
         std::memcpy(&bytes[n * 4], &f, 4);
+      } else if (dtype == sdpa::DType::kBFloat16 || dtype == sdpa::DType::kFloat16) {
+        const float f = density >= 0 && u(rng) >= density ? -INFINITY : static_cast<float>(x);
+        const uint16_t h = dtype == sdpa::DType::kFloat16 ? to_f16(f) : to_bf16(f);
+        std::memcpy(&bytes[n * 2], &h, 2);
       } else {
         const double f = density >= 0 && u(rng) >= density ? -INFINITY : x;
         std::memcpy(&bytes[n * 8], &f, 8);
@@ -75,7 +92,9 @@ int main(int argc, char** argv) {
   const Shape shapes[] = {{1, 2, 2, 97, 130, 64, 64}, {2, 4, 2, 33, 33, 17, 9},  {1, 8, 2, 1, 3000, 64, 64},
                           {1, 4, 1, 3, 257, 32, 40},  {1, 2, 1, 200, 200, 128, 128}, {1, 1, 1, 1, 1, 1, 1}};
   int id = 0;
-  for (sdpa::DType dt : {sdpa::DType::kFloat32, sdpa::DType::kFloat64}) {
+  // 16-bit storage last, so that the float32 and float64 cases keep their numbers.
+  for (sdpa::DType dt : {sdpa::DType::kFloat32, sdpa::DType::kFloat64, sdpa::DType::kBFloat16, sdpa::DType::kFloat16}) {
+    const sdpa::DType ct = dt == sdpa::DType::kFloat64 ? dt : sdpa::DType::kFloat32;  // compute type
     for (const Shape& s : shapes) {
       for (int mask = 0; mask < 4; ++mask) {        // none, bool key padding, bool full, float full
         for (int variant = 0; variant < 4; ++variant) {  // none, causal BR, causal TL + window, dropout
@@ -99,7 +118,7 @@ int main(int argc, char** argv) {
             o.dropout_p = 0.3;
             o.seed = 7;
           }
-          Buffer out(dt, {s.B, s.Hq, s.Nq, s.Dv}), lse(dt, {s.B, s.Hq, s.Nq}), w(dt, {s.B, s.Hq, s.Nq, s.Nk});
+          Buffer out(dt, {s.B, s.Hq, s.Nq, s.Dv}), lse(ct, {s.B, s.Hq, s.Nq}), w(ct, {s.B, s.Hq, s.Nq, s.Nk});
           sdpa::Inputs in{q.view(), k.view(), v.view(), std::nullopt};
           if (!m.empty()) in.mask = m[0].view();
           sdpa::Outputs outs{out.view(), std::nullopt, lse.view()};
