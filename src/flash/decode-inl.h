@@ -5,7 +5,9 @@
 //   scores  s[r][j] = Σ_lanes q_r[d..d+N) · k_j[d..d+N)     (one horizontal sum per key)
 //   output  o_r[e..e+N) += p[r][j] · v_j[e..e+N)             (rows of V loaded once per key)
 // K and V rows are each read once per block (up to kDecodeMaxRows rows, e.g. all query heads of
-// a GQA group): the kernel streams memory.
+// a GQA group): the kernel streams memory. 16-bit K and V are widened in registers as they are
+// loaded (storage type S, compute type T): the bytes streamed are half float32's, and no
+// scratch copy of the tile is written and read again.
 // It produces the same (ot, m, l) as RunBlock, so finishing and chunk merging are shared.
 
 #if defined(SDPA_FLASH_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -49,10 +51,10 @@ inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R
 // s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
 // pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
 // vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
-// scores the forward pass saw. `prefetch_values`: V is read in place after this (not widened).
-template <int64_t R, class D, typename T = hn::TFromD<D>>
+// scores the forward pass saw. `prefetch_values`: V is read after this.
+template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
 HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes,
-                             const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, const Rows<T>& keys,
+                             const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, const Rows<S>& keys,
                              bool prefetch_values, T* HWY_RESTRICT st) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
@@ -67,7 +69,7 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   v_row += j0 * vs_bytes;
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
-    const T* kj = keys.row(j);
+    const S* kj = keys.row(j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
     // the key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
     if (j0 + j + kTileKeys < p.Nk) {  // a pointer past the tensor would be undefined, even unread
@@ -82,14 +84,14 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
     for (int64_t c = 0; c < dk_full; c += N) {
-      const V kv = hn::LoadU(d, kj + c);
+      const V kv = LoadWidened(d, kj + c);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
     }
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
-      for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj[c];
+      for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * Widened<T>(kj[c]);
       st[r * kTileKeys + j] = dot;
     }
   }
@@ -102,8 +104,8 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 // o[r][0..C·N) = alpha[r] · o[r][..] + Σ_j p[r][j] · v_j[0..C·N): R×C accumulators; each
 // chunk of a value row is loaded once for all R rows. A value row flagged in v_bad (NaN or
 // inf) is skipped by the rows that give its key weight 0 (no 0 · NaN); the others add it.
-template <int64_t R, int64_t C, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T* HWY_RESTRICT v, int64_t vs,
+template <int64_t R, int64_t C, class D, typename S, typename T = hn::TFromD<D>>
+HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S* HWY_RESTRICT v, int64_t vs,
                              const T* alpha, T* HWY_RESTRICT o, int64_t dvp, const uint8_t* v_bad) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> acc[R][C];
@@ -113,7 +115,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
   }
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = hn::LoadU(d, v + j * vs + c * N);
+    for (int64_t c = 0; c < C; ++c) vv[c] = LoadWidened(d, v + j * vs + c * N);
     const bool bad = v_bad != nullptr && v_bad[j];  // v_bad is null on the common path
     for (int64_t r = 0; r < R; ++r) {
       if (bad && p[r * kTileKeys + j] == T(0)) continue;
@@ -126,17 +128,17 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const T
 }
 
 // Rows [row0, row0 + R) of the block: R·Dk queries (pre-scaled, zero-padded to whole
-// vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st.
-// ktile, vtile: scratch for a tile of K and V rows widened to T (ReadRows).
-template <int64_t R, class D, typename T = hn::TFromD<D>>
-void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
+// vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st. K and V are read in
+// place in their storage type S; vtile: scratch for a tile of V rows widened to T, used only
+// when a tile is redone (below).
+template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
+void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
-                T* l_out, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev) {
+                T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dv_full = p.Dv / N * N;
-  const bool v_in_place = p.v.dtype == dtype_of<T>();
   T m[R], l[R];
   for (int64_t r = 0; r < R; ++r) {
     m[r] = neg_inf;
@@ -147,9 +149,9 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
-    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, vtile);
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, v_in_place, st);
+    const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
+    const Rows<S> values{p.v.at<S>(blk.b, blk.kvh, j0), p.v.strides[2]};
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/true, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
@@ -188,8 +190,9 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
     //    A value row holding NaN or inf must not reach a row that gives its key weight 0
     //    (0 · NaN). Scanning every tile of V for them would cost a second pass (decode streams
     //    V: ~10 %), so the tile runs unchecked from a copy of o, and only if some o came out
-    //    non-finite are V's bad rows flagged and the tile redone, skipping them where p = 0.
-    const auto accumulate = [&](const uint8_t* bad) {
+    //    non-finite are V's bad rows flagged and the tile redone (from V widened to T in
+    //    vtile), skipping them where p = 0.
+    const auto accumulate = [&](const auto& values, const uint8_t* bad) {
       constexpr int64_t C = kDecodeChunk<R>;
       int64_t e0 = 0;
       for (; e0 + C * N <= dv_full; e0 += C * N) {
@@ -201,18 +204,21 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
           T acc = o[r * dvp + e] * alpha[r];
           for (int64_t j = 0; j < n; ++j) {
             if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
-            acc += st[r * kTileKeys + j] * values.row(j)[e];
+            acc += st[r * kTileKeys + j] * Widened<T>(values.row(j)[e]);
           }
           o[r * dvp + e] = acc;
         }
       }
     };
     std::copy(o, o + R * dvp, o_prev);
-    accumulate(nullptr);
-    uint8_t v_bad[kTileKeys];
-    if (AnyNonFinite(d, o, R * dvp) && FlagNonFiniteRows(d, values.data, values.stride, n, p.Dv, v_bad)) {
-      std::copy(o_prev, o_prev + R * dvp, o);
-      accumulate(v_bad);
+    accumulate(values, nullptr);
+    if (AnyNonFinite(d, o, R * dvp)) {
+      const Rows<T> wide = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, vtile);
+      uint8_t v_bad[kTileKeys];
+      if (FlagNonFiniteRows(d, wide.data, wide.stride, n, p.Dv, v_bad)) {
+        std::copy(o_prev, o_prev + R * dvp, o);
+        accumulate(wide, v_bad);
+      }
     }
   }
   for (int64_t r = 0; r < R; ++r) {
@@ -222,17 +228,16 @@ void DecodeRows(D d, const Problem& p, const BlockRows& blk, const LaneRow* lane
 }
 
 // Weights w = exp(s - m) / l for R rows whose final max m and sum l are known.
-template <int64_t R, class D, typename T = hn::TFromD<D>>
-void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
-                   const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l,
-                   T* HWY_RESTRICT ktile) {
+template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
+void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
+                   const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l) {
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
   }
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
-    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, ktile);
+    const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, st);
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t j = 0; j < n; ++j) {
@@ -248,7 +253,7 @@ void DecodeWeights(D d, const Problem& p, const BlockRows& blk, const LaneRow* l
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                  bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
-                 LaneRow* lanes, T* HWY_RESTRICT ktile, T* HWY_RESTRICT vtile) {
+                 LaneRow* lanes, T* HWY_RESTRICT vtile) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
   const T scale = static_cast<T>(p.scale);
@@ -266,11 +271,13 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
   const auto rows = [&](auto r_const) {
     constexpr int64_t R = decltype(r_const)::value;
     if (weights) {
-      DecodeWeights<R>(d, p, blk, lanes, span, qbuf, dkp, st, m, l, ktile);
+      WithStorage<T>(p.k.dtype, [&](auto s) { DecodeWeights<R>(d, s, p, blk, lanes, span, qbuf, dkp, st, m, l); });
       return;
     }
     // obuf holds two sets of rows: o, and o before the current tile (DecodeRows' redo).
-    DecodeRows<R>(d, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, ktile, vtile, obuf + kDecodeMaxRows * (p.Dv + N));
+    WithStorage<T>(p.k.dtype, [&](auto s) {  // k and v share a dtype
+      DecodeRows<R>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, obuf + kDecodeMaxRows * (p.Dv + N));
+    });
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];
   };

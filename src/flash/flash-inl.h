@@ -386,7 +386,7 @@ void Flash(const Problem& p) {
   auto run = [&](Scratch<T>& s, const BlockRows* blks, size_t count, int64_t k0, int64_t k1) {
     if (plan.decode) {  // one block per group: decode has few rows per kv head
       DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data(), s.ktile.get(), s.vtile.get());
+                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data(), s.vtile.get());
     } else if (plan.qv == 1) {
       RunBlocks<1>(d, p, blks, count, k0, k1, s);
     } else {
@@ -402,7 +402,7 @@ void Flash(const Problem& p) {
     std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
     if (plan.decode) {
       DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), m.data(), l.data(), s.lanes.data(), s.ktile.get(), s.vtile.get());
+                  s.ot.get(), m.data(), l.data(), s.lanes.data(), s.vtile.get());
     } else if (plan.qv == 1) {
       WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
     } else {

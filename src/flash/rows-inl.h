@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "hwy/highway.h"
 #include "problem.h"
@@ -49,6 +50,42 @@ HWY_INLINE void WidenRow(D d, DType from, const void* src, int64_t n, T* HWY_RES
   }
   const int64_t bytes = storage_bytes(from);
   for (; c < n; ++c) dst[c] = load_as<T>(from, static_cast<const char*>(src) + c * bytes);
+}
+
+// A vector of T from N consecutive elements of storage type S (T itself, or a 16-bit type
+// widened exactly), for kernels that widen in registers instead of into scratch (decode).
+template <typename S, class D, typename T = hn::TFromD<D>>
+HWY_INLINE hn::Vec<D> LoadWidened(D d, const S* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<S, T>) {
+    return hn::LoadU(d, p);
+  } else {
+    return hn::PromoteTo(d, hn::LoadU(hn::Rebind<S, D>(), p));
+  }
+}
+
+// One element of storage type S as T (exact).
+template <typename T, typename S>
+HWY_INLINE T Widened(S x) {
+  if constexpr (std::is_same_v<S, T>) {
+    return x;
+  } else if constexpr (std::is_same_v<S, hwy::bfloat16_t>) {
+    return bf16_to_f32(x.bits);
+  } else {
+    static_assert(std::is_same_v<S, hwy::float16_t>);
+    return f16_to_f32(x.bits);
+  }
+}
+
+// Calls f(S{}) with S the storage type of dtype `storage` for compute type T: T itself, or
+// (T = float) hwy::bfloat16_t / hwy::float16_t. The kernels that widen in registers are
+// instantiated per storage type through this.
+template <typename T, typename F>
+HWY_INLINE void WithStorage(DType storage, const F& f) {
+  if constexpr (sizeof(T) == 4) {
+    if (storage == DType::kBFloat16) return f(hwy::bfloat16_t{});
+    if (storage == DType::kFloat16) return f(hwy::float16_t{});
+  }
+  f(T{});
 }
 
 // Rows [n0, n0 + n) of head (b, h) of a (B, H, N, width) view as T: in place when the view holds
