@@ -39,6 +39,7 @@ const char* causal_name(sdpa::Causal c) {
 struct Row {
   sdpa::bench::BenchCase c;
   double seconds, gflops, kv_gbs;
+  const char* path;  // the instruction path the case's calls ran (sdpa::last_kernel_path)
 };
 
 }  // namespace
@@ -58,11 +59,14 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       ->type_name("DTYPE");
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
   cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");
+  cmd->add_flag("--no-bf16-dot", options.no_bf16_dot,
+                "Do not use AVX512_BF16's dot products for bfloat16 (sdpa::set_max_kernel_path(kSimd))");
   return cmd;
 }
 
 void bench_command(const BenchOptions& options) {
   if (options.no_avx512) sdpa::bench::disable_avx512();
+  if (options.no_bf16_dot) sdpa::set_max_kernel_path(sdpa::KernelPath::kSimd);
   if (options.threads > 0) sdpa::set_num_threads(options.threads);
   const int threads = sdpa::num_threads();
   std::vector<sdpa::bench::BenchCase> cases;
@@ -97,7 +101,8 @@ void bench_command(const BenchOptions& options) {
     progress("[" + std::to_string(i + 1) + "/" + std::to_string(cases.size()) + "] " + c.name + "...");
     sdpa::bench::CaseData data(c);
     const double t = sdpa::bench::median_seconds(data, options.reps);
-    rows.push_back({c, t, sdpa::bench::flop_count(c) / t / 1e9, sdpa::bench::kv_bytes(c) / t / 1e9});
+    const char* path = sdpa::last_kernel_path() == sdpa::KernelPath::kAvx512Bf16 ? "bf16dot" : "simd";
+    rows.push_back({c, t, sdpa::bench::flop_count(c) / t / 1e9, sdpa::bench::kv_bytes(c) / t / 1e9, path});
   }
   progress("");
 
@@ -113,11 +118,11 @@ void bench_command(const BenchOptions& options) {
           "  {\"name\": \"%s\", \"dtype\": \"%s\", \"B\": %lld, \"Hq\": %lld, \"Hkv\": %lld, \"Nq\": %lld, "
           "\"Nk\": %lld, \"D\": %lld, "
           "\"mask\": \"%s\", \"causal\": \"%s\", \"window\": [%lld, %lld], \"median_ms\": %.4f, "
-          "\"gflops\": %.2f, \"peak_share\": %.4f, \"kv_gbs\": %.2f, \"bandwidth_share\": %.4f}%s\n",
+          "\"gflops\": %.2f, \"peak_share\": %.4f, \"kv_gbs\": %.2f, \"bandwidth_share\": %.4f, \"path\": \"%s\"}%s\n",
           r.c.name.c_str(), sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
           (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
           (long long)r.c.window.left, (long long)r.c.window.right, r.seconds * 1e3, r.gflops, r.gflops / peak, r.kv_gbs,
-          r.kv_gbs / bandwidth, i + 1 < rows.size() ? "," : "");
+          r.kv_gbs / bandwidth, r.path, i + 1 < rows.size() ? "," : "");
     }
     std::printf(" ]}\n");
     return;
@@ -130,8 +135,8 @@ void bench_command(const BenchOptions& options) {
       "GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (backward: 10*B*Hq*Nq*Nk*D), halved for causal;\n"
       "  with a window, Nq*Nk counts the (i, j) pairs it and causal allow; the same for every dtype;\n"
       "KV GB/s = bytes of K and V (in the case's dtype) / time\n\n");
-  std::printf("%-32s %-4s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s\n", "case", "type", "B", "Hq", "Hkv",
-              "Nq", "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw");
+  std::printf("%-32s %-4s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s %s\n", "case", "type", "B", "Hq",
+              "Hkv", "Nq", "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw", "path");
   for (const auto& r : rows) {
     const bool decode = sdpa::bench::is_decode(r.c);
     std::printf("%-32s %-4s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.3f %8.1f %5.1f%% ", r.c.name.c_str(),
@@ -139,9 +144,9 @@ void bench_command(const BenchOptions& options) {
                 (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
                 r.seconds * 1e3, r.gflops, 100 * r.gflops / peak);
     if (decode) {
-      std::printf("%8.1f %4.0f%%\n", r.kv_gbs, 100 * r.kv_gbs / bandwidth);
+      std::printf("%8.1f %4.0f%% %s\n", r.kv_gbs, 100 * r.kv_gbs / bandwidth, r.path);
     } else {
-      std::printf("%8s %5s\n", "-", "-");
+      std::printf("%8s %5s %s\n", "-", "-", r.path);
     }
   }
 }

@@ -39,6 +39,7 @@ struct BenchOptions {
   std::string dtype;  // "bf16", "f16", "f32", "f64": the whole table in it; empty: the default table
   bool json = false;
   bool no_avx512 = false;
+  bool no_bf16_dot = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);
 void bench_command(const BenchOptions& options);

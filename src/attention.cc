@@ -2,6 +2,7 @@
 #include <string>
 
 #include "flash/flash.h"
+#include "kernel_path.h"
 #include "problem.h"
 #include "reference.h"
 
@@ -36,6 +37,7 @@ void run_backend(const internal::Problem& p, Backend backend) {
 }  // namespace
 
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
   const internal::Problem p = internal::make_problem(inputs, outputs, options);
   if (p.writes_nothing()) return;
   // Scores that are the biases alone: lse from them directly, and the kernels only for the
@@ -52,6 +54,7 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
 
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);  // the backward has no other path yet
   const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
   if (bp.writes_nothing()) return;
   const bool f64 = computes_in_f64(bp.fwd.compute);

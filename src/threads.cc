@@ -1,5 +1,8 @@
-// The thread count every kernel uses: OpenMP's (OMP_NUM_THREADS) unless set explicitly.
+// Process-wide settings of the kernels: the thread count every kernel uses (OpenMP's,
+// OMP_NUM_THREADS, unless set explicitly) and the cap on the instruction paths.
 #include <atomic>
+
+#include "kernel_path.h"
 
 #include "sdpa/attention.h"
 
@@ -10,7 +13,22 @@
 namespace sdpa {
 namespace {
 std::atomic<int> g_threads{0};  // 0 = OpenMP's default
+std::atomic<KernelPath> g_max_path{KernelPath::kAvx512Bf16};
+thread_local KernelPath t_last_path = KernelPath::kSimd;
+}  // namespace
+
+void set_max_kernel_path(KernelPath max) {
+  if (max != KernelPath::kSimd && max != KernelPath::kAvx512Bf16) {
+    throw Error("set_max_kernel_path: unknown path " + std::to_string(static_cast<int>(max)));
+  }
+  g_max_path.store(max);
 }
+KernelPath max_kernel_path() { return g_max_path.load(); }
+KernelPath last_kernel_path() { return t_last_path; }
+
+namespace internal {
+void note_kernel_path(KernelPath path) { t_last_path = path; }
+}  // namespace internal
 
 void set_num_threads(int n) {
   if (n < 0) throw Error("set_num_threads: n must be >= 0 (0 = OpenMP's default), got " + std::to_string(n));

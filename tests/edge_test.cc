@@ -384,6 +384,36 @@ TEST_P(Edge, BackwardKeepsNanRowsFromKeysTheyDoNotAttend) {
   }
 }
 
+// An inf value row whose key had weight in the keys seen so far, then weight 0 once a far
+// larger score arrives (a later tile, or another key chunk merged afterwards): the rescale by
+// exp(old max - new max) = 0 gave 0 · inf = NaN (found by the fuzzer: Nq 18, Nk 3000). The key
+// contributes nothing: out is the huge key's value row. Prefill tiles, decode, key chunks; the
+// huge key before and after the inf one.
+TEST_P(Edge, InfValueRowOfAKeyThatLosesItsWeight) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{18, 300}, {1, 300}, {18, 3000}, {2, 5000}}) {
+      for (const bool huge_first : {false, true}) {
+        SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk << " huge key "
+                                        << (huge_first ? "first" : "last"));
+        const int64_t inf_key = huge_first ? nk - 5 : 5, huge_key = huge_first ? 2 : nk - 50;
+        std::vector<double> q(nq, -1.0), k(nk), v(nk);
+        for (int64_t j = 0; j < nk; ++j) {
+          k[j] = static_cast<double>(j % 5) - 2;  // scores -2 .. 2
+          v[j] = static_cast<double>(j % 7);
+        }
+        k[huge_key] = -3e38;  // score +3e38: every other key's weight is exactly 0
+        v[inf_key] = kInf;
+        const Tensors t{tensor(dt, {nq, 1}, q), tensor(dt, {nk, 1}, k), tensor(dt, {nk, 1}, v), std::nullopt};
+        sdpa::Options o = opts();
+        o.scale = 1.0;
+        const Values got = values(run(t, o));
+        EXPECT_EQ(got.out, std::vector<double>(nq, t.v.get(huge_key)));
+        EXPECT_EQ(got.lse, std::vector<double>(nq, t.k.get(huge_key) * -1.0));
+      }
+    }
+  }
+}
+
 // Huge finite scores (|s| ~ 1e9 in float32): the backward recomputes s in another order than
 // the forward, and exp(s - lse) overflowed into NaN gradients (found by the fuzzer). p is
 // clamped to at most 1; the gradients stay finite.

@@ -200,4 +200,81 @@ TEST_P(LowPrecision, DtypePolicyErrors) {
   expect_error(in, outs, "v has dtype float16 but k has dtype bfloat16");
 }
 
+// ---- Instruction paths (sdpa::KernelPath) ----
+
+// While alive, the kernels may use nothing beyond kSimd.
+class SimdOnly {
+ public:
+  SimdOnly() { sdpa::set_max_kernel_path(sdpa::KernelPath::kSimd); }
+  ~SimdOnly() { sdpa::set_max_kernel_path(sdpa::KernelPath::kAvx512Bf16); }
+};
+
+// Which path a call ran: kAvx512Bf16 for bfloat16 prefill where the CPU has it and AVX-512 is
+// dispatched, kSimd when capped (set_max_kernel_path, Highway at AVX2), for decode shapes,
+// float16, and float32 queries over a bfloat16 cache. Every one against the reference.
+TEST(KernelPaths, TheCallReportsThePathItRan) {
+  const bool has = sdpa::kernel_path_available(sdpa::KernelPath::kAvx512Bf16);
+  EXPECT_TRUE(sdpa::kernel_path_available(sdpa::KernelPath::kSimd));
+  std::printf("AVX512_BF16 path %s on this CPU\n", has ? "available" : "not available: only kSimd is checked");
+  Case prefill{.rank = 4, .B = 1, .Hq = 4, .Hkv = 2, .Nq = 37, .Nk = 300, .Dk = 33, .Dv = 20};
+  prefill.dtype = kBF16;
+  prefill.causal = Causal::kBottomRight;
+  prefill.name = "paths_prefill";
+  Case decode = prefill;
+  decode.Nq = 1;
+  decode.name = "paths_decode";
+  const auto ran = [](const Tensors& t, const sdpa::Options& o) {
+    const Outs got = run(t, o);
+    const sdpa::KernelPath path = sdpa::last_kernel_path();  // before matches_reference's own calls
+    EXPECT_TRUE(matches_reference(t, o, got));
+    return path;
+  };
+  sdpa::Options o;
+  o.causal = Causal::kBottomRight;
+  const Tensors t = make_inputs(prefill);
+  const auto want = has ? sdpa::KernelPath::kAvx512Bf16 : sdpa::KernelPath::kSimd;
+  EXPECT_EQ(ran(t, o), want);
+  EXPECT_EQ(ran(make_inputs(decode), o), sdpa::KernelPath::kSimd);
+  EXPECT_EQ(ran(t.converted(kF16), o), sdpa::KernelPath::kSimd);
+  Tensors mixed = t.converted(kBF16);
+  mixed.q = mixed.q.converted(kF32, mixed.q.layout());
+  EXPECT_EQ(ran(mixed, o), sdpa::KernelPath::kSimd);
+  {
+    SimdOnly cap;
+    EXPECT_EQ(sdpa::max_kernel_path(), sdpa::KernelPath::kSimd);
+    EXPECT_EQ(ran(t, o), sdpa::KernelPath::kSimd);
+  }
+  if (avx2_pass_skip_reason().empty()) {
+    Avx2Only cap;
+    EXPECT_EQ(ran(t, o), sdpa::KernelPath::kSimd);
+  }
+  EXPECT_EQ(ran(t, o), want);  // the caps are lifted
+  EXPECT_THROW(sdpa::set_max_kernel_path(static_cast<sdpa::KernelPath>(7)), sdpa::Error);
+}
+
+// vdpbf16ps reads subnormal inputs as 0. Blocks whose queries hold one, or whose queries are
+// so large that a subnormal key's product matters, are computed by widening instead: here
+// each would otherwise lose a score of ~1 (weights 0.5/0.5 instead of 0.73/0.27).
+TEST(KernelPaths, SubnormalInputsAreNotReadAsZero) {
+  const double sub = 0x1p-127;  // a bfloat16 subnormal (exact)
+  struct Setup {
+    double q, k, scale;
+  };
+  for (const Setup& c : {Setup{sub, 0x1p127, 1.0}, Setup{0x1p127, sub, 1.0}}) {
+    SCOPED_TRACE(testing::Message() << "q " << c.q << " k " << c.k);
+    const int64_t nq = 16;  // more rows than the few-rows (decode) kernel takes
+    std::vector<double> q(nq * 2, 0.0), k = {c.k, 0, 0, 0}, v = {1, 0};
+    for (int64_t i = 0; i < nq; ++i) q[i * 2] = c.q;
+    const Tensors t{tensor(kBF16, {nq, 2}, q), tensor(kBF16, {2, 2}, k), tensor(kBF16, {2, 1}, v), std::nullopt};
+    ASSERT_EQ(t.q.get(0), c.q);
+    ASSERT_EQ(t.k.get(0), c.k);
+    sdpa::Options o;
+    o.scale = c.scale;
+    const Outs got = run(t, o);
+    EXPECT_TRUE(matches_reference(t, o, got));
+    const double want = std::exp(1.0) / (1 + std::exp(1.0));  // score 1 against 0
+    EXPECT_NEAR(values(got).out[0], want, 4 * eps(kBF16));
+  }
+}
+
 }  // namespace

@@ -111,7 +111,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S
   hn::Vec<D> acc[R][C];
   for (int64_t r = 0; r < R; ++r) {
     const auto a = hn::Set(d, alpha[r]);
-    for (int64_t c = 0; c < C; ++c) acc[r][c] = hn::Mul(a, hn::Load(d, o + r * dvp + c * N));
+    for (int64_t c = 0; c < C; ++c) acc[r][c] = Rescale(d, hn::Load(d, o + r * dvp + c * N), a);
   }
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
@@ -201,7 +201,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
       for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
         for (int64_t e = dv_full; e < p.Dv; ++e) {
-          T acc = o[r * dvp + e] * alpha[r];
+          T acc = rescale(o[r * dvp + e], alpha[r]);
           for (int64_t j = 0; j < n; ++j) {
             if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
             acc += st[r * kTileKeys + j] * Widened<T>(values.row(j)[e]);

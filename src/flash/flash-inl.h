@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "flash/bf16_dot.h"
 #include "flash/decode-inl.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
@@ -31,6 +32,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
+#include "kernel_path.h"
 #include "problem.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -47,13 +49,23 @@ struct BlockState {
   T* m;             // mq: running max (-inf until a key is allowed; 0 once finished)
   T* l;             // mq: running sum
   LaneRow* lanes;   // mq
+  // The queries as bfloat16 pairs for Bf16DotScores (ceil(Dk/2) × mq), or null: the block's
+  // scores come from qt and widened keys.
+  uint32_t* qp = nullptr;
 };
+
+// Targets on which the forward may call bf16_dot.h (AVX-512: 16 float lanes, as it assumes).
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+inline constexpr bool kBf16DotTarget = true;
+#else
+inline constexpr bool kBf16DotTarget = false;
+#endif
 
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
 // O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N.
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group)
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, bool bf16_dot)
       : mq(mq),
         Dk(static_cast<size_t>(p.Dk)),
         Dv(static_cast<size_t>(p.Dv)),
@@ -67,16 +79,21 @@ struct Scratch {
         decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
+        qp(hwy::AllocateAligned<uint32_t>(bf16_dot ? group * (Dk + 1) / 2 * mq : 1)),
+        bf16_dot(bf16_dot),
         v_bad(kTileKeys),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
-    return {BlockRows{}, LaneSpan{}, qt.get() + g * Dk * mq, ot.get() + g * Dv * mq, m.get() + g * mq,
-            l.get() + g * mq, lanes.data() + g * mq};
+    return {BlockRows{},      LaneSpan{},       qt.get() + g * Dk * mq,
+            ot.get() + g * Dv * mq, m.get() + g * mq, l.get() + g * mq,
+            lanes.data() + g * mq, bf16_dot ? qp.get() + g * (Dk + 1) / 2 * mq : nullptr};
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
   hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q, and of o (twice)
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
+  hwy::AlignedFreeUniquePtr<uint32_t[]> qp;           // BlockState::qp of each block, when bf16_dot
+  bool bf16_dot;
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
 };
@@ -109,7 +126,7 @@ HWY_INLINE void AccumulateValues(D d, const T* HWY_RESTRICT p, int64_t keys, siz
   const size_t N = hn::Lanes(d);
   hn::Vec<D> acc[EB][QV];
   for (size_t e = 0; e < EB; ++e)
-    for (size_t q = 0; q < QV; ++q) acc[e][q] = hn::Mul(hn::Load(d, ot + e * mq + q * N), alpha[q]);
+    for (size_t q = 0; q < QV; ++q) acc[e][q] = Rescale(d, hn::Load(d, ot + e * mq + q * N), alpha[q]);
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> pj[QV];
     for (size_t q = 0; q < QV; ++q) pj[q] = hn::Load(d, p + j * mq + q * N);
@@ -196,23 +213,61 @@ HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t m
   OuterAccumulate<QV>(d, w + r0 * mq, n - r0, mq, rows + r0 * stride, stride, width, alpha, acc);
 }
 
-// Scores of keys [j0, j0 + n) (rows of `keys`, key j0 first) for a block into st, scaled (the
-// scale is folded into qt), masked.
+// Scores of keys [j0, j0 + n) for a block into st, scaled, masked: from the bfloat16 pairs
+// (bs.qp) and k in place, or from qt (the scale folded in) and `keys` (rows of k as T, key j0
+// first; unread when bs.qp is set).
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
                           int64_t n, bool partial, const Rows<T>& keys, T* HWY_RESTRICT mask_rows) {
-  OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
+  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
+    if (bs.qp != nullptr) {
+      Bf16DotScores(bs.qp, mq, p.Dk, p.k.at<uint16_t>(bs.blk.b, bs.blk.kvh, j0), p.k.strides[2], n,
+                    static_cast<float>(p.scale), st);
+    } else {
+      OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
+    }
+  } else {
+    OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
+  }
 
   MaskScores<QV>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, TileLayout::kKeyMajor, mask_rows);
 }
 
+// Packs a block's bfloat16 queries in pairs of features for Bf16DotScores (padding lanes and
+// the feature past an odd Dk zero); false when the block must not use it (a subnormal, NaN or
+// inf query element, or queries too large: bf16_dot.h).
+template <typename T>
+bool PackBf16Pairs(const Problem& p, const BlockRows& blk, size_t mq, BlockState<T>& bs) {
+  const int64_t pairs = (p.Dk + 1) / 2;
+  std::fill(bs.qp, bs.qp + pairs * mq, 0u);
+  double max_abs = 0;
+  for (int64_t l = 0; l < blk.rows; ++l) {
+    const uint16_t* q = p.q.at<uint16_t>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
+    for (int64_t c = 0; c < p.Dk; ++c) {
+      const uint16_t x = q[c];
+      const uint16_t exponent = x & 0x7f80u;
+      if (exponent == 0x7f80u) return false;                   // NaN or inf: the widening path's rules
+      if (exponent == 0 && (x & 0x7fu) != 0) return false;     // subnormal: read as 0 by vdpbf16ps
+      max_abs = std::max(max_abs, static_cast<double>(std::fabs(bf16_to_f32(x))));
+      bs.qp[c / 2 * mq + l] |= static_cast<uint32_t>(x) << (16 * (c % 2));
+    }
+  }
+  return bf16_dot_block_ok(p.scale, p.Dk, max_abs);
+}
+
 // Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
-// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero).
+// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero), or bs.qp (when set and the
+// block may use it).
 template <typename T>
 void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                 BlockState<T>& bs) {
   bs.blk = blk;
   bs.span = describe_lanes(p, blk, key_begin, key_end, bs.lanes);
+  if (bs.qp != nullptr && !PackBf16Pairs(p, blk, mq, bs)) bs.qp = nullptr;  // this block widens
+  std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
+  std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
+  std::fill(bs.l, bs.l + mq, T(0));
+  if (bs.qp != nullptr) return;
   const T scale = static_cast<T>(p.scale);
   std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
   for (int64_t l = 0; l < blk.rows; ++l) {
@@ -224,9 +279,6 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
       for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = p.q.load<T>(blk.b, r.h, r.i, c) * scale;
     }
   }
-  std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
-  std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
-  std::fill(bs.l, bs.l + mq, T(0));
 }
 
 // One online-softmax step of a block over the tile that starts at t (a multiple of
@@ -335,7 +387,9 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     // The group's keys of this tile, read (widened, for 16-bit storage) once for all its blocks.
     const int64_t k0 = std::max(t, begin), k1 = std::min(t + kTileKeys, end);
     const BlockRows& blk = blks[0];  // every block of a group reads the same kv head
-    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get());
+    bool widen_keys = false;  // unless every block scores from bfloat16 pairs
+    for (size_t g = 0; g < count; ++g) widen_keys |= states[g].qp == nullptr;
+    const Rows<T> keys = widen_keys ? ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get()) : Rows<T>{};
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
     const bool v_bad = FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
@@ -362,7 +416,7 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
-    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
+    const Rows<T> keys = bs.qp ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
       for (int64_t j = 0; j < n; ++j) {
@@ -380,6 +434,11 @@ void Flash(const Problem& p) {
   const size_t N = hn::Lanes(d);
   const Plan plan = make_plan(p, N);
   const size_t mq = plan.qv * N;
+  // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
+  const bool bf16_dot = kBf16DotTarget && std::is_same_v<T, float> && !plan.decode &&
+                        p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 &&
+                        max_kernel_path() >= KernelPath::kAvx512Bf16 && cpu_has_avx512_bf16();
+  note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
   const size_t partial_size = (p.Dv + 2) * mq;  // (ot, m, l) of one block and chunk
   std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
 
@@ -412,7 +471,7 @@ void Flash(const Problem& p) {
 
 #pragma omp parallel num_threads(plan.threads)
   {
-    Scratch<T> s(p, mq, N, plan.group_blocks);
+    Scratch<T> s(p, mq, N, plan.group_blocks, bf16_dot);
     BlockRows blks[kMaxGroupBlocks];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < plan.units(); ++u) {

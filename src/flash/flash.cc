@@ -4,9 +4,11 @@
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 
 #include "flash/backward-inl.h"
+#include "flash/bf16_dot.h"
 #include "flash/flash-inl.h"
 #include "flash/flash.h"
 #include "hwy/highway.h"
+#include "hwy/targets.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
@@ -40,4 +42,16 @@ void flash_backward(const BackwardProblem& bp) {
   }
 }
 }  // namespace sdpa::internal
+
+bool sdpa::kernel_path_available(KernelPath path) {
+  if (path == KernelPath::kSimd) return true;
+  if (path != KernelPath::kAvx512Bf16) return false;
+#if HWY_ARCH_X86
+  // Some AVX-512 target compiled in, supported and not disabled (Flash dispatches to one).
+  const bool avx512 = (hwy::SupportedTargets() & HWY_TARGETS & (HWY_AVX2 - 1)) != 0;
+  return avx512 && internal::cpu_has_avx512_bf16();
+#else
+  return false;
+#endif
+}
 #endif

@@ -111,6 +111,21 @@ HWY_INLINE bool AnyNonFinite(D d, const T* HWY_RESTRICT x, int64_t n) {
   return bad;
 }
 
+// alpha · acc: the online softmax's rescale of what earlier keys accumulated, when a larger
+// max arrives. Where alpha is 0 those keys now have weight 0 and must contribute nothing, so a
+// NaN product (0 · inf, from an inf value row that had weight before) is 0 there; every other
+// lane keeps the product's bits.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V Rescale(D d, V acc, V alpha) {
+  const V prod = hn::Mul(acc, alpha);
+  return hn::IfThenZeroElse(hn::And(hn::Eq(alpha, hn::Zero(d)), hn::IsNaN(prod)), prod);
+}
+template <typename T>
+T rescale(T acc, T alpha) {  // the same for one element
+  const T prod = acc * alpha;
+  return alpha == T(0) && std::isnan(prod) ? T(0) : prod;
+}
+
 // flags[r] = whether row r of rows[0, n) (width elements each) holds a NaN or inf; returns
 // whether any does.
 template <class D, typename T = hn::TFromD<D>>

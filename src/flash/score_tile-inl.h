@@ -22,6 +22,7 @@
 #include <limits>
 
 #include "flash/flash_plan.h"
+#include "flash/rows-inl.h"
 #include "hwy/highway.h"
 #include "problem.h"
 
@@ -61,14 +62,22 @@ void add_mask_row(const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0,
         dst[jj] = row[jj * js] == blocked ? blocked : sum;
       }
     }
+  } else if (mask.dtype == DType::kBFloat16 || mask.dtype == DType::kFloat16) {
+    // A 16-bit mask (q's dtype): the dtype's branch hoisted out of the loop over keys.
+    const uint16_t* row = mask.at<uint16_t>(b, h, i, j0);
+    if (mask.dtype == DType::kBFloat16) {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], static_cast<T>(bf16_to_f32(row[jj * js])));
+    } else {
+      for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], static_cast<T>(f16_to_f32(row[jj * js])));
+    }
   } else {
     for (int64_t jj = 0; jj < n; ++jj) dst[jj] = with_bias(dst[jj], mask.load<T>(b, h, i, j0 + jj));
   }
 }
 
-// dst[jj] = the mask's bias for query (b, h, i) and key j0 + jj, jj < n. The common case, a
-// bool mask with contiguous keys and float32 scores, converts a vector of bytes at a time;
-// a float mask of T's dtype is copied; the rest goes through add_mask_row.
+// dst[jj] = the mask's bias for query (b, h, i) and key j0 + jj, jj < n. The common cases, a
+// bool or 16-bit float mask with contiguous keys and float32 scores, convert a vector at a
+// time; a float mask of T's dtype is copied; the rest goes through add_mask_row.
 template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE void MaskRowBias(D d, const Problem& p, int64_t b, int64_t h, int64_t i, int64_t j0, int64_t n,
                             T* HWY_RESTRICT dst) {
@@ -84,6 +93,9 @@ HWY_INLINE void MaskRowBias(D d, const Problem& p, int64_t b, int64_t h, int64_t
         const auto is_zero = hn::Eq(hn::PromoteTo(du, hn::LoadU(d8, row + jj)), hn::Zero(du));
         hn::StoreU(hn::IfThenElseZero(hn::RebindMask(d, is_zero), blocked), d, dst + jj);
       }
+    } else if ((p.mask->dtype == DType::kBFloat16 || p.mask->dtype == DType::kFloat16) && p.mask->strides[3] == 1) {
+      WidenRow(d, p.mask->dtype, p.mask->ptr(b, h, i, j0), n, dst);  // exact: the biases themselves
+      jj = n;
     }
   }
   if (jj < n && p.mask->dtype == dtype_of<T>()) {  // a float mask's row is its biases: copy it
