@@ -54,7 +54,7 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
 
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options) {
-  internal::note_kernel_path(KernelPath::kSimd);  // the backward has no other path yet
+  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
   const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
   if (bp.writes_nothing()) return;
   const bool f64 = computes_in_f64(bp.fwd.compute);

@@ -249,19 +249,27 @@ TEST(KernelPaths, TheCallReportsThePathItRan) {
     EXPECT_EQ(ran(t, o), sdpa::KernelPath::kSimd);
   }
   EXPECT_EQ(ran(t, o), want);  // the caps are lifted
+  // The backward's score and dout · vᵀ products take the same path.
+  const sdpa_test::Problem prob = make_problem(t.converted(kBF16), o, Layout::kContiguous, 5);
+  backward(prob, o);
+  EXPECT_EQ(sdpa::last_kernel_path(), want);
   EXPECT_THROW(sdpa::set_max_kernel_path(static_cast<sdpa::KernelPath>(7)), sdpa::Error);
 }
 
-// vdpbf16ps reads subnormal inputs as 0. Blocks whose queries hold one, or whose queries are
-// so large that a subnormal key's product matters, are computed by widening instead: here
-// each would otherwise lose a score of ~1 (weights 0.5/0.5 instead of 0.73/0.27).
-TEST(KernelPaths, SubnormalInputsAreNotReadAsZero) {
+// vdpbf16ps reads subnormal inputs as 0, and the kernels scale its sums after (q·k·scale, not
+// q·scale·k). Blocks of queries and tiles of keys outside the range where neither matters
+// ([2^-40, 2^32)) are computed by widening: here each would otherwise lose a score of ~1
+// (weights 0.5/0.5 instead of 0.73/0.27), or overflow q·k where q·scale·k = 2^90 is finite.
+TEST(KernelPaths, OutOfRangeInputsAreWidened) {
   const double sub = 0x1p-127;  // a bfloat16 subnormal (exact)
+  const double e1 = std::exp(1.0);
   struct Setup {
-    double q, k, scale;
+    double q, k, scale, out, lse;
   };
-  for (const Setup& c : {Setup{sub, 0x1p127, 1.0}, Setup{0x1p127, sub, 1.0}}) {
-    SCOPED_TRACE(testing::Message() << "q " << c.q << " k " << c.k);
+  for (const Setup& c : {Setup{sub, 0x1p127, 1.0, e1 / (1 + e1), std::log(1 + e1)},  // the queries' block
+                         Setup{0x1p127, sub, 1.0, e1 / (1 + e1), std::log(1 + e1)},  // the queries' block
+                         Setup{0x1p30, 0x1p100, 0x1p-40, 1.0, 0x1p90}}) {            // the keys' tile
+    SCOPED_TRACE(testing::Message() << "q " << c.q << " k " << c.k << " scale " << c.scale);
     const int64_t nq = 16;  // more rows than the few-rows (decode) kernel takes
     std::vector<double> q(nq * 2, 0.0), k = {c.k, 0, 0, 0}, v = {1, 0};
     for (int64_t i = 0; i < nq; ++i) q[i * 2] = c.q;
@@ -270,10 +278,11 @@ TEST(KernelPaths, SubnormalInputsAreNotReadAsZero) {
     ASSERT_EQ(t.k.get(0), c.k);
     sdpa::Options o;
     o.scale = c.scale;
-    const Outs got = run(t, o);
+    const Outs got = run(t, o, Layout::kContiguous, /*with_extras=*/true);
     EXPECT_TRUE(matches_reference(t, o, got));
-    const double want = std::exp(1.0) / (1 + std::exp(1.0));  // score 1 against 0
-    EXPECT_NEAR(values(got).out[0], want, 4 * eps(kBF16));
+    const Values x = values(got);
+    EXPECT_NEAR(x.out[0], c.out, 4 * eps(kBF16));
+    EXPECT_NEAR(x.lse[0], c.lse, 4 * eps(kF32) * c.lse);
   }
 }
 

@@ -183,12 +183,14 @@ void set_num_threads(int n);
 int num_threads();
 
 // Instruction paths beyond Highway's SIMD targets, in order. Where the CPU has AVX512_BF16,
-// the forward's tiles compute bfloat16 scores q·kᵀ with its dot-product instruction (exact
-// products, float32 sums: the error bound of the widening path, not its bits); everything else
-// runs on the SIMD target Highway dispatches (16-bit inputs widened to float32).
+// bfloat16 calls compute the forward's scores q·kᵀ (prefill tiles) and the backward's q·kᵀ and
+// dout·vᵀ with its dot-product instruction (exact products, float32 sums: the error bound of
+// the widening path, not its bits), for blocks and tiles whose nonzero values (and the scale)
+// lie in [2^-40, 2^32), where its reading subnormals as 0 cannot matter; everything else runs on
+// the SIMD target Highway dispatches (16-bit inputs widened to float32).
 enum class KernelPath : uint8_t {
   kSimd,        // Highway's SIMD on the dispatched target
-  kAvx512Bf16,  // bfloat16 scores with vdpbf16ps (q and k bfloat16, AVX-512 dispatched)
+  kAvx512Bf16,  // bfloat16 products with vdpbf16ps (bfloat16 q, k, v; AVX-512 dispatched)
 };
 // The best path the kernels may use, process-wide (default kAvx512Bf16: the best the CPU has).
 // For tests and benchmarks, as hwy::DisableTargets caps the SIMD target.
@@ -198,8 +200,8 @@ KernelPath max_kernel_path();
 bool kernel_path_available(KernelPath path);
 // The best path the calling thread's last attention() or attention_backward() call used (kSimd
 // when it used no other).
-// On kAvx512Bf16, blocks of queries the instruction would get wrong (subnormal, NaN, inf or
-// huge values: it reads subnormals as 0) are still computed by widening.
+// On kAvx512Bf16, blocks and tiles outside the instruction's range are still computed by
+// widening.
 KernelPath last_kernel_path();
 
 }  // namespace sdpa

@@ -33,8 +33,11 @@ constexpr size_t kBackwardQV = 2;  // vectors per block: 16 lanes of f32 on AVX2
 // Per-thread tiles of the backward pass.
 template <typename T>
 struct BackwardScratch {
-  BackwardScratch(const Problem& p, size_t mq)
-      : xt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
+  BackwardScratch(const Problem& p, size_t mq, bool bf16_dot)
+      : bf16_dot(bf16_dot),
+        xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
+        yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
+        xt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
         yt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dv) * mq)),
         gk(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
         gv(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dv) * mq)),
@@ -53,6 +56,10 @@ struct BackwardScratch {
         grad_row2(grad_row.size()),
         lanes(mq),
         rows(kTileKeys) {}
+  // Bfloat16 inputs with the AVX512_BF16 path: xt and yt's operands also in bfloat16 pairs
+  // (bf16_dot.h), for the score and dout · vᵀ products; blocks that must not use them widen.
+  bool bf16_dot;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
   hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
@@ -114,6 +121,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
     for (int64_t c = 0; c < p.Dk; ++c) s.xt[c * mq + l] = k[c] * scale;
     for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = v[e];
   }
+  bool k_pairs = false, v_pairs = false;  // the same keys and values in bfloat16 pairs
+  if (s.bf16_dot) {
+    k_pairs = pack_bf16_pairs([&](int64_t l) { return p.k.at<uint16_t>(b, kvh, j0 + l); }, nk, p.Dk, mq, s.xp.get());
+    v_pairs = pack_bf16_pairs([&](int64_t l) { return p.v.at<uint16_t>(b, kvh, j0 + l); }, nk, p.Dv, mq, s.yp.get());
+  }
   std::fill(s.gk.get(), s.gk.get() + p.Dk * mq, T(0));
   std::fill(s.gv.get(), s.gv.get() + p.Dv * mq, T(0));
   V ones[QV];
@@ -142,7 +154,12 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       T* dpt = s.dpt.get();
       // p = exp(s - lse) with s = q · (k·scale) + bias, -inf outside the row's keys and in the
       // padding lanes past nk.
-      OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
+      // (The broadcast rows, q and dout here, must be in the pairs' range too.)
+      if (k_pairs && Bf16RowsInDotRange(d, p.q.at<uint16_t>(b, h, first), p.q.strides[2], n, p.Dk)) {
+        Bf16Dot(s.xp.get(), mq, p.Dk, p.q, b, h, first, n, p.scale, pt);
+      } else {
+        OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
+      }
       for (int64_t r = 0; r < n; ++r) {
         const KeyRange kr = p.key_range(first + r);
         s.rows[r] = {h, first + r, kr.begin, kr.end};
@@ -156,7 +173,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
       // with z the dropout factor (1 without dropout).
-      OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
+      if (v_pairs && Bf16RowsInDotRange(d, bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], n, p.Dv)) {
+        Bf16Dot(s.yp.get(), mq, p.Dv, bp.dout, b, h, first, n, 1.0, dpt);
+      } else {
+        OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
+      }
       for (int64_t r = 0; r < n; ++r) {
         const T Di = rs.D[rs.index(b, h, first + r)];
         if (p.dropout.enabled()) {
@@ -201,8 +222,12 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   const Problem& p = bp.fwd;
   const size_t N = hn::Lanes(d), mq = QV * N;
   const T scale = static_cast<T>(p.scale);
-  BlockState<T> bs{blk, {}, s.xt.get(), s.gv.get(), s.m.get(), s.l.get(), s.lanes.data()};
-  BeginBlock(p, blk, 0, p.Nk, mq, bs);  // qt = q · scale, lanes and span
+  BlockState<T> bs{blk, {}, s.xt.get(), s.gv.get(), s.m.get(), s.l.get(), s.lanes.data(),
+                   s.bf16_dot ? s.xp.get() : nullptr};
+  BeginBlock(p, blk, 0, p.Nk, mq, bs);  // qt = q · scale (or bfloat16 pairs in qp), lanes and span
+  const bool dout_pairs =
+      s.bf16_dot && pack_bf16_pairs([&](int64_t l) { return bp.dout.at<uint16_t>(blk.b, bs.lanes[l].h, bs.lanes[l].i); },
+                                    blk.rows, p.Dv, mq, s.yp.get());
   // dout transposed; lse and D per lane (padding lanes: lse = +inf, so p = 0).
   std::fill(s.yt.get(), s.yt.get() + p.Dv * mq, T(0));
   T* lse_lanes = s.lane_lse.get();
@@ -230,10 +255,15 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
     T* pt = s.pt.get();
     T* dpt = s.dpt.get();
-    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
-    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, s.vtile.get());
-    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, s.mask_rows.get());
-    OuterScores<QV>(d, s.yt.get(), mq, values.data, values.stride, p.Dv, n, dpt);  // dp = dout · vᵀ
+    const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());  // (dq += ds · k)
+    const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, keys_in_range, s.mask_rows.get());
+    if (dout_pairs && Bf16RowsInDotRange(d, p.v.at<uint16_t>(blk.b, blk.kvh, j0), p.v.strides[2], n, p.Dv)) {  // dp = dout · vᵀ
+      Bf16Dot(s.yp.get(), mq, p.Dv, p.v, blk.b, blk.kvh, j0, n, 1.0, dpt);
+    } else {
+      const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, s.vtile.get());
+      OuterScores<QV>(d, s.yt.get(), mq, values.data, values.stride, p.Dv, n, dpt);
+    }
     if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor (0 · NaN = 0 here)
       for (int64_t j = 0; j < n; ++j)
         for (int64_t l = 0; l < blk.rows; ++l) {
@@ -279,6 +309,9 @@ void FlashBackward(const BackwardProblem& bp) {
   // No more threads than units of the largest pass (set_num_threads may ask for millions).
   const int64_t units = std::max({p.B * p.Hq, p.B * p.Hkv * key_blocks, p.B * p.Hkv * query_blocks});
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
+  // The score and dout · vᵀ products with vdpbf16ps when q, k, v and dout are all bfloat16.
+  const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype, p.v.dtype, bp.dout.dtype}) && bf16_dot_scale_ok(p.scale);
+  note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
 
   // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
   const auto bad_row = [d](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width) {
@@ -324,7 +357,7 @@ void FlashBackward(const BackwardProblem& bp) {
       rs.any_bad_rows = any_bad_rows != 0;
       rs.any_bad_keys = any_bad_keys != 0;
     }  // (its barrier publishes them)
-    BackwardScratch<T> s(p, static_cast<size_t>(mq));
+    BackwardScratch<T> s(p, static_cast<size_t>(mq), bf16_dot);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {
       const int64_t head = u / key_blocks;

@@ -16,8 +16,8 @@
 
 namespace sdpa::internal {
 
-bool bf16_dot_block_ok(double scale, int64_t dk, double max_abs_q) {
-  return std::isfinite(max_abs_q) && std::abs(scale) * static_cast<double>(dk) * (max_abs_q + 2) <= 0x1p66;
+bool bf16_dot_scale_ok(double scale) {
+  return scale == 0 || (std::fabs(scale) >= 0x1p-40 && std::fabs(scale) < 0x1p32);
 }
 
 #if SDPA_HAVE_BF16_DOT

@@ -1,4 +1,5 @@
-// bfloat16 dot products with AVX512_BF16 (vdpbf16ps), for the forward's score tiles.
+// bfloat16 dot products with AVX512_BF16 (vdpbf16ps), for the forward's score tiles and the
+// backward's q·kᵀ and dout·vᵀ.
 //
 // Why a hand-written piece: Highway 1.0.3 (Debian's) has no target with AVX512_BF16, so its
 // ReorderWidenMulAccumulate for bfloat16 widens and uses float32 FMAs. vdpbf16ps multiplies 32
@@ -7,12 +8,18 @@
 // it is compiled with a target attribute and called only after the runtime check below.
 //
 // Numerics: the products of two bfloat16 are exact in float32 and the sums are rounded in
-// float32, as the widening path's (the same error bound, not the same bits). The instruction
-// treats subnormal inputs as zero and flushes subnormal results; the caller keeps that far
-// below float32's rounding by sending only blocks whose queries hold no subnormal and are
-// small enough (bf16_dot_block_ok).
+// float32, as the widening path's (the same error bound, not the same bits). But the
+// instruction reads subnormal inputs as 0 and flushes subnormal results, and the kernels apply
+// the scale after the sum where the widening path scales q first. So it is used only where
+// neither matters: every nonzero element of both operands has magnitude in [2^-40, 2^32), and
+// |scale| too (or scale is 0), and the depth is below 2^24. Then every product, partial sum (a
+// multiple of 2^-94) and score is 0 or a normal float32 below 2^120, in either order of the
+// arithmetic (q·scale·k or q·k·scale), and the
+// results differ from the widening path's by rounding only. Blocks of queries and tiles of
+// keys outside that range are computed by widening (the callers check: bf16_dot_range_ok).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -21,10 +28,32 @@ namespace sdpa::internal {
 // Whether this CPU and OS run AVX512_BF16 with 512-bit vectors (cpuid and xgetbv). Checked once.
 bool cpu_has_avx512_bf16();
 
-// Whether a block whose queries have largest magnitude max_abs_q (finite, none subnormal)
-// may use Bf16DotScores: the instruction's flushing then moves each scaled score by at most
-// |scale| · Dk · (max_abs_q + 2) · 2^-126 <= 2^-60.
-bool bf16_dot_block_ok(double scale, int64_t dk, double max_abs_q);
+// Whether a bfloat16 element (bits) is 0 or of magnitude in [2^-40, 2^32): exponent field
+// 87 .. 158. And whether a scale is 0 or in that range.
+constexpr bool bf16_dot_range_ok(uint16_t x) {
+  return (x & 0x7fffu) == 0 || static_cast<uint16_t>(((x >> 7) & 0xffu) - 87u) <= 71u;
+}
+inline constexpr int64_t kBf16DotMaxDepth = int64_t{1} << 24;
+bool bf16_dot_scale_ok(double scale);
+
+// Packs rows l < count (row_of(l): `width` bfloat16 bit patterns) in pairs of features, the
+// layout Bf16DotScores takes: pairs[c2·mq + l] holds features 2·c2 (low half) and 2·c2 + 1;
+// lanes past count and the feature past an odd width are 0. Returns whether every element is
+// in bf16_dot_range_ok's range (if not, the pairs are not to be used).
+template <class RowOf>
+bool pack_bf16_pairs(const RowOf& row_of, int64_t count, int64_t width, size_t mq, uint32_t* pairs) {
+  if (width >= kBf16DotMaxDepth) return false;
+  std::fill(pairs, pairs + (width + 1) / 2 * static_cast<int64_t>(mq), 0u);
+  for (int64_t l = 0; l < count; ++l) {
+    const uint16_t* row = row_of(l);
+    for (int64_t c = 0; c < width; ++c) {
+      const uint16_t x = row[c];
+      if (!bf16_dot_range_ok(x)) return false;
+      pairs[c / 2 * static_cast<int64_t>(mq) + l] |= static_cast<uint32_t>(x) << (16 * (c % 2));
+    }
+  }
+  return true;
+}
 
 // st[j·mq + lane] = scale · Σ_c k_j[c] · q_lane[c] for keys j < n and lanes < mq (16 or 32),
 // with the block's queries packed in pairs of features: qp[c2·mq + lane] holds q_lane[2·c2] in

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -54,12 +55,24 @@ struct BlockState {
   uint32_t* qp = nullptr;
 };
 
-// Targets on which the forward may call bf16_dot.h (AVX-512: 16 float lanes, as it assumes).
+// Targets on which the kernels may call bf16_dot.h (AVX-512: 16 float lanes, as it assumes).
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 inline constexpr bool kBf16DotTarget = true;
 #else
 inline constexpr bool kBf16DotTarget = false;
 #endif
+
+// Whether a call whose dot products read views of these dtypes uses Bf16DotScores: all of them
+// bfloat16, on this target, allowed (set_max_kernel_path) and present on the CPU.
+template <typename T>
+bool UseBf16Dot(std::initializer_list<DType> operands) {
+  for (DType t : operands) {
+    if (t != DType::kBFloat16) return false;
+  }
+  return kBf16DotTarget && std::is_same_v<T, float> && max_kernel_path() >= KernelPath::kAvx512Bf16 &&
+         cpu_has_avx512_bf16();
+  // (The scale, and each block's and tile's values, are checked against its range too.)
+}
 
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
 // O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N.
@@ -79,14 +92,14 @@ struct Scratch {
         decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
-        qp(hwy::AllocateAligned<uint32_t>(bf16_dot ? group * (Dk + 1) / 2 * mq : 1)),
+        qp(hwy::AllocateAligned<uint32_t>(bf16_dot ? group * ((Dk + 1) / 2) * mq : 1)),
         bf16_dot(bf16_dot),
         v_bad(kTileKeys),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
     return {BlockRows{},      LaneSpan{},       qt.get() + g * Dk * mq,
             ot.get() + g * Dv * mq, m.get() + g * mq, l.get() + g * mq,
-            lanes.data() + g * mq, bf16_dot ? qp.get() + g * (Dk + 1) / 2 * mq : nullptr};
+            lanes.data() + g * mq, bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr};
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
@@ -213,19 +226,67 @@ HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t m
   OuterAccumulate<QV>(d, w + r0 * mq, n - r0, mq, rows + r0 * stride, stride, width, alpha, acc);
 }
 
+// out[j·mq + lane] = scale · Σ_c x_lane[c] · row_j[c] for rows j < n of head (b, h) of v from
+// row n0 on, x packed in bfloat16 pairs (bf16_dot.h): OuterScores' result from the bfloat16
+// dot-product instruction. Only where kBf16DotTarget and T is float (pairs are null elsewhere).
+template <typename T>
+HWY_INLINE void Bf16Dot(const uint32_t* pairs, size_t mq, int64_t depth, const View4& v, int64_t b, int64_t h,
+                        int64_t n0, int64_t n, double scale, T* HWY_RESTRICT out) {
+  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
+    Bf16DotScores(pairs, mq, depth, v.at<uint16_t>(b, h, n0), v.strides[2], n, static_cast<float>(scale), out);
+  } else {
+    (void)pairs, (void)mq, (void)depth, (void)v, (void)b, (void)h, (void)n0, (void)n, (void)scale, (void)out;
+    HWY_ASSERT(false);  // Flash and FlashBackward set no pairs here
+  }
+}
+
+// Whether rows [0, n) (width bfloat16 elements each, row r at rows + r·stride) all lie in
+// Bf16DotScores' range (bf16_dot_range_ok), a vector at a time.
+template <class D>
+HWY_INLINE bool Bf16RowsInDotRange(D d, const uint16_t* rows, int64_t stride, int64_t n, int64_t width) {
+  if (width >= kBf16DotMaxDepth) return false;
+  if constexpr (kBf16DotTarget) {
+    const hn::Repartition<uint16_t, D> du;
+    const int64_t N = static_cast<int64_t>(hn::Lanes(du));
+    const auto magnitude = hn::Set(du, uint16_t{0x7fff}), lowest = hn::Set(du, uint16_t{87}),
+               span = hn::Set(du, uint16_t{71});
+    auto bad = hn::Lt(hn::Zero(du), hn::Zero(du));  // all false
+    bool bad_tail = false;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint16_t* row = rows + r * stride;
+      int64_t c = 0;
+      for (; c + N <= width; c += N) {
+        const auto mag = hn::And(hn::LoadU(du, row + c), magnitude);
+        const auto off = hn::Sub(hn::ShiftRight<7>(mag), lowest);  // wraps below 87
+        bad = hn::Or(bad, hn::AndNot(hn::Eq(mag, hn::Zero(du)), hn::Gt(off, span)));
+      }
+      for (; c < width; ++c) bad_tail |= !bf16_dot_range_ok(row[c]);
+    }
+    return !bad_tail && hn::AllFalse(du, bad);
+  } else {
+    (void)d, (void)rows, (void)stride, (void)n;
+    return false;
+  }
+}
+
+// Whether the keys of the tile that starts at t (a multiple of kTileKeys) in head (b, kvh) are
+// all in Bf16DotScores' range. The whole tile, whichever of its keys a block visits, so that the
+// forward, its weights pass and the backward make the same choice for each (row, key).
+template <class D>
+HWY_INLINE bool TileKeysInDotRange(D d, const Problem& p, int64_t b, int64_t kvh, int64_t t) {
+  const int64_t n = std::min(kTileKeys, p.Nk - t);
+  return Bf16RowsInDotRange(d, p.k.at<uint16_t>(b, kvh, t), p.k.strides[2], n, p.Dk);
+}
+
 // Scores of keys [j0, j0 + n) for a block into st, scaled, masked: from the bfloat16 pairs
-// (bs.qp) and k in place, or from qt (the scale folded in) and `keys` (rows of k as T, key j0
-// first; unread when bs.qp is set).
+// (bs.qp) and k in place when the tile's keys are in their range (keys_in_range:
+// TileKeysInDotRange), else from qt (the scale folded in) and `keys` (rows of k as T, key j0
+// first; unread on the first way).
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
-                          int64_t n, bool partial, const Rows<T>& keys, T* HWY_RESTRICT mask_rows) {
-  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
-    if (bs.qp != nullptr) {
-      Bf16DotScores(bs.qp, mq, p.Dk, p.k.at<uint16_t>(bs.blk.b, bs.blk.kvh, j0), p.k.strides[2], n,
-                    static_cast<float>(p.scale), st);
-    } else {
-      OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
-    }
+                          int64_t n, bool partial, const Rows<T>& keys, bool keys_in_range, T* HWY_RESTRICT mask_rows) {
+  if (bs.qp != nullptr && keys_in_range) {
+    Bf16Dot(bs.qp, mq, p.Dk, p.k, bs.blk.b, bs.blk.kvh, j0, n, p.scale, st);
   } else {
     OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
   }
@@ -233,41 +294,22 @@ HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY
   MaskScores<QV>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, TileLayout::kKeyMajor, mask_rows);
 }
 
-// Packs a block's bfloat16 queries in pairs of features for Bf16DotScores (padding lanes and
-// the feature past an odd Dk zero); false when the block must not use it (a subnormal, NaN or
-// inf query element, or queries too large: bf16_dot.h).
-template <typename T>
-bool PackBf16Pairs(const Problem& p, const BlockRows& blk, size_t mq, BlockState<T>& bs) {
-  const int64_t pairs = (p.Dk + 1) / 2;
-  std::fill(bs.qp, bs.qp + pairs * mq, 0u);
-  double max_abs = 0;
-  for (int64_t l = 0; l < blk.rows; ++l) {
-    const uint16_t* q = p.q.at<uint16_t>(blk.b, bs.lanes[l].h, bs.lanes[l].i);
-    for (int64_t c = 0; c < p.Dk; ++c) {
-      const uint16_t x = q[c];
-      const uint16_t exponent = x & 0x7f80u;
-      if (exponent == 0x7f80u) return false;                   // NaN or inf: the widening path's rules
-      if (exponent == 0 && (x & 0x7fu) != 0) return false;     // subnormal: read as 0 by vdpbf16ps
-      max_abs = std::max(max_abs, static_cast<double>(std::fabs(bf16_to_f32(x))));
-      bs.qp[c / 2 * mq + l] |= static_cast<uint32_t>(x) << (16 * (c % 2));
-    }
-  }
-  return bf16_dot_block_ok(p.scale, p.Dk, max_abs);
-}
-
 // Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
-// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero), or bs.qp (when set and the
-// block may use it).
+// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero), and bs.qp (when set and the
+// block's queries are in its range; else bs.qp becomes null).
 template <typename T>
 void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                 BlockState<T>& bs) {
   bs.blk = blk;
   bs.span = describe_lanes(p, blk, key_begin, key_end, bs.lanes);
-  if (bs.qp != nullptr && !PackBf16Pairs(p, blk, mq, bs)) bs.qp = nullptr;  // this block widens
+  if (bs.qp != nullptr) {  // bfloat16 pairs for Bf16DotScores, unless this block must widen
+    const auto row = [&](int64_t l) { return p.q.at<uint16_t>(blk.b, bs.lanes[l].h, bs.lanes[l].i); };
+    if (!pack_bf16_pairs(row, blk.rows, p.Dk, mq, bs.qp)) bs.qp = nullptr;
+  }
   std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
   std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
   std::fill(bs.l, bs.l + mq, T(0));
-  if (bs.qp != nullptr) return;
+  // qt even with pairs: tiles of keys outside their range use it.
   const T scale = static_cast<T>(p.scale);
   std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
   for (int64_t l = 0; l < blk.rows; ++l) {
@@ -287,7 +329,7 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
 // v_bad (null: none) flags the value rows holding NaN or inf, from k0 on.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
-               int64_t k0, const Rows<T>& keys, const Rows<T>& values, const uint8_t* v_bad) {
+               int64_t k0, const Rows<T>& keys, bool keys_in_range, const Rows<T>& values, const uint8_t* v_bad) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -295,7 +337,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
   if (n <= 0) return;
   const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
-  ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial, Rows<T>{keys.row(j0 - k0), keys.stride}, mask_rows);
+  ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial, Rows<T>{keys.row(j0 - k0), keys.stride}, keys_in_range, mask_rows);
 
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   V mnew[QV], msafe[QV], alpha[QV], sum[QV];
@@ -387,13 +429,16 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     // The group's keys of this tile, read (widened, for 16-bit storage) once for all its blocks.
     const int64_t k0 = std::max(t, begin), k1 = std::min(t + kTileKeys, end);
     const BlockRows& blk = blks[0];  // every block of a group reads the same kv head
-    bool widen_keys = false;  // unless every block scores from bfloat16 pairs
-    for (size_t g = 0; g < count; ++g) widen_keys |= states[g].qp == nullptr;
+    bool pairs = false, widen_keys = false;  // widened unless every block scores from bfloat16 pairs
+    for (size_t g = 0; g < count; ++g) (states[g].qp != nullptr ? pairs : widen_keys) = true;
+    const bool keys_in_range = pairs && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    widen_keys |= !keys_in_range;
     const Rows<T> keys = widen_keys ? ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get()) : Rows<T>{};
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
     const bool v_bad = FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
-      BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, values, v_bad ? s.v_bad.data() : nullptr);
+      BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, keys_in_range, values,
+                    v_bad ? s.v_bad.data() : nullptr);
     }
   }
   for (size_t g = 0; g < count; ++g) {
@@ -416,8 +461,9 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
-    const Rows<T> keys = bs.qp ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
-    ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, s.mask_rows.get());
+    const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    const Rows<T> keys = keys_in_range ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
+    ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, keys_in_range, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st[j * mq + lane], m[lane], l[lane]));
@@ -435,9 +481,7 @@ void Flash(const Problem& p) {
   const Plan plan = make_plan(p, N);
   const size_t mq = plan.qv * N;
   // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
-  const bool bf16_dot = kBf16DotTarget && std::is_same_v<T, float> && !plan.decode &&
-                        p.q.dtype == DType::kBFloat16 && p.k.dtype == DType::kBFloat16 &&
-                        max_kernel_path() >= KernelPath::kAvx512Bf16 && cpu_has_avx512_bf16();
+  const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype}) && !plan.decode && bf16_dot_scale_ok(p.scale);
   note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
   const size_t partial_size = (p.Dv + 2) * mq;  // (ot, m, l) of one block and chunk
   std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
