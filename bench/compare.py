@@ -2,14 +2,19 @@
 """sdpa against NumPy float32 attention and PyTorch's scaled_dot_product_attention, in one
 process, on the same threads. GFLOP/s = 4·B·Hq·Nq·Nk·D / time (halved for causal).
 
-    .venv/bin/python bench/compare.py [--threads 2] [--reps 5] [--no-avx512]
+    .venv/bin/python bench/compare.py [--threads 2] [--reps 5] [--no-avx512] [--bf16]
 
 --no-avx512 caps every library at AVX2, as on a CPU without AVX-512 (the project's reference
 machine, a Zen 3): sdpa through Highway, torch through ATEN_CPU_CAPABILITY, MKL and oneDNN
 through their own variables, NumPy's OpenBLAS through OPENBLAS_CORETYPE.
 
 torch is optional (.venv/bin/pip install torch: the default PyPI wheel, as in README.md); without
-it its column says "n/a"."""
+it its column says "n/a".
+
+--bf16 adds a bfloat16 table: sdpa on ml_dtypes.bfloat16 arrays (and with its AVX512_BF16 path
+turned off), PyTorch on torch.bfloat16 tensors, and OpenVINO's ScaledDotProductAttention op
+compiled for the CPU with INFERENCE_PRECISION_HINT bf16 (optional: .venv/bin/pip install
+openvino; "n/a" without it), all on the same bfloat16-representable inputs."""
 
 import argparse
 import os
@@ -22,6 +27,7 @@ def parse():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-avx512", action="store_true", help="cap sdpa, torch and NumPy at AVX2")
+    ap.add_argument("--bf16", action="store_true", help="also the bfloat16 table (sdpa, torch, OpenVINO)")
     return ap.parse_args()
 
 
@@ -110,6 +116,54 @@ def forward_backward(rng):
         print(f"{name:34} {g(t_sdpa)} {g(t_torch)} {r}", flush=True)
 
 
+def openvino_sdpa(shape_q, shape_kv, causal):
+    """OpenVINO's ScaledDotProductAttention (opset 13) compiled for the CPU in bfloat16, or None."""
+    try:
+        import openvino as ov
+        import openvino.opset13 as ops
+    except ImportError:
+        return None
+    q = ops.parameter(list(shape_q), ov.Type.f32)
+    k = ops.parameter(list(shape_kv), ov.Type.f32)
+    v = ops.parameter(list(shape_kv), ov.Type.f32)
+    model = ov.Model([ops.scaled_dot_product_attention(q, k, v, causal=causal)], [q, k, v])
+    config = {"INFERENCE_PRECISION_HINT": "bf16", "INFERENCE_NUM_THREADS": args.threads}
+    return ov.Core().compile_model(model, "CPU", config)
+
+
+def bfloat16_table(rng):
+    """bfloat16 forward: sdpa (AVX512_BF16 path where the CPU has it, and without), torch bf16,
+    OpenVINO bf16. Inputs are drawn in float32 and rounded to bfloat16 once, so every library
+    sees the same values (OpenVINO takes them as float32 and converts inside)."""
+    import ml_dtypes
+    bf16 = ml_dtypes.bfloat16
+    has_dot = sdpa._core._kernel_path_available_bf16()
+    print(f"\nbfloat16, GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal); "
+          f"AVX512_BF16 path {'available' if has_dot else 'not available on this CPU'}")
+    print(f"{'case':34} {'sdpa':>9} {'no dot':>9} {'torch':>9} {'openvino':>9} {'sdpa/torch':>11} {'sdpa/ov':>9}")
+    for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:4]:
+        q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32).astype(bf16)
+        k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32).astype(bf16)
+        v = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32).astype(bf16)
+        flops = 4 * B * Hq * Nq * Nk * D / (2 if causal else 1)
+        t_sdpa = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
+        sdpa._core._limit_kernel_path_to_simd(True)
+        t_nodot = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
+        sdpa._core._limit_kernel_path_to_simd(False)
+        t_torch = t_ov = None
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
+            t_torch = median_time(lambda: F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal), args.reps)
+        compiled = openvino_sdpa(q.shape, k.shape, causal)
+        if compiled is not None:
+            inputs = [x.astype(np.float32) for x in (q, k, v)]
+            t_ov = median_time(lambda: compiled(inputs), args.reps)
+        name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
+        g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
+        r = lambda t, w: f"{t / t_sdpa:{w - 1}.2f}x" if t else f"{'n/a':>{w}}"
+        print(f"{name:34} {g(t_sdpa)} {g(t_nodot)} {g(t_torch)} {g(t_ov)} {r(t_torch, 11)} {r(t_ov, 9)}", flush=True)
+
+
 def main():
     rng = np.random.default_rng(0)
     print(f"threads={args.threads}  sdpa {sdpa.__version__}  numpy {np.__version__}  "
@@ -139,6 +193,8 @@ def main():
         r = lambda t: f"{t / t_sdpa:10.2f}x" if t else f"{'n/a':>11}"
         print(f"{name:34} {g(t_sdpa)} {g(t_np)} {g(t_torch)} {r(t_np)} {r(t_torch)}", flush=True)
     forward_backward(rng)
+    if args.bf16:
+        bfloat16_table(rng)
 
 
 if __name__ == "__main__":
