@@ -414,6 +414,35 @@ TEST_P(Edge, InfValueRowOfAKeyThatLosesItsWeight) {
   }
 }
 
+// The same with a tiny, not zero, rescale (found by the fuzzer next: float64, decode, chunks):
+// key A (value +inf, score 0) has weight exp(-c) > 0 against key C's score c in the keys seen
+// first, but exp(-b) = 0 against key B's b, the row's max, so out must be finite (all other
+// values are 1). The tiles' p · inf = inf stayed inf through every later rescale, however tiny;
+// the kernels now keep such keys' scores apart and decide at the end.
+TEST_P(Edge, InfValueRowWhoseWeightUnderflowsOnlyInTheEnd) {
+  for (DType dt : kDTypes) {
+    const bool f64 = dt == kF64;
+    const double c = f64 ? 700 : 80, big = f64 ? 1000 : 110;  // exp(-c) > 0, exp(-big) = 0
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{18, 256}, {1, 256}, {18, 3000}, {2, 5000}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      std::vector<double> q(nq, 1.0), k(nk, 0.0), v(nk, 1.0);
+      v[0] = kInf;     // key A: score 0
+      k[1] = c;        // key C: A's weight exp(-c) among the first keys
+      k[nk - 50] = big;  // key B, in a later tile (and key chunk, for the long rows)
+      const Tensors t{tensor(dt, {nq, 1}, q), tensor(dt, {nk, 1}, k), tensor(dt, {nk, 1}, v), std::nullopt};
+      sdpa::Options o = opts();
+      o.scale = 1.0;
+      if (GetParam() == Backend::kReference && !f64) continue;  // float64 compute: exp(-110) > 0 there
+      const Values got = values(run(t, o));
+      for (double x : got.out) EXPECT_NEAR(x, 1.0, 1e-6);
+      // And a key with nonzero weight in the end still brings its inf: B's own value row.
+      Tensors t2 = t.converted(dt);
+      t2.v.set(nk - 50, kInf);
+      for (double x : values(run(t2, o)).out) EXPECT_EQ(x, kInf);
+    }
+  }
+}
+
 // Huge finite scores (|s| ~ 1e9 in float32): the backward recomputes s in another order than
 // the forward, and exp(s - lse) overflowed into NaN gradients (found by the fuzzer). p is
 // clamped to at most 1; the gradients stay finite.

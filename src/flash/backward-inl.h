@@ -222,8 +222,8 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   const Problem& p = bp.fwd;
   const size_t N = hn::Lanes(d), mq = QV * N;
   const T scale = static_cast<T>(p.scale);
-  BlockState<T> bs{blk, {}, s.xt.get(), s.gv.get(), s.m.get(), s.l.get(), s.lanes.data(),
-                   s.bf16_dot ? s.xp.get() : nullptr};
+  BlockState<T> bs{blk,          {},      s.xt.get(), s.gv.get(), s.m.get(), s.l.get(), s.lanes.data(),
+                   /*bad=*/nullptr, s.bf16_dot ? s.xp.get() : nullptr};
   BeginBlock(p, blk, 0, p.Nk, mq, bs);  // qt = q · scale (or bfloat16 pairs in qp), lanes and span
   const bool dout_pairs =
       s.bf16_dot && pack_bf16_pairs([&](int64_t l) { return bp.dout.at<uint16_t>(blk.b, bs.lanes[l].h, bs.lanes[l].i); },

@@ -103,7 +103,7 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 
 // o[r][0..C·N) = alpha[r] · o[r][..] + Σ_j p[r][j] · v_j[0..C·N): R×C accumulators; each
 // chunk of a value row is loaded once for all R rows. A value row flagged in v_bad (NaN or
-// inf) is skipped by the rows that give its key weight 0 (no 0 · NaN); the others add it.
+// inf) adds only its finite entries, and nothing to rows that give its key weight 0.
 template <int64_t R, int64_t C, class D, typename S, typename T = hn::TFromD<D>>
 HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S* HWY_RESTRICT v, int64_t vs,
                              const T* alpha, T* HWY_RESTRICT o, int64_t dvp, const uint8_t* v_bad) {
@@ -117,6 +117,9 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S
     hn::Vec<D> vv[C];
     for (int64_t c = 0; c < C; ++c) vv[c] = LoadWidened(d, v + j * vs + c * N);
     const bool bad = v_bad != nullptr && v_bad[j];  // v_bad is null on the common path
+    if (bad) {  // its non-finite entries go through `bad` scores (flash_plan.h), not the sums
+      for (int64_t c = 0; c < C; ++c) vv[c] = hn::IfThenZeroElse(hn::IsNaN(hn::Mul(vv[c], hn::Zero(d))), vv[c]);
+    }
     for (int64_t r = 0; r < R; ++r) {
       if (bad && p[r * kTileKeys + j] == T(0)) continue;
       const auto pj = hn::Set(d, p[r * kTileKeys + j]);
@@ -134,7 +137,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S
 template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
 void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
-                T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev) {
+                T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev, T* bad, int64_t mq) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -203,7 +206,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
         for (int64_t e = dv_full; e < p.Dv; ++e) {
           T acc = rescale(o[r * dvp + e], alpha[r]);
           for (int64_t j = 0; j < n; ++j) {
-            if (bad && bad[j] && st[r * kTileKeys + j] == T(0)) continue;
+            if (bad && bad[j] && (st[r * kTileKeys + j] == T(0) || !std::isfinite(Widened<T>(values.row(j)[e])))) continue;
             acc += st[r * kTileKeys + j] * Widened<T>(values.row(j)[e]);
           }
           o[r * dvp + e] = acc;
@@ -218,6 +221,17 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       if (FlagNonFiniteRows(d, wide.data, wide.stride, n, p.Dv, v_bad)) {
         std::copy(o_prev, o_prev + R * dvp, o);
         accumulate(wide, v_bad);
+        // The bad rows' scores (recomputed: st holds p now, and each score is a function of
+        // (row, key) alone, so these are the same bits) go to `bad`.
+        T scores[R * kTileKeys];
+        DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, scores);
+        for (int64_t j = 0; j < n; ++j) {
+          if (!v_bad[j]) continue;
+          for (int64_t r = 0; r < R; ++r) {
+            if (p.dropout.enabled() && p.dropout.factor<T>(blk.b, lanes[r].h, lanes[r].i, j0 + j) == T(0)) continue;
+            record_bad_row(wide.row(j), p.Dv, scores[r * kTileKeys + j], mq, r, bad);
+          }
+        }
       }
     }
   }
@@ -253,7 +267,7 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                  bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
-                 LaneRow* lanes, T* HWY_RESTRICT vtile) {
+                 T* bad, LaneRow* lanes, T* HWY_RESTRICT vtile) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
   const T scale = static_cast<T>(p.scale);
@@ -275,8 +289,10 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
       return;
     }
     // obuf holds two sets of rows: o, and o before the current tile (DecodeRows' redo).
+    std::fill(bad, bad + kBadClasses * p.Dv * static_cast<int64_t>(mq), -std::numeric_limits<T>::infinity());
     WithStorage<T>(p.k.dtype, [&](auto s) {  // k and v share a dtype
-      DecodeRows<R>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, obuf + kDecodeMaxRows * (p.Dv + N));
+      DecodeRows<R>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, obuf + kDecodeMaxRows * (p.Dv + N),
+                    bad, static_cast<int64_t>(mq));
     });
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];

@@ -50,6 +50,7 @@ struct BlockState {
   T* m;             // mq: running max (-inf until a key is allowed; 0 once finished)
   T* l;             // mq: running sum
   LaneRow* lanes;   // mq
+  T* bad;           // 3 × Dv × mq: flash_plan.h's scores of keys with NaN or inf values (null: unused)
   // The queries as bfloat16 pairs for Bf16DotScores (ceil(Dk/2) × mq), or null: the block's
   // scores come from qt and widened keys.
   uint32_t* qp = nullptr;
@@ -92,19 +93,23 @@ struct Scratch {
         decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
+        bad(hwy::AllocateAligned<T>(std::max<size_t>(1, group * kBadClasses * Dv * mq))),
         qp(hwy::AllocateAligned<uint32_t>(bf16_dot ? group * ((Dk + 1) / 2) * mq : 1)),
         bf16_dot(bf16_dot),
         v_bad(kTileKeys),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
-    return {BlockRows{},      LaneSpan{},       qt.get() + g * Dk * mq,
-            ot.get() + g * Dv * mq, m.get() + g * mq, l.get() + g * mq,
-            lanes.data() + g * mq, bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr};
+    return {BlockRows{},           LaneSpan{},
+            qt.get() + g * Dk * mq, ot.get() + g * Dv * mq,
+            m.get() + g * mq,       l.get() + g * mq,
+            lanes.data() + g * mq,  bad.get() + g * kBadClasses * Dv * mq,
+            bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr};
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
   hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q, and of o (twice)
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
+  hwy::AlignedFreeUniquePtr<T[]> bad;                 // BlockState::bad of each block
   hwy::AlignedFreeUniquePtr<uint32_t[]> qp;           // BlockState::qp of each block, when bf16_dot
   bool bf16_dot;
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
@@ -190,12 +195,14 @@ HWY_INLINE void OuterAccumulate(D d, const T* HWY_RESTRICT p, int64_t n, size_t 
 // acc[e][lane] += row[e] · w[lane] for one row (of v, or of q, dout, k in the backward) that
 // holds a NaN or inf, skipping the lanes where w is 0 (a blocked, dropped or underflowed key;
 // ds = 0): OuterAccumulate would add 0 · NaN there. Elsewhere the same fused multiply-add, so
-// the other lanes keep their bits.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
+// the other lanes keep their bits. kFiniteOnly (the forward's value rows): the non-finite
+// entries are skipped too; flash_plan.h's `bad` scores carry them.
+template <size_t QV, bool kFiniteOnly = false, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void AccumulateRowSkippingZeros(D d, const T* HWY_RESTRICT w, size_t mq, const T* HWY_RESTRICT row,
                                            int64_t width, T* HWY_RESTRICT acc) {
   const size_t N = hn::Lanes(d);
   for (int64_t e = 0; e < width; ++e) {
+    if (kFiniteOnly && !std::isfinite(row[e])) continue;
     const auto x = hn::Set(d, row[e]);
     for (size_t q = 0; q < QV; ++q) {
       T* a = acc + e * static_cast<int64_t>(mq) + q * N;
@@ -209,7 +216,7 @@ HWY_INLINE void AccumulateRowSkippingZeros(D d, const T* HWY_RESTRICT w, size_t 
 // it, but with the rows flagged in `bad` (null: none) going through AccumulateRowSkippingZeros.
 // Splitting the rows changes no bit: alpha is applied once, first, and each accumulator is a
 // chain of fused multiply-adds in row order.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
+template <size_t QV, bool kFiniteOnly = false, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t mq, const T* HWY_RESTRICT rows,
                                int64_t stride, int64_t width, const hn::Vec<D>* alpha, const uint8_t* bad,
                                T* HWY_RESTRICT acc) {
@@ -219,7 +226,7 @@ HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t m
   for (int64_t r = 0; bad && r < n; ++r) {
     if (!bad[r]) continue;
     OuterAccumulate<QV>(d, w + r0 * mq, r - r0, mq, rows + r0 * stride, stride, width, alpha, acc);
-    AccumulateRowSkippingZeros<QV>(d, w + r * mq, mq, rows + r * stride, width, acc);
+    AccumulateRowSkippingZeros<QV, kFiniteOnly>(d, w + r * mq, mq, rows + r * stride, width, acc);
     alpha = ones;
     r0 = r + 1;
   }
@@ -309,6 +316,7 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
   std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
   std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
   std::fill(bs.l, bs.l + mq, T(0));
+  if (bs.bad != nullptr) std::fill(bs.bad, bs.bad + kBadClasses * p.Dv * mq, -std::numeric_limits<T>::infinity());
   // qt even with pairs: tiles of keys outside their range use it.
   const T scale = static_cast<T>(p.scale);
   std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
@@ -338,6 +346,15 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   if (n <= 0) return;
   const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
   ScoreTile<QV>(d, p, bs, st, mq, j0, n, partial, Rows<T>{keys.row(j0 - k0), keys.stride}, keys_in_range, mask_rows);
+  // Value rows holding NaN or inf: their scores, before the exp overwrites them (rare).
+  for (int64_t j = 0; v_bad != nullptr && j < n; ++j) {
+    if (!v_bad[j0 - k0 + j]) continue;
+    for (int64_t lane = 0; lane < bs.blk.rows; ++lane) {
+      const LaneRow& r = bs.lanes[lane];
+      if (p.dropout.enabled() && p.dropout.factor<T>(bs.blk.b, r.h, r.i, j0 + j) == T(0)) continue;
+      record_bad_row(values.row(j0 - k0 + j), p.Dv, st[j * mq + lane], static_cast<int64_t>(mq), lane, bs.bad);
+    }
+  }
 
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   V mnew[QV], msafe[QV], alpha[QV], sum[QV];
@@ -403,7 +420,8 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   }
 
   // A value row holding NaN or inf reaches no lane that gives its key weight 0 (no 0 · NaN).
-  AccumulateRows<QV>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha, v_bad ? v_bad + (j0 - k0) : nullptr,
+  AccumulateRows<QV, /*kFiniteOnly=*/true>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha,
+                                          v_bad ? v_bad + (j0 - k0) : nullptr,
                      bs.ot);
 }
 
@@ -483,13 +501,13 @@ void Flash(const Problem& p) {
   // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
   const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype}) && !plan.decode && bf16_dot_scale_ok(p.scale);
   note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
-  const size_t partial_size = (p.Dv + 2) * mq;  // (ot, m, l) of one block and chunk
+  const size_t partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * mq;  // (ot, m, l, bad) of one block and chunk
   std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
 
   auto run = [&](Scratch<T>& s, const BlockRows* blks, size_t count, int64_t k0, int64_t k1) {
     if (plan.decode) {  // one block per group: decode has few rows per kv head
       DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), s.m.get(), s.l.get(), s.lanes.data(), s.vtile.get());
+                  s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get());
     } else if (plan.qv == 1) {
       RunBlocks<1>(d, p, blks, count, k0, k1, s);
     } else {
@@ -499,13 +517,13 @@ void Flash(const Problem& p) {
   // Normalises block g of the scratch and writes its rows (and weights, when asked for).
   auto finish = [&](Scratch<T>& s, size_t g, const BlockRows& blk) {
     const BlockState<T> bs = s.block(g);
-    finish_block<T>(p, blk, bs.ot, bs.m, bs.l, mq, bs.lanes);
+    finish_block<T>(p, blk, bs.ot, bs.m, bs.l, bs.bad, mq, bs.lanes);
     if (!p.weights) return;
     // The weights pass reuses the scratch, so it reads m and l from copies.
     std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
     if (plan.decode) {
       DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), m.data(), l.data(), s.lanes.data(), s.vtile.get());
+                  s.ot.get(), m.data(), l.data(), s.bad.get(), s.lanes.data(), s.vtile.get());
     } else if (plan.qv == 1) {
       WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
     } else {
@@ -534,6 +552,7 @@ void Flash(const Problem& p) {
         std::copy(bs.ot, bs.ot + p.Dv * mq, dst);
         std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
         std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
+        std::copy(bs.bad, bs.bad + kBadClasses * p.Dv * mq, dst + (p.Dv + 2) * mq);
       }
     }
     if (plan.needs_merge()) {
@@ -542,7 +561,8 @@ void Flash(const Problem& p) {
         const BlockRows blk = plan.block(bi);
         const BlockState<T> bs = s.block(0);
         describe_lanes(p, blk, 0, p.Nk, bs.lanes);
-        merge_chunks<T>(partial.data() + bi * plan.chunks * partial_size, plan.chunks, p.Dv, mq, bs.ot, bs.m, bs.l);
+        merge_chunks<T>(partial.data() + bi * plan.chunks * partial_size, plan.chunks, p.Dv, mq, bs.ot, bs.m, bs.l,
+                        bs.bad);
         finish(s, 0, blk);
       }
     }

@@ -154,12 +154,41 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   return plan;
 }
 
-// Merges a block's per-chunk results (ot, m, l), stored one after another, in chunk order:
-// rescale each chunk to the common max, then add. m is 0 and l is 0 where a chunk saw no key;
-// l is NaN where a NaN reached the chunk's scores, and the merge keeps it NaN.
+// Value rows holding NaN or inf: their non-finite entries never enter the tiles' sums (a key
+// whose weight is 0 in the end may have had weight in the keys seen before, and rescaling
+// inf by a tiny factor stays inf). Instead the kernels keep, per lane and value column, the
+// largest score of a key (allowed, kept) with +inf, with -inf and with NaN there:
+// bad[(c·Dv + e)·mq + lane] for class c = kBadPosInf, kBadNegInf, kBadNaN (-inf: none), and
+// finish_block adds that class to the column exactly when such a key has weight in the row's
+// softmax: shifted_exp(score, final max) > 0. Scores are absolute, so chunks merge by max.
+inline constexpr int64_t kBadPosInf = 0, kBadNegInf = 1, kBadNaN = 2, kBadClasses = 3;
 template <typename T>
-void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* ot, T* m, T* l) {
-  const int64_t stride = (Dv + 2) * mq;
+int64_t bad_class(T x) {
+  return std::isnan(x) ? kBadNaN : x > 0 ? kBadPosInf : kBadNegInf;
+}
+// Records score s (of an allowed, kept key: s > -inf) for the non-finite entries of its value
+// row (width Dv) in one lane.
+template <typename T>
+void record_bad_row(const T* row, int64_t Dv, T s, int64_t mq, int64_t lane, T* bad) {
+  if (!(s > -std::numeric_limits<T>::infinity())) return;  // blocked, or a NaN score (the row is NaN anyway)
+  for (int64_t e = 0; e < Dv; ++e) {
+    if (std::isfinite(row[e])) continue;
+    T& slot = bad[(bad_class(row[e]) * Dv + e) * mq + lane];
+    slot = std::max(slot, s);
+  }
+}
+
+// Merges a block's per-chunk results (ot, m, l, bad), stored one after another, in chunk
+// order: rescale each chunk to the common max, then add; bad by max. m is 0 and l is 0 where a
+// chunk saw no key; l is NaN where a NaN reached the chunk's scores, and the merge keeps it NaN.
+template <typename T>
+void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* ot, T* m, T* l, T* bad) {
+  const int64_t stride = (Dv + 2 + kBadClasses * Dv) * mq;
+  std::fill(bad, bad + kBadClasses * Dv * mq, -std::numeric_limits<T>::infinity());
+  for (int64_t c = 0; c < chunks; ++c) {
+    const T* pc = partial + c * stride + (Dv + 2) * mq;
+    for (int64_t x = 0; x < kBadClasses * Dv * mq; ++x) bad[x] = std::max(bad[x], pc[x]);
+  }
   for (int64_t lane = 0; lane < mq; ++lane) {
     T mmax = -std::numeric_limits<T>::infinity();
     for (int64_t c = 0; c < chunks; ++c) {
@@ -193,14 +222,15 @@ T weight(T s, T m, T l) {
 
 // Normalises a block's output rows and writes out and lse. A lane with no allowed key
 // (l == 0; otherwise l >= 1, the max's own term) gets zeros and lse = -inf; l = NaN (a NaN
-// in its scores) gives NaN. The columns of a row that come out non-finite with a finite l are
-// recomputed by attend_row (the same algorithm, scalar, in T), whose sum skips keys of weight
-// 0: the tiles multiplied every key's value row by its weight, so a NaN or inf there in a
-// blocked, dropped or underflowed key gave 0 · NaN, and the unnormalised sum Σ p·v may
-// overflow where out does not. Rare, so it may allocate.
+// in its scores) gives NaN. The columns of a row that come out non-finite with a finite l
+// (the unnormalised sum Σ p·v may overflow where out does not) are recomputed by attend_row
+// (the same algorithm, scalar, in T) where their value rows are finite. Rare, so it may
+// allocate.
+// Then each column gets the non-finite entries (bad, above) of keys that have weight: +inf,
+// -inf (both: NaN) or NaN.
 template <typename T>
-void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, int64_t mq,
-                  const LaneRow* lanes) {
+void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, const T* bad,
+                  int64_t mq, const LaneRow* lanes) {
   // Rows are formed in T, in place when out holds T, else in `row` and rounded once by write_row.
   const bool in_place = p.out.dtype == dtype_of<T>();
   std::vector<T> row(in_place ? 0 : static_cast<size_t>(p.Dv));
@@ -217,9 +247,9 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
     if (!finite && !std::isnan(l[lane])) {
       // Only the non-finite columns whose value rows are finite over the row's allowed, kept
       // keys are replaced: those overflowed in the unnormalised sum. A column holding NaN or
-      // inf in such a value row came out of the tiles right by their own weights (rows of
-      // weight 0 were skipped there), and the recomputation could weigh a key differently at
-      // the edge of underflow. The other columns keep the tiles' arithmetic, bit for bit.
+      // inf in such a value row gets that from `bad` below, and its finite part stays the
+      // tiles' (a recomputation could weigh a key differently at the edge of underflow). The
+      // other columns keep the tiles' arithmetic, bit for bit.
       std::vector<T> prob(static_cast<size_t>(p.Nk)), exact(static_cast<size_t>(p.Dv));
       attend_row(p, blk.b, r.h, r.i, prob.data(), exact.data());
       for (int64_t e = 0; e < p.Dv; ++e) {
@@ -232,6 +262,15 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
         }
         if (column_finite) out[e] = exact[e];
       }
+    }
+    for (int64_t e = 0; any && e < p.Dv; ++e) {
+      const auto has = [&](int64_t c) {
+        const T s = bad[(c * p.Dv + e) * mq + lane];
+        return s > -std::numeric_limits<T>::infinity() && shifted_exp(s, m[lane]) > 0;
+      };
+      if (has(kBadPosInf)) out[e] += std::numeric_limits<T>::infinity();
+      if (has(kBadNegInf)) out[e] -= std::numeric_limits<T>::infinity();  // after +inf: NaN
+      if (has(kBadNaN)) out[e] = std::numeric_limits<T>::quiet_NaN();
     }
     if (!in_place) write_row(p.out, blk.b, r.h, r.i, out, p.Dv);
     if (p.lse) {
