@@ -443,6 +443,25 @@ TEST_P(Edge, InfValueRowWhoseWeightUnderflowsOnlyInTheEnd) {
   }
 }
 
+// A NaN score makes its row NaN even in a key chunk whose weight against the row's max is 0
+// (found by the fuzzer: float64 decode, Nk 2100, after the merge learned to skip such chunks).
+TEST_P(Edge, NanScoreInAChunkOfWeightZeroStillMakesTheRowNan) {
+  for (DType dt : kDTypes) {
+    for (const auto& [nq, nk] : {std::pair<int64_t, int64_t>{18, 3000}, {1, 3000}, {2, 5000}}) {
+      SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Nk=" << nk);
+      std::vector<double> q(nq, 1.0), k(nk, 0.0), v(nk, 1.0);
+      k[100] = kNaN;       // first chunk: a NaN score
+      k[nk - 50] = 1e4;    // last chunk: the row's max, so the first chunk's weight is exp(-1e4) = 0
+      const Tensors t{tensor(dt, {nq, 1}, q), tensor(dt, {nk, 1}, k), tensor(dt, {nk, 1}, v), std::nullopt};
+      sdpa::Options o = opts();
+      o.scale = 1.0;
+      const Values got = values(run(t, o, Layout::kContiguous, /*with_extras=*/true));
+      for (double x : got.out) EXPECT_TRUE(std::isnan(x)) << x;
+      for (double x : got.lse) EXPECT_TRUE(std::isnan(x)) << x;
+    }
+  }
+}
+
 // Huge finite scores (|s| ~ 1e9 in float32): the backward recomputes s in another order than
 // the forward, and exp(s - lse) overflowed into NaN gradients (found by the fuzzer). p is
 // clamped to at most 1; the gradients stay finite.

@@ -203,8 +203,9 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
       if (lc == 0) continue;
       const T w = shifted_exp(pc[Dv * mq + lane], mmax);  // 1 for chunks at a +inf max
       // w = 0: every key of the chunk has weight 0 against the row's max, and contributes
-      // nothing (its ot may hold inf from an inf value row: 0 · inf would be NaN).
-      if (w == 0) continue;
+      // nothing (its ot may hold inf from an overflowed sum: 0 · inf would be NaN), unless a
+      // NaN score reached it (lc NaN): that makes the whole row NaN, so it is added.
+      if (w == 0 && !std::isnan(lc)) continue;
       sum += lc * w;
       for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] += pc[e * mq + lane] * w;
     }
