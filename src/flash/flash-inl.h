@@ -64,7 +64,8 @@ inline constexpr bool kBf16DotTarget = false;
 #endif
 
 // Whether a call whose dot products read views of these dtypes uses Bf16DotScores: all of them
-// bfloat16, on this target, allowed (set_max_kernel_path) and present on the CPU.
+// bfloat16, on this target, allowed (set_max_kernel_path) and present on the CPU. (The scale,
+// and each block's and tile's values, are checked against its range too.)
 template <typename T>
 bool UseBf16Dot(std::initializer_list<DType> operands) {
   for (DType t : operands) {
@@ -72,7 +73,6 @@ bool UseBf16Dot(std::initializer_list<DType> operands) {
   }
   return kBf16DotTarget && std::is_same_v<T, float> && max_kernel_path() >= KernelPath::kAvx512Bf16 &&
          cpu_has_avx512_bf16();
-  // (The scale, and each block's and tile's values, are checked against its range too.)
 }
 
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
