@@ -202,6 +202,48 @@ TEST_P(Edge, BlockedValueRowsDoNotReachTheRow) {
   }
 }
 
+// An inf planted in one column of a value row changes that column of the rows that attend its
+// key, and no other bit: decode redoes a tile whose sums came out non-finite, and the redo must
+// repeat the first pass's arithmetic exactly. With g++ free to fuse a*b+c into an FMA, the two
+// passes of the scalar feature tail differed, so row 0 (which blocks the key) moved by an ulp
+// (fuzz finding F2 fifth: float64, Dv 4 < the 8 lanes of AVX-512, decode with key chunks).
+TEST_P(Edge, InfInAValueRowChangesOnlyItsColumnOfTheRowsThatSeeIt) {
+  struct Case {
+    int64_t nq, nk, dv;
+  };
+  for (DType dt : kDTypes) {
+    for (const Case& c : {Case{2, 9, 4}, Case{7, 300, 4}, Case{7, 4100, 4}, Case{5, 4100, 5}, Case{3, 300, 17},
+                          Case{8, 2100, 3}, Case{40, 300, 4}}) {
+      for (uint32_t seed = 0; seed < 3; ++seed) {
+        SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << c.nq << " Nk=" << c.nk << " Dv=" << c.dv
+                                        << " seed " << seed);
+        std::mt19937 rng(seed);
+        Tensors t{GuardedTensor(dt, {c.nq, 3}), GuardedTensor(dt, {c.nk, 3}), GuardedTensor(dt, {c.nk, c.dv}),
+                  GuardedTensor(DType::kBool, {c.nq, c.nk})};
+        fill_normal(t.q, rng, 2);
+        fill_normal(t.k, rng, 2);
+        fill_normal(t.v, rng);
+        const int64_t hot = c.nk * 4 / 9;
+        for (int64_t x = 0; x < c.nq * c.nk; ++x) t.mask->set(x, x != hot);  // row 0 blocks the hot key
+        const Values clean = values(run(t, opts()));
+        Tensors poisoned = t.converted(dt);
+        poisoned.v.set(hot * c.dv + 1, kInf);
+        const Values got = values(run(poisoned, opts()));
+        for (int64_t i = 0; i < c.nq; ++i) {
+          for (int64_t e = 0; e < c.dv; ++e) {
+            const int64_t x = i * c.dv + e;
+            if (i > 0 && e == 1) {
+              EXPECT_EQ(got.out[x], kInf) << "row " << i;
+            } else {
+              ASSERT_EQ(got.out[x], clean.out[x]) << "row " << i << " column " << e;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // out = Σ p·v / l: the unnormalised sum overflowed for values near the top of the range
 // (out came back inf where the answer, 3e38, is a float32).
 TEST_P(Edge, UnnormalisedSumsDoNotOverflow) {
