@@ -51,6 +51,18 @@ void write_row(const View4& v, int64_t b, int64_t h, int64_t n, const T* x, int6
     for (int64_t c = 0; c < width; ++c) dst[c] = x[c];
     return;
   }
+  if (width == 0) return;
+  // 16-bit storage (the last dim has stride 1, as for every tensor): one dtype test per row.
+  char* dst = static_cast<char*>(const_cast<void*>(v.ptr(b, h, n, 0)));
+  if (v.dtype == DType::kBFloat16 || v.dtype == DType::kFloat16) {
+    uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);
+    if (v.dtype == DType::kBFloat16) {
+      for (int64_t c = 0; c < width; ++c) d16[c] = f32_to_bf16(static_cast<float>(x[c]));
+    } else {
+      for (int64_t c = 0; c < width; ++c) d16[c] = f32_to_f16(static_cast<float>(x[c]));
+    }
+    return;
+  }
   for (int64_t c = 0; c < width; ++c) v.store(b, h, n, c, x[c]);
 }
 

@@ -94,9 +94,16 @@ struct RowStats {
   std::vector<T> lse, D;
   std::vector<uint8_t> q_bad, dout_bad, k_bad;  // per row (b, h, i); per row (b, h, i); per key (b, kvh, j)
   bool any_bad_rows = false, any_bad_keys = false;
+  // With bfloat16 products: whether each row of q and of dout lies in their range
+  // (Bf16RowsInDotRange), scanned once here rather than once per key block.
+  std::vector<uint8_t> q_dot, dout_dot;
   int64_t Hq = 0, Nq = 0, Hkv = 0, Nk = 0;
   int64_t index(int64_t b, int64_t h, int64_t i) const { return (b * Hq + h) * Nq + i; }
   int64_t key_index(int64_t b, int64_t kvh, int64_t j) const { return (b * Hkv + kvh) * Nk + j; }
+  // Whether rows [i0, i0 + n) of head (b, h) all have their flag set.
+  static bool all_rows(const std::vector<uint8_t>& flags, int64_t at, int64_t n) {
+    return std::all_of(flags.begin() + at, flags.begin() + at + n, [](uint8_t f) { return f != 0; });
+  }
 };
 
 // dk, dv for keys [j0, j0 + nk) of kv head (b, kvh): keys in lanes.
@@ -155,7 +162,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // p = exp(s - lse) with s = q · (k·scale) + bias, -inf outside the row's keys and in the
       // padding lanes past nk.
       // (The broadcast rows, q and dout here, must be in the pairs' range too.)
-      if (k_pairs && Bf16RowsInDotRange(d, p.q.at<uint16_t>(b, h, first), p.q.strides[2], n, p.Dk)) {
+      if (k_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
         Bf16Dot(s.xp.get(), mq, p.Dk, p.q, b, h, first, n, p.scale, pt);
       } else {
         OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
@@ -173,7 +180,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
       // with z the dropout factor (1 without dropout).
-      if (v_pairs && Bf16RowsInDotRange(d, bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], n, p.Dv)) {
+      if (v_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
         Bf16Dot(s.yp.get(), mq, p.Dv, bp.dout, b, h, first, n, 1.0, dpt);
       } else {
         OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
@@ -313,24 +320,25 @@ void FlashBackward(const BackwardProblem& bp) {
   const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype, p.v.dtype, bp.dout.dtype}) && bf16_dot_scale_ok(p.scale);
   note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
 
-  // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
-  const auto bad_row = [d](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width) {
-    if (v.dtype == dtype_of<T>()) return static_cast<uint8_t>(AnyNonFinite(d, v.at<T>(b, h, n), width));
-    bool bad = false;  // 16-bit storage: widening is exact, so finiteness is the stored value's
-    {
-      for (int64_t c = 0; c < width; ++c) bad |= !std::isfinite(v.load<T>(b, h, n, c));
-    }
-    return static_cast<uint8_t>(bad);
-  };
+  if (bf16_dot) {
+    rs.q_dot.resize(rs.lse.size());
+    rs.dout_dot.resize(rs.lse.size());
+  }
   int any_bad_rows = 0, any_bad_keys = 0;
 
 #pragma omp parallel num_threads(threads)
   {
+    // One row of q, dout, out or k as T (in place, or widened exactly: 16-bit storage).
+    std::vector<T> wide(static_cast<size_t>(2 * std::max(p.Dk, p.Dv)));
+    const auto row = [&](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, int64_t slot) {
+      return ReadRows(d, v, b, h, n, 1, width, wide.data() + slot * std::max(p.Dk, p.Dv)).data;
+    };
+    // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
 #pragma omp for schedule(static) reduction(| : any_bad_keys)
     for (int64_t bk = 0; bk < p.B * p.Hkv; ++bk) {
       for (int64_t j = 0; j < p.Nk; ++j) {
         uint8_t& bad = rs.k_bad[rs.key_index(bk / p.Hkv, bk % p.Hkv, j)];
-        bad = bad_row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk);
+        bad = AnyNonFinite(d, row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk, 0), p.Dk);
         any_bad_keys |= bad;
       }
     }
@@ -338,18 +346,21 @@ void FlashBackward(const BackwardProblem& bp) {
     for (int64_t bh = 0; bh < p.B * p.Hq; ++bh) {
       const int64_t b = bh / p.Hq, h = bh % p.Hq;
       for (int64_t i = 0; i < p.Nq; ++i) {
-        rs.q_bad[rs.index(b, h, i)] = bad_row(p.q, b, h, i, p.Dk);
-        rs.dout_bad[rs.index(b, h, i)] = bad_row(bp.dout, b, h, i, p.Dv);
-        any_bad_rows |= rs.q_bad[rs.index(b, h, i)] | rs.dout_bad[rs.index(b, h, i)];
-        const T l = p.lse->load<T>(b, h, i, 0);
-        rs.lse[rs.index(b, h, i)] = l == -std::numeric_limits<T>::infinity() ? T(INFINITY) : l;
-        T D = 0;
-        if (bp.dout.dtype == dtype_of<T>() && p.out.dtype == dtype_of<T>()) {
-          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.at<T>(b, h, i)[e] * p.out.at<T>(b, h, i)[e];
-        } else {
-          for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<T>(b, h, i, e) * p.out.load<T>(b, h, i, e);
+        const int64_t x = rs.index(b, h, i);
+        rs.q_bad[x] = AnyNonFinite(d, row(p.q, b, h, i, p.Dk, 0), p.Dk);
+        const T* dout = row(bp.dout, b, h, i, p.Dv, 0);
+        const T* out = row(p.out, b, h, i, p.Dv, 1);
+        rs.dout_bad[x] = AnyNonFinite(d, dout, p.Dv);
+        any_bad_rows |= rs.q_bad[x] | rs.dout_bad[x];
+        if (bf16_dot) {
+          rs.q_dot[x] = Bf16RowsInDotRange(d, p.q.at<uint16_t>(b, h, i), 0, 1, p.Dk);
+          rs.dout_dot[x] = Bf16RowsInDotRange(d, bp.dout.at<uint16_t>(b, h, i), 0, 1, p.Dv);
         }
-        rs.D[rs.index(b, h, i)] = D;
+        const T l = p.lse->load<T>(b, h, i, 0);
+        rs.lse[x] = l == -std::numeric_limits<T>::infinity() ? T(INFINITY) : l;
+        T D = 0;
+        for (int64_t e = 0; e < p.Dv; ++e) D += dout[e] * out[e];
+        rs.D[x] = D;
       }
     }
 #pragma omp single
