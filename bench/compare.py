@@ -14,7 +14,8 @@ it its column says "n/a".
 --bf16 adds a bfloat16 table: sdpa on ml_dtypes.bfloat16 arrays (and with its AVX512_BF16 path
 turned off), PyTorch on torch.bfloat16 tensors, and OpenVINO's ScaledDotProductAttention op
 compiled for the CPU with INFERENCE_PRECISION_HINT bf16 (optional: .venv/bin/pip install
-openvino; "n/a" without it), all on the same bfloat16-representable inputs."""
+openvino; "n/a" without it), all on the same bfloat16-representable inputs; then the training
+step (forward + backward) in bfloat16 against torch's."""
 
 import argparse
 import os
@@ -84,16 +85,23 @@ CASES = [  # B, Hq, Hkv, Nq, Nk, D, causal
 ]
 
 
-def forward_backward(rng):
-    """Training step (forward + backward) against torch's autograd, same threads. GFLOP/s counts
-    the forward 4·… plus the backward 10·… = 14·B·Hq·Nq·Nk·D (halved for causal)."""
-    print("\nforward + backward, GFLOP/s = 14*B*Hq*Nq*Nk*D / median time (halved for causal)")
+def forward_backward(rng, bf16=False):
+    """Training step (forward + backward) against torch's autograd, same threads, in float32 or
+    (bf16) bfloat16: sdpa on ml_dtypes.bfloat16 arrays, torch on torch.bfloat16 tensors, the same
+    values. GFLOP/s counts the forward 4·… plus the backward 10·… = 14·B·Hq·Nq·Nk·D (halved for
+    causal)."""
+    dtype = None
+    if bf16:
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
+    print(f"\nforward + backward{' in bfloat16' if bf16 else ''}, "
+          "GFLOP/s = 14*B*Hq*Nq*Nk*D / median time (halved for causal)")
     print(f"{'case':34} {'sdpa':>9} {'torch':>9} {'sdpa/torch':>11}")
     for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:3]:
-        q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32)
-        k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
-        v = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32)
-        dout = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32)
+        draw = lambda shape: rng.standard_normal(shape, dtype=np.float32)
+        q, k, v, dout = draw((B, Hq, Nq, D)), draw((B, Hkv, Nk, D)), draw((B, Hkv, Nk, D)), draw((B, Hq, Nq, D))
+        if bf16:
+            q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
         flops = 14 * B * Hq * Nq * Nk * D / (2 if causal else 1)
 
         def ours():
@@ -103,8 +111,9 @@ def forward_backward(rng):
         t_sdpa = median_time(ours, args.reps)
         t_torch = None
         if torch is not None:
-            tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
-            tdout = torch.from_numpy(dout)
+            as_torch = lambda x: torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) if bf16 else torch.from_numpy(x)
+            tq, tk, tv = (as_torch(x).requires_grad_() for x in (q, k, v))
+            tdout = as_torch(dout)
 
             def theirs():
                 F.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tdout)
@@ -195,6 +204,7 @@ def main():
     forward_backward(rng)
     if args.bf16:
         bfloat16_table(rng)
+        forward_backward(rng, bf16=True)
 
 
 if __name__ == "__main__":
