@@ -296,6 +296,56 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   }
 }
 
+// The per-row and per-key facts the passes below read, for the calling thread's share of the
+// rows and keys (called by every thread of the parallel region; it ends in a barrier). A function
+// of its own: clang 14 crashes compiling this body inlined into the parallel region.
+template <class D, typename T>
+void ScanRows(D d, const BackwardProblem& bp, RowStats<T>& rs, bool bf16_dot, int& any_bad_rows, int& any_bad_keys) {
+  const Problem& p = bp.fwd;
+  // One row of q, dout, out or k as T (in place, or widened exactly: 16-bit storage).
+  const int64_t width = std::max(p.Dk, p.Dv);
+  std::vector<T> wide(static_cast<size_t>(2 * width));
+  const auto row = [&](const View4& v, int64_t b, int64_t h, int64_t n, int64_t w, int64_t slot) {
+    return ReadRows(d, v, b, h, n, 1, w, wide.data() + slot * width).data;
+  };
+  // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
+  int bad_keys = 0, bad_rows = 0;  // this thread's share, or-ed into the shared flags at the end
+#pragma omp for schedule(static) nowait
+  for (int64_t bk = 0; bk < p.B * p.Hkv; ++bk) {
+    for (int64_t j = 0; j < p.Nk; ++j) {
+      uint8_t& bad = rs.k_bad[rs.key_index(bk / p.Hkv, bk % p.Hkv, j)];
+      bad = AnyNonFinite(d, row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk, 0), p.Dk);
+      bad_keys |= bad;
+    }
+  }
+#pragma omp for schedule(static) nowait
+  for (int64_t bh = 0; bh < p.B * p.Hq; ++bh) {
+    const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    for (int64_t i = 0; i < p.Nq; ++i) {
+      const int64_t x = rs.index(b, h, i);
+      rs.q_bad[x] = AnyNonFinite(d, row(p.q, b, h, i, p.Dk, 0), p.Dk);
+      const T* dout = row(bp.dout, b, h, i, p.Dv, 0);
+      const T* out = row(p.out, b, h, i, p.Dv, 1);
+      rs.dout_bad[x] = AnyNonFinite(d, dout, p.Dv);
+      bad_rows |= rs.q_bad[x] | rs.dout_bad[x];
+      if (bf16_dot) {
+        rs.q_dot[x] = Bf16RowsInDotRange(d, p.q.at<uint16_t>(b, h, i), 0, 1, p.Dk);
+        rs.dout_dot[x] = Bf16RowsInDotRange(d, bp.dout.at<uint16_t>(b, h, i), 0, 1, p.Dv);
+      }
+      const T l = p.lse->load<T>(b, h, i, 0);
+      rs.lse[x] = l == -std::numeric_limits<T>::infinity() ? T(INFINITY) : l;
+      T dot = 0;  // D_i = dout_i · out_i
+      for (int64_t e = 0; e < p.Dv; ++e) dot += dout[e] * out[e];
+      rs.D[x] = dot;
+    }
+  }
+#pragma omp atomic
+  any_bad_keys |= bad_keys;
+#pragma omp atomic
+  any_bad_rows |= bad_rows;
+#pragma omp barrier
+}
+
 template <typename T>
 void FlashBackward(const BackwardProblem& bp) {
   const hn::ScalableTag<T> d;
@@ -328,41 +378,7 @@ void FlashBackward(const BackwardProblem& bp) {
 
 #pragma omp parallel num_threads(threads)
   {
-    // One row of q, dout, out or k as T (in place, or widened exactly: 16-bit storage).
-    std::vector<T> wide(static_cast<size_t>(2 * std::max(p.Dk, p.Dv)));
-    const auto row = [&](const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, int64_t slot) {
-      return ReadRows(d, v, b, h, n, 1, width, wide.data() + slot * std::max(p.Dk, p.Dv)).data;
-    };
-    // Rows of q, dout and k holding a NaN or inf: rare, and then the passes treat them apart.
-#pragma omp for schedule(static) reduction(| : any_bad_keys)
-    for (int64_t bk = 0; bk < p.B * p.Hkv; ++bk) {
-      for (int64_t j = 0; j < p.Nk; ++j) {
-        uint8_t& bad = rs.k_bad[rs.key_index(bk / p.Hkv, bk % p.Hkv, j)];
-        bad = AnyNonFinite(d, row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk, 0), p.Dk);
-        any_bad_keys |= bad;
-      }
-    }
-#pragma omp for schedule(static) reduction(| : any_bad_rows)
-    for (int64_t bh = 0; bh < p.B * p.Hq; ++bh) {
-      const int64_t b = bh / p.Hq, h = bh % p.Hq;
-      for (int64_t i = 0; i < p.Nq; ++i) {
-        const int64_t x = rs.index(b, h, i);
-        rs.q_bad[x] = AnyNonFinite(d, row(p.q, b, h, i, p.Dk, 0), p.Dk);
-        const T* dout = row(bp.dout, b, h, i, p.Dv, 0);
-        const T* out = row(p.out, b, h, i, p.Dv, 1);
-        rs.dout_bad[x] = AnyNonFinite(d, dout, p.Dv);
-        any_bad_rows |= rs.q_bad[x] | rs.dout_bad[x];
-        if (bf16_dot) {
-          rs.q_dot[x] = Bf16RowsInDotRange(d, p.q.at<uint16_t>(b, h, i), 0, 1, p.Dk);
-          rs.dout_dot[x] = Bf16RowsInDotRange(d, bp.dout.at<uint16_t>(b, h, i), 0, 1, p.Dv);
-        }
-        const T l = p.lse->load<T>(b, h, i, 0);
-        rs.lse[x] = l == -std::numeric_limits<T>::infinity() ? T(INFINITY) : l;
-        T D = 0;
-        for (int64_t e = 0; e < p.Dv; ++e) D += dout[e] * out[e];
-        rs.D[x] = D;
-      }
-    }
+    ScanRows(d, bp, rs, bf16_dot, any_bad_rows, any_bad_keys);
 #pragma omp single
     {
       rs.any_bad_rows = any_bad_rows != 0;
