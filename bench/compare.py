@@ -147,8 +147,9 @@ def bfloat16_table(rng):
     import ml_dtypes
     bf16 = ml_dtypes.bfloat16
     has_dot = sdpa._core._kernel_path_available_bf16()
+    has_amx = sdpa._core._kernel_path_available_amx()
     print(f"\nbfloat16, GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal); "
-          f"AVX512_BF16 path {'available' if has_dot else 'not available on this CPU'}")
+          f"sdpa's path: {'AMX' if has_amx else 'AVX512_BF16' if has_dot else 'SIMD (no bf16 dot on this CPU)'}")
     print(f"{'case':34} {'sdpa':>9} {'no dot':>9} {'torch':>9} {'openvino':>9} {'sdpa/torch':>11} {'sdpa/ov':>9}")
     for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:4]:
         q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32).astype(bf16)

@@ -60,12 +60,15 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
   cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");
   cmd->add_flag("--no-bf16-dot", options.no_bf16_dot,
-                "Do not use AVX512_BF16's dot products for bfloat16 (sdpa::set_max_kernel_path(kSimd))");
+                "Do not use AVX512_BF16's or AMX's dot products for bfloat16 (sdpa::set_max_kernel_path(kSimd))");
+  cmd->add_flag("--no-amx", options.no_amx,
+                "Do not use AMX tiles for bfloat16 (sdpa::set_max_kernel_path(kAvx512Bf16))");
   return cmd;
 }
 
 void bench_command(const BenchOptions& options) {
   if (options.no_avx512) sdpa::bench::disable_avx512();
+  if (options.no_amx) sdpa::set_max_kernel_path(sdpa::KernelPath::kAvx512Bf16);
   if (options.no_bf16_dot) sdpa::set_max_kernel_path(sdpa::KernelPath::kSimd);
   if (options.threads > 0) sdpa::set_num_threads(options.threads);
   const int threads = sdpa::num_threads();
@@ -101,7 +104,8 @@ void bench_command(const BenchOptions& options) {
     progress("[" + std::to_string(i + 1) + "/" + std::to_string(cases.size()) + "] " + c.name + "...");
     sdpa::bench::CaseData data(c);
     const double t = sdpa::bench::median_seconds(data, options.reps);
-    const char* path = sdpa::last_kernel_path() == sdpa::KernelPath::kAvx512Bf16 ? "bf16dot" : "simd";
+    const sdpa::KernelPath ran = sdpa::last_kernel_path();
+    const char* path = ran == sdpa::KernelPath::kAmxBf16 ? "amx" : ran == sdpa::KernelPath::kAvx512Bf16 ? "bf16dot" : "simd";
     rows.push_back({c, t, sdpa::bench::flop_count(c) / t / 1e9, sdpa::bench::kv_bytes(c) / t / 1e9, path});
   }
   progress("");

@@ -40,6 +40,7 @@ struct BenchOptions {
   bool json = false;
   bool no_avx512 = false;
   bool no_bf16_dot = false;
+  bool no_amx = false;
 };
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);
 void bench_command(const BenchOptions& options);

@@ -145,10 +145,11 @@ NB_MODULE(_core, m) {
     (void)on;
 #endif
   }, nb::arg("on"));
-  // For benchmarks (bench/compare.py --bf16): whether the AVX512_BF16 path can run here, and
-  // turning it off (True) or on again (False): sdpa::set_max_kernel_path.
+  // For benchmarks (bench/compare.py --bf16): whether the AVX512_BF16 and AMX paths can run
+  // here, and turning both off (True) or on again (False): sdpa::set_max_kernel_path.
   m.def("_kernel_path_available_bf16", [] { return sdpa::kernel_path_available(sdpa::KernelPath::kAvx512Bf16); });
+  m.def("_kernel_path_available_amx", [] { return sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16); });
   m.def("_limit_kernel_path_to_simd", [](bool on) {
-    sdpa::set_max_kernel_path(on ? sdpa::KernelPath::kSimd : sdpa::KernelPath::kAvx512Bf16);
+    sdpa::set_max_kernel_path(on ? sdpa::KernelPath::kSimd : sdpa::KernelPath::kAmxBf16);
   }, nb::arg("on"));
 }

@@ -13,12 +13,12 @@
 namespace sdpa {
 namespace {
 std::atomic<int> g_threads{0};  // 0 = OpenMP's default
-std::atomic<KernelPath> g_max_path{KernelPath::kAvx512Bf16};
+std::atomic<KernelPath> g_max_path{KernelPath::kAmxBf16};
 thread_local KernelPath t_last_path = KernelPath::kSimd;
 }  // namespace
 
 void set_max_kernel_path(KernelPath max) {
-  if (max != KernelPath::kSimd && max != KernelPath::kAvx512Bf16) {
+  if (max != KernelPath::kSimd && max != KernelPath::kAvx512Bf16 && max != KernelPath::kAmxBf16) {
     throw Error("set_max_kernel_path: unknown path " + std::to_string(static_cast<int>(max)));
   }
   g_max_path.store(max);

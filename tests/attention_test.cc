@@ -741,6 +741,19 @@ TEST_P(SweepAvx2, AutoMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Table, SweepAvx2, testing::ValuesIn(sweep_cases()),
                          [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// ---- The bfloat16 sweep on AVX512_BF16 where the normal pass runs on AMX ----
+
+class SweepBf16Dot : public testing::TestWithParam<Case> {};
+
+TEST_P(SweepBf16Dot, AutoMatchesReference) {
+  if (const std::string why = bf16_dot_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  const KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
+  check_sweep_case(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, SweepBf16Dot, testing::ValuesIn(bf16_sweep_cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
 TEST(SimdTargets, Avx2OnlyDispatchesToAvx2AndRestores) {
   // Without this, SweepAvx2 could pass while running on AVX-512 all along.
   if (const std::string why = avx2_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;

@@ -147,6 +147,18 @@ TEST_P(BackwardSweepAvx2, FlashAndAutoMatchReference) {
   EXPECT_EQ(dispatched_target(), "AVX2");
 }
 
+// The bfloat16 cases on AVX512_BF16 where the normal pass runs on AMX.
+class BackwardSweepBf16Dot : public testing::TestWithParam<Case> {};
+
+TEST_P(BackwardSweepBf16Dot, FlashAndAutoMatchReference) {
+  if (const std::string why = bf16_dot_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;
+  const KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
+  check_backward_case(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, BackwardSweepBf16Dot, testing::ValuesIn(bf16_sweep_cases()),
+                         [](const testing::TestParamInfo<Case>& info) { return info.param.name; });
+
 // Every float32 case, and the float64 ones up to 2M multiply-adds (their 4-lane blocks cut the
 // small shapes differently; the large float64 cases add time more than coverage).
 std::vector<Case> avx2_backward_cases() {

@@ -202,20 +202,16 @@ TEST_P(LowPrecision, DtypePolicyErrors) {
 
 // ---- Instruction paths (sdpa::KernelPath) ----
 
-// While alive, the kernels may use nothing beyond kSimd.
-class SimdOnly {
- public:
-  SimdOnly() { sdpa::set_max_kernel_path(sdpa::KernelPath::kSimd); }
-  ~SimdOnly() { sdpa::set_max_kernel_path(sdpa::KernelPath::kAvx512Bf16); }
-};
-
-// Which path a call ran: kAvx512Bf16 for bfloat16 prefill where the CPU has it and AVX-512 is
-// dispatched, kSimd when capped (set_max_kernel_path, Highway at AVX2), for decode shapes,
-// float16, and float32 queries over a bfloat16 cache. Every one against the reference.
+// Which path a call ran: kAmxBf16 for bfloat16 prefill where the CPU has AMX and AVX-512 is
+// dispatched, else kAvx512Bf16 where it has that, kSimd when capped (set_max_kernel_path,
+// Highway at AVX2), for decode shapes, float16, and float32 queries over a bfloat16 cache.
+// Every one against the reference.
 TEST(KernelPaths, TheCallReportsThePathItRan) {
   const bool has = sdpa::kernel_path_available(sdpa::KernelPath::kAvx512Bf16);
+  const bool amx = sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16);
   EXPECT_TRUE(sdpa::kernel_path_available(sdpa::KernelPath::kSimd));
-  std::printf("AVX512_BF16 path %s on this CPU\n", has ? "available" : "not available: only kSimd is checked");
+  std::printf("AVX512_BF16 path %s, AMX path %s on this CPU\n", has ? "available" : "not available",
+              amx ? "available" : "not available");
   Case prefill{.rank = 4, .B = 1, .Hq = 4, .Hkv = 2, .Nq = 37, .Nk = 300, .Dk = 33, .Dv = 20};
   prefill.dtype = kBF16;
   prefill.causal = Causal::kBottomRight;
@@ -232,7 +228,7 @@ TEST(KernelPaths, TheCallReportsThePathItRan) {
   sdpa::Options o;
   o.causal = Causal::kBottomRight;
   const Tensors t = make_inputs(prefill);
-  const auto want = has ? sdpa::KernelPath::kAvx512Bf16 : sdpa::KernelPath::kSimd;
+  const auto want = amx ? sdpa::KernelPath::kAmxBf16 : has ? sdpa::KernelPath::kAvx512Bf16 : sdpa::KernelPath::kSimd;
   EXPECT_EQ(ran(t, o), want);
   EXPECT_EQ(ran(make_inputs(decode), o), sdpa::KernelPath::kSimd);
   EXPECT_EQ(ran(t.converted(kF16), o), sdpa::KernelPath::kSimd);
@@ -240,7 +236,12 @@ TEST(KernelPaths, TheCallReportsThePathItRan) {
   mixed.q = mixed.q.converted(kF32, mixed.q.layout());
   EXPECT_EQ(ran(mixed, o), sdpa::KernelPath::kSimd);
   {
-    SimdOnly cap;
+    KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
+    EXPECT_EQ(sdpa::max_kernel_path(), sdpa::KernelPath::kAvx512Bf16);
+    EXPECT_EQ(ran(t, o), has ? sdpa::KernelPath::kAvx512Bf16 : sdpa::KernelPath::kSimd);
+  }
+  {
+    KernelPathCap cap(sdpa::KernelPath::kSimd);
     EXPECT_EQ(sdpa::max_kernel_path(), sdpa::KernelPath::kSimd);
     EXPECT_EQ(ran(t, o), sdpa::KernelPath::kSimd);
   }

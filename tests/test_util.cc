@@ -939,6 +939,25 @@ Avx2Only::Avx2Only() {
 
 Avx2Only::~Avx2Only() { hwy::DisableTargets(0); }
 
+KernelPathCap::KernelPathCap(sdpa::KernelPath max) { sdpa::set_max_kernel_path(max); }
+KernelPathCap::~KernelPathCap() { sdpa::set_max_kernel_path(sdpa::KernelPath::kAmxBf16); }
+
+std::string bf16_dot_pass_skip_reason() {
+  if (!sdpa::kernel_path_available(sdpa::KernelPath::kAvx512Bf16)) return "no AVX512_BF16 path on this CPU";
+  if (!sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16)) {
+    return "no AMX on this CPU: the normal pass already runs on AVX512_BF16";
+  }
+  return "";
+}
+
+std::vector<Case> bf16_sweep_cases() {
+  std::vector<Case> cases;
+  for (const Case& c : sweep_cases()) {
+    if (c.dtype == kBF16) cases.push_back(c);
+  }
+  return cases;
+}
+
 std::string avx2_pass_skip_reason() {
 #if HWY_ARCH_X86
   const int64_t supported = hwy::SupportedTargets();

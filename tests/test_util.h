@@ -240,6 +240,21 @@ class Avx2Only {
 // Why an AVX2-only pass would add nothing here ("" when it is worth running): the CPU lacks
 // AVX2, or lacks AVX-512 (then the normal pass already runs on AVX2 or less).
 std::string avx2_pass_skip_reason();
+// While alive, the kernels may use no instruction path better than `max`
+// (sdpa::set_max_kernel_path); the destructor lifts the cap (kAmxBf16, the default).
+class KernelPathCap {
+ public:
+  explicit KernelPathCap(sdpa::KernelPath max);
+  ~KernelPathCap();
+  KernelPathCap(const KernelPathCap&) = delete;
+  KernelPathCap& operator=(const KernelPathCap&) = delete;
+};
+// Why a pass capped at kAvx512Bf16 would add nothing here ("" when it is worth running): the
+// CPU lacks AVX512_BF16 (then nothing uses it), or lacks AMX (then the normal pass uses it).
+std::string bf16_dot_pass_skip_reason();
+// The bfloat16 cases of the sweep.
+std::vector<Case> bf16_sweep_cases();
+
 // The target the last HWY_DYNAMIC_DISPATCH chose (Highway's name for it, e.g. "AVX2"; "none"
 // when nothing has been dispatched since the targets last changed).
 std::string dispatched_target();

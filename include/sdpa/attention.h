@@ -182,17 +182,19 @@ void dropout_mask(double dropout_p, uint64_t seed, const TensorView& mask);
 void set_num_threads(int n);
 int num_threads();
 
-// Instruction paths beyond Highway's SIMD targets, in order. Where the CPU has AVX512_BF16,
-// bfloat16 calls compute the forward's scores q·kᵀ (prefill tiles) and the backward's q·kᵀ and
-// dout·vᵀ with its dot-product instruction (exact products, float32 sums: the error bound of
-// the widening path, not its bits), for blocks and tiles whose nonzero values (and the scale)
+// Instruction paths beyond Highway's SIMD targets, in order. Where the CPU has AVX512_BF16 (or
+// AMX), bfloat16 calls compute the forward's scores q·kᵀ (prefill tiles) and the backward's q·kᵀ
+// and dout·vᵀ with its dot-product instruction (exact products, float32 sums: the error bound
+// of the widening path, not its bits), for blocks and tiles whose nonzero values (and the scale)
 // lie in [2^-40, 2^32), where its reading subnormals as 0 cannot matter; everything else runs on
-// the SIMD target Highway dispatches (16-bit inputs widened to float32).
+// the SIMD target Highway dispatches (16-bit inputs widened to float32). A call uses one path
+// throughout, so its results stay bitwise the same for any thread count.
 enum class KernelPath : uint8_t {
   kSimd,        // Highway's SIMD on the dispatched target
   kAvx512Bf16,  // bfloat16 products with vdpbf16ps (bfloat16 q, k, v; AVX-512 dispatched)
+  kAmxBf16,     // bfloat16 products in AMX tiles (TDPBF16PS; as kAvx512Bf16, where the OS grants AMX)
 };
-// The best path the kernels may use, process-wide (default kAvx512Bf16: the best the CPU has).
+// The best path the kernels may use, process-wide (default kAmxBf16: the best the CPU has).
 // For tests and benchmarks, as hwy::DisableTargets caps the SIMD target.
 void set_max_kernel_path(KernelPath max);
 KernelPath max_kernel_path();
@@ -200,8 +202,8 @@ KernelPath max_kernel_path();
 bool kernel_path_available(KernelPath path);
 // The best path the calling thread's last attention() or attention_backward() call used (kSimd
 // when it used no other).
-// On kAvx512Bf16, blocks and tiles outside the instruction's range are still computed by
-// widening.
+// On kAvx512Bf16 and kAmxBf16, blocks and tiles outside the instruction's range are still
+// computed by widening.
 KernelPath last_kernel_path();
 
 }  // namespace sdpa

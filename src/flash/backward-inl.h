@@ -33,8 +33,9 @@ constexpr size_t kBackwardQV = 2;  // vectors per block: 16 lanes of f32 on AVX2
 // Per-thread tiles of the backward pass.
 template <typename T>
 struct BackwardScratch {
-  BackwardScratch(const Problem& p, size_t mq, bool bf16_dot)
-      : bf16_dot(bf16_dot),
+  BackwardScratch(const Problem& p, size_t mq, KernelPath dot)
+      : bf16_dot(dot != KernelPath::kSimd),
+        amx(dot == KernelPath::kAmxBf16),
         xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
         yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
         xt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
@@ -58,7 +59,7 @@ struct BackwardScratch {
         rows(kTileKeys) {}
   // Bfloat16 inputs with the AVX512_BF16 path: xt and yt's operands also in bfloat16 pairs
   // (bf16_dot.h), for the score and dout · vᵀ products; blocks that must not use them widen.
-  bool bf16_dot;
+  bool bf16_dot, amx;  // amx: their products with AmxDotScores
   hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
@@ -163,7 +164,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // padding lanes past nk.
       // (The broadcast rows, q and dout here, must be in the pairs' range too.)
       if (k_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
-        Bf16Dot(s.xp.get(), mq, p.Dk, p.q, b, h, first, n, p.scale, pt);
+        Bf16Dot(s.xp.get(), mq, p.Dk, p.q, b, h, first, n, p.scale, s.amx, pt);
       } else {
         OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
       }
@@ -181,7 +182,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // dp = dout · vᵀ;  ds = p · (z·dp - D);  dv += Σ_i z·p_i · dout_i;  dk += Σ_i ds_i · q_i,
       // with z the dropout factor (1 without dropout).
       if (v_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
-        Bf16Dot(s.yp.get(), mq, p.Dv, bp.dout, b, h, first, n, 1.0, dpt);
+        Bf16Dot(s.yp.get(), mq, p.Dv, bp.dout, b, h, first, n, 1.0, s.amx, dpt);
       } else {
         OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
       }
@@ -266,7 +267,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
     ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, keys_in_range, s.mask_rows.get());
     if (dout_pairs && Bf16RowsInDotRange(d, p.v.at<uint16_t>(blk.b, blk.kvh, j0), p.v.strides[2], n, p.Dv)) {  // dp = dout · vᵀ
-      Bf16Dot(s.yp.get(), mq, p.Dv, p.v, blk.b, blk.kvh, j0, n, 1.0, dpt);
+      Bf16Dot(s.yp.get(), mq, p.Dv, p.v, blk.b, blk.kvh, j0, n, 1.0, s.amx, dpt);
     } else {
       const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, s.vtile.get());
       OuterScores<QV>(d, s.yt.get(), mq, values.data, values.stride, p.Dv, n, dpt);
@@ -367,8 +368,10 @@ void FlashBackward(const BackwardProblem& bp) {
   const int64_t units = std::max({p.B * p.Hq, p.B * p.Hkv * key_blocks, p.B * p.Hkv * query_blocks});
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
   // The score and dout · vᵀ products with vdpbf16ps when q, k, v and dout are all bfloat16.
-  const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype, p.v.dtype, bp.dout.dtype}) && bf16_dot_scale_ok(p.scale);
-  note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
+  const KernelPath dot = bf16_dot_scale_ok(p.scale) ? Bf16DotPath<T>({p.q.dtype, p.k.dtype, p.v.dtype, bp.dout.dtype})
+                                                    : KernelPath::kSimd;
+  const bool bf16_dot = dot != KernelPath::kSimd;
+  note_kernel_path(dot);
 
   if (bf16_dot) {
     rs.q_dot.resize(rs.lse.size());
@@ -384,7 +387,7 @@ void FlashBackward(const BackwardProblem& bp) {
       rs.any_bad_rows = any_bad_rows != 0;
       rs.any_bad_keys = any_bad_keys != 0;
     }  // (its barrier publishes them)
-    BackwardScratch<T> s(p, static_cast<size_t>(mq), bf16_dot);
+    BackwardScratch<T> s(p, static_cast<size_t>(mq), dot);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {
       const int64_t head = u / key_blocks;

@@ -63,4 +63,12 @@ bool pack_bf16_pairs(const RowOf& row_of, int64_t count, int64_t width, size_t m
 void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
                    float scale, float* st);
 
+// AMX (amx_dot.cc): whether this CPU has AMX-TILE and AMX-BF16, the OS saves the tile state and
+// grants it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once, here).
+bool cpu_has_amx_bf16();
+// Bf16DotScores' result with TDPBF16PS: the same layout, arguments and range rules; the same
+// error bound, other bits. Only after cpu_has_amx_bf16() returned true.
+void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
+                  float scale, float* st);
+
 }  // namespace sdpa::internal

@@ -54,6 +54,7 @@ struct BlockState {
   // The queries as bfloat16 pairs for Bf16DotScores (ceil(Dk/2) × mq), or null: the block's
   // scores come from qt and widened keys.
   uint32_t* qp = nullptr;
+  bool amx = false;  // qp's products with AmxDotScores (else Bf16DotScores)
 };
 
 // Targets on which the kernels may call bf16_dot.h (AVX-512: 16 float lanes, as it assumes).
@@ -63,23 +64,27 @@ inline constexpr bool kBf16DotTarget = true;
 inline constexpr bool kBf16DotTarget = false;
 #endif
 
-// Whether a call whose dot products read views of these dtypes uses Bf16DotScores: all of them
-// bfloat16, on this target, allowed (set_max_kernel_path) and present on the CPU. (The scale,
-// and each block's and tile's values, are checked against its range too.)
+// The path of a call whose dot products read views of these dtypes: kAmxBf16 (AmxDotScores) or
+// kAvx512Bf16 (Bf16DotScores) when all of them are bfloat16, on this target, allowed
+// (set_max_kernel_path) and present on the CPU, the best such; else kSimd. (The scale, and each
+// block's and tile's values, are checked against their range too.)
 template <typename T>
-bool UseBf16Dot(std::initializer_list<DType> operands) {
+KernelPath Bf16DotPath(std::initializer_list<DType> operands) {
   for (DType t : operands) {
-    if (t != DType::kBFloat16) return false;
+    if (t != DType::kBFloat16) return KernelPath::kSimd;
   }
-  return kBf16DotTarget && std::is_same_v<T, float> && max_kernel_path() >= KernelPath::kAvx512Bf16 &&
-         cpu_has_avx512_bf16();
+  if (!kBf16DotTarget || !std::is_same_v<T, float>) return KernelPath::kSimd;
+  const KernelPath max = max_kernel_path();
+  if (max >= KernelPath::kAmxBf16 && cpu_has_amx_bf16()) return KernelPath::kAmxBf16;
+  if (max >= KernelPath::kAvx512Bf16 && cpu_has_avx512_bf16()) return KernelPath::kAvx512Bf16;
+  return KernelPath::kSimd;
 }
 
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
 // O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N.
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, bool bf16_dot)
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot)
       : mq(mq),
         Dk(static_cast<size_t>(p.Dk)),
         Dv(static_cast<size_t>(p.Dv)),
@@ -94,8 +99,9 @@ struct Scratch {
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
         bad(hwy::AllocateAligned<T>(std::max<size_t>(1, group * kBadClasses * Dv * mq))),
-        qp(hwy::AllocateAligned<uint32_t>(bf16_dot ? group * ((Dk + 1) / 2) * mq : 1)),
-        bf16_dot(bf16_dot),
+        qp(hwy::AllocateAligned<uint32_t>(dot != KernelPath::kSimd ? group * ((Dk + 1) / 2) * mq : 1)),
+        bf16_dot(dot != KernelPath::kSimd),
+        amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
         lanes(group * mq) {}
   BlockState<T> block(size_t g) {
@@ -103,7 +109,8 @@ struct Scratch {
             qt.get() + g * Dk * mq, ot.get() + g * Dv * mq,
             m.get() + g * mq,       l.get() + g * mq,
             lanes.data() + g * mq,  bad.get() + g * kBadClasses * Dv * mq,
-            bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr};
+            bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr,
+            amx};
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
@@ -111,7 +118,7 @@ struct Scratch {
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
   hwy::AlignedFreeUniquePtr<T[]> bad;                 // BlockState::bad of each block
   hwy::AlignedFreeUniquePtr<uint32_t[]> qp;           // BlockState::qp of each block, when bf16_dot
-  bool bf16_dot;
+  bool bf16_dot, amx;  // the bfloat16 products (qp), with AMX
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
 };
@@ -238,11 +245,12 @@ HWY_INLINE void AccumulateRows(D d, const T* HWY_RESTRICT w, int64_t n, size_t m
 // dot-product instruction. Only where kBf16DotTarget and T is float (pairs are null elsewhere).
 template <typename T>
 HWY_INLINE void Bf16Dot(const uint32_t* pairs, size_t mq, int64_t depth, const View4& v, int64_t b, int64_t h,
-                        int64_t n0, int64_t n, double scale, T* HWY_RESTRICT out) {
+                        int64_t n0, int64_t n, double scale, bool amx, T* HWY_RESTRICT out) {
   if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
-    Bf16DotScores(pairs, mq, depth, v.at<uint16_t>(b, h, n0), v.strides[2], n, static_cast<float>(scale), out);
+    (amx ? AmxDotScores : Bf16DotScores)(pairs, mq, depth, v.at<uint16_t>(b, h, n0), v.strides[2], n,
+                                         static_cast<float>(scale), out);
   } else {
-    (void)pairs, (void)mq, (void)depth, (void)v, (void)b, (void)h, (void)n0, (void)n, (void)scale, (void)out;
+    (void)pairs, (void)mq, (void)depth, (void)v, (void)b, (void)h, (void)n0, (void)n, (void)scale, (void)amx, (void)out;
     HWY_ASSERT(false);  // Flash and FlashBackward set no pairs here
   }
 }
@@ -293,7 +301,7 @@ template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
                           int64_t n, bool partial, const Rows<T>& keys, bool keys_in_range, T* HWY_RESTRICT mask_rows) {
   if (bs.qp != nullptr && keys_in_range) {
-    Bf16Dot(bs.qp, mq, p.Dk, p.k, bs.blk.b, bs.blk.kvh, j0, n, p.scale, st);
+    Bf16Dot(bs.qp, mq, p.Dk, p.k, bs.blk.b, bs.blk.kvh, j0, n, p.scale, bs.amx, st);
   } else {
     OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
   }
@@ -499,8 +507,9 @@ void Flash(const Problem& p) {
   const Plan plan = make_plan(p, N);
   const size_t mq = plan.qv * N;
   // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
-  const bool bf16_dot = UseBf16Dot<T>({p.q.dtype, p.k.dtype}) && !plan.decode && bf16_dot_scale_ok(p.scale);
-  note_kernel_path(bf16_dot ? KernelPath::kAvx512Bf16 : KernelPath::kSimd);
+  const KernelPath dot = plan.decode || !bf16_dot_scale_ok(p.scale) ? KernelPath::kSimd
+                                                                     : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
+  note_kernel_path(dot);
   const size_t partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * mq;  // (ot, m, l, bad) of one block and chunk
   std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
 
@@ -533,7 +542,7 @@ void Flash(const Problem& p) {
 
 #pragma omp parallel num_threads(plan.threads)
   {
-    Scratch<T> s(p, mq, N, plan.group_blocks, bf16_dot);
+    Scratch<T> s(p, mq, N, plan.group_blocks, dot);
     BlockRows blks[kMaxGroupBlocks];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < plan.units(); ++u) {

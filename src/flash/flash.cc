@@ -45,11 +45,11 @@ void flash_backward(const BackwardProblem& bp) {
 
 bool sdpa::kernel_path_available(KernelPath path) {
   if (path == KernelPath::kSimd) return true;
-  if (path != KernelPath::kAvx512Bf16) return false;
+  if (path != KernelPath::kAvx512Bf16 && path != KernelPath::kAmxBf16) return false;
 #if HWY_ARCH_X86
   // Some AVX-512 target compiled in, supported and not disabled (Flash dispatches to one).
   const bool avx512 = (hwy::SupportedTargets() & HWY_TARGETS & (HWY_AVX2 - 1)) != 0;
-  return avx512 && internal::cpu_has_avx512_bf16();
+  return avx512 && (path == KernelPath::kAmxBf16 ? internal::cpu_has_amx_bf16() : internal::cpu_has_avx512_bf16());
 #else
   return false;
 #endif
