@@ -303,7 +303,8 @@ TEST_F(CliTest, HelpDescribesEveryOption) {
   const Result bench = sdpa("bench --help");
   EXPECT_EQ(bench.status, 0) << bench.err;
   EXPECT_EQ(bench.err, "");
-  for (const char* option : {"--threads", "--reps", "--filter", "--dtype", "bf16", "f16", "--json", "--no-avx512"}) {
+  for (const char* option : {"--threads", "--reps", "--filter", "--dtype", "bf16", "f16", "--json", "--no-avx512", "--no-amx",
+                             "--no-bf16-dot"}) {
     EXPECT_NE(bench.out.find(option), std::string::npos) << option;
   }
   // The dtypes and their .npy descrs, and what NumPy does with bfloat16.
@@ -541,6 +542,21 @@ TEST_F(CliTest, BenchDtypeRunsTheTableInThatDtype) {
   EXPECT_EQ(bad.status, 2) << bad.err;
   EXPECT_NE(bad.err.find("--dtype"), std::string::npos) << bad.err;
   EXPECT_EQ(r.err.find("error"), std::string::npos) << r.err;
+}
+
+// The path caps: --no-amx leaves at most AVX512_BF16's dot products, --no-bf16-dot neither; the
+// path column says what ran (the uncapped path depends on the CPU: test KernelPaths in lowp_test).
+TEST_F(CliTest, BenchPathCapsShowInThePathColumn) {
+  const std::string run = "bench --dtype bf16 --filter 'prefill d64 causal' --reps 1 --threads 1 --json";
+  const Result simd = sdpa(run + " --no-bf16-dot");
+  ASSERT_EQ(simd.status, 0) << simd.err;
+  EXPECT_NE(simd.out.find("\"path\": \"simd\""), std::string::npos) << simd.out;
+  const Result no_amx = sdpa(run + " --no-amx");
+  ASSERT_EQ(no_amx.status, 0) << no_amx.err;
+  EXPECT_EQ(no_amx.out.find("\"path\": \"amx\""), std::string::npos) << no_amx.out;
+  EXPECT_TRUE(no_amx.out.find("\"path\": \"bf16dot\"") != std::string::npos ||
+              no_amx.out.find("\"path\": \"simd\"") != std::string::npos)
+      << no_amx.out;
 }
 
 // float16 bits of a random value in ±[0.25, 4): sign, exponent 13..16, any mantissa; bfloat16
