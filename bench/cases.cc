@@ -17,7 +17,9 @@ const char* dtype_tag(DType dtype) {
     case DType::kFloat16: return "f16";
     case DType::kFloat32: return "f32";
     case DType::kFloat64: return "f64";
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   return "?";
 }
@@ -67,7 +69,9 @@ void store(DType dtype, std::vector<char>& buf, size_t i, double value) {
     case DType::kBFloat16:
       reinterpret_cast<uint16_t*>(buf.data())[i] = to_bfloat16(static_cast<float>(value));
       return;
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
 }
 

@@ -582,7 +582,9 @@ double value_at(const NpyArray& a, int64_t i) {
     case DType::kBFloat16: return bfloat16_to_float(a.values<uint16_t>()[i]);
     case DType::kFloat32: return a.values<float>()[i];
     case DType::kFloat64: return a.values<double>()[i];
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   ADD_FAILURE() << "not a float array";
   return 0;

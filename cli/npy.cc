@@ -54,6 +54,8 @@ const char* descr_of(sdpa::DType dtype) {
     case sdpa::DType::kFloat16: return "<f2";
     // NumPy has no bfloat16: this is what numpy.save writes for an ml_dtypes.bfloat16 array.
     case sdpa::DType::kBFloat16: return kBFloat16Descr;
+    case sdpa::DType::kInt32: return "<i4";
+    case sdpa::DType::kInt64: return "<i8";
   }
   throw std::logic_error("npy: unknown dtype");
 }
@@ -187,6 +189,8 @@ sdpa::DType dtype_from_descr(const fs::path& path, const std::string& descr) {
   if (descr == "<f2") return sdpa::DType::kFloat16;
   if (descr == kBFloat16Descr) return sdpa::DType::kBFloat16;
   if (descr == "|b1") return sdpa::DType::kBool;
+  if (descr == "<i4") return sdpa::DType::kInt32;
+  if (descr == "<i8") return sdpa::DType::kInt64;
   if (!descr.empty() && descr[0] == '>') {
     fail(path,
          "big-endian data ('" + descr + "') is not supported; convert with arr.astype(arr.dtype.newbyteorder('<'))");

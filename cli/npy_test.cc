@@ -82,6 +82,8 @@ NpyArray sample(DType dtype, std::vector<int64_t> shape) {
     if (dtype == DType::kFloat32) a.values<float>()[i] = 0.5f + static_cast<float>(i) * 1.25f;
     if (dtype == DType::kFloat64) a.values<double>()[i] = -1.0 / (3.0 + static_cast<double>(i));
     if (dtype == DType::kBool) a.values<uint8_t>()[i] = (i % 3) != 1;
+    if (dtype == DType::kInt32) a.values<int32_t>()[i] = static_cast<int32_t>(0x01020304 * (i + 1)) - 7;
+    if (dtype == DType::kInt64) a.values<int64_t>()[i] = -(int64_t{0x0102030405060708} + i);
     if (dtype == DType::kFloat16 || dtype == DType::kBFloat16) {  // bits; both bytes vary
       a.values<uint16_t>()[i] = static_cast<uint16_t>(0x3c01 + i * 0x0101);
     }
@@ -91,7 +93,8 @@ NpyArray sample(DType dtype, std::vector<int64_t> shape) {
 
 TEST_F(NpyTest, RoundTripsEveryDtypeAndRank) {
   const std::vector<std::vector<int64_t>> shapes = {{}, {5}, {2, 3}, {2, 1, 3}, {2, 3, 1, 2}, {0, 3}, {4, 0, 2, 1}};
-  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kBool}) {
+  for (DType dtype : {DType::kFloat32, DType::kFloat64, DType::kFloat16, DType::kBFloat16, DType::kBool, DType::kInt32,
+                      DType::kInt64}) {
     for (const auto& shape : shapes) {
       const NpyArray a = sample(dtype, shape);
       const fs::path p = dir_ / "a.npy";
@@ -201,7 +204,7 @@ TEST_F(NpyTest, ErrorBigEndian) {
 
 TEST_F(NpyTest, ErrorUnsupportedDtype) {
   // '<V1' is what numpy.save writes for ml_dtypes' 1-byte types (float8_e4m3fn, int4, ...).
-  for (const char* descr : {"<i4", "<u2", "<i2", "<c16", "|u1", "<U3", "<V1", "<V4", "|V2", "<e2"}) {
+  for (const char* descr : {"<u4", "<u2", "<i2", "<c16", "|u1", "<U3", "<V1", "<V4", "|V2", "<e2"}) {
     const std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (1,), }";
     const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(16, '\0'))));
     EXPECT_NE(message.find(std::string("unsupported dtype '") + descr + "'"), std::string::npos) << message;

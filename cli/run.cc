@@ -81,7 +81,11 @@ struct Input {
 
   std::string label() const { return name + " (" + path + ")"; }
   const std::vector<int64_t>& shape() const { return array.shape; }
-  bool is_float() const { return array.dtype != sdpa::DType::kBool; }
+  bool is_float() const {
+    const sdpa::DType t = array.dtype;
+    return t == sdpa::DType::kFloat32 || t == sdpa::DType::kFloat64 || t == sdpa::DType::kFloat16 ||
+           t == sdpa::DType::kBFloat16;
+  }
 };
 
 Input read_input(const char* name, const std::string& path) { return {name, path, read_npy(path)}; }
@@ -126,7 +130,9 @@ T float_at(const NpyArray& a, int64_t i) {
     case sdpa::DType::kFloat64: return static_cast<T>(a.values<double>()[i]);
     case sdpa::DType::kFloat16: return static_cast<T>(float16_to_float(a.values<uint16_t>()[i]));
     case sdpa::DType::kBFloat16: return static_cast<T>(bfloat16_to_float(a.values<uint16_t>()[i]));
-    case sdpa::DType::kBool: break;
+    case sdpa::DType::kBool:
+    case sdpa::DType::kInt32:
+    case sdpa::DType::kInt64: break;
   }
   throw std::logic_error("float_at: not a float array");
 }

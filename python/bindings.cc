@@ -37,6 +37,8 @@ sdpa::TensorView to_view(const A& a, const char* name) {
     t.dtype = sdpa::DType::kBFloat16;  // the bits of an ml_dtypes.bfloat16 array (see the top)
   } else if (dt == nb::dtype<bool>()) {
     t.dtype = sdpa::DType::kBool;
+  } else if (dt == nb::dtype<int64_t>()) {
+    t.dtype = sdpa::DType::kInt64;  // seqlens_k only (the package converts it to int64)
   } else {
     throw nb::type_error(
         (std::string(name) + " must be float32, float64, float16, bfloat16 (as a uint16 view) or bool").c_str());
@@ -89,12 +91,13 @@ sdpa::Options make_options(std::optional<double> scale, const std::string& causa
 }
 
 void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
-               const Array& out,
+               const std::optional<ConstArray>& seqlens_k, const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
                const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
                double dropout_p, std::optional<uint64_t> seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
+  if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (weights) outs.weights = to_view(*weights, "weights");
   if (lse) outs.lse = to_view(*lse, "lse");
@@ -104,13 +107,15 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
 }
 
 void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArray& v,
-                        const std::optional<ConstArray>& mask, const ConstArray& out, const ConstArray& lse,
+                        const std::optional<ConstArray>& mask, const std::optional<ConstArray>& seqlens_k,
+                        const ConstArray& out, const ConstArray& lse,
                         const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
                         int64_t window_right, const std::string& backend, double dropout_p,
                         std::optional<uint64_t> seed) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
+  if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
                          dout_view = to_view(dout, "dout");
   const sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
@@ -124,11 +129,11 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
 NB_MODULE(_core, m) {
   m.doc() = "sdpa native core; use the functions of the sdpa package instead.";
   m.def("attention", &attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
-        nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
+        nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
         nb::arg("dropout_p"), nb::arg("seed").none());
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
-        nb::arg("mask").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
+        nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none());
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -17,6 +18,8 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat64: return "float64";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat16: return "float16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
   }
   return "unknown";
 }
@@ -28,6 +31,8 @@ int64_t dtype_size(DType dtype) {
     case DType::kFloat64: return 8;
     case DType::kBFloat16: return 2;
     case DType::kFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
   }
   return 0;
 }
@@ -187,6 +192,36 @@ void check_mask_values(const TensorView& m) {
       }
 }
 
+// Inputs::seqlens_k: (B,) int32 or int64, any stride, each length in [0, Nk]. Read once here.
+std::vector<int64_t> read_seqlens(const TensorView& s, int64_t B, int64_t Nk, int q_rank) {
+  check_basic("seqlens_k", s, 1, 1);
+  if (s.dtype != DType::kInt32 && s.dtype != DType::kInt64) {
+    fail(std::string("seqlens_k has dtype ") + dtype_name(s.dtype) + " but must be int32 or int64");
+  }
+  if (s.shape[0] != B) {
+    fail("seqlens_k has shape " + s.shape_string() + " but must be (" + std::to_string(B) + ",): one key length per " +
+         (q_rank == 4 ? "batch entry of q (B = " + std::to_string(B) + ")" : std::string("call (q has no batch dim)")));
+  }
+  std::vector<int64_t> lengths(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const char* at = static_cast<const char*>(s.data) + b * s.strides[0] * dtype_size(s.dtype);
+    int64_t n;
+    if (s.dtype == DType::kInt32) {
+      int32_t x;
+      std::memcpy(&x, at, sizeof x);  // any alignment
+      n = x;
+    } else {
+      std::memcpy(&n, at, sizeof n);
+    }
+    if (n < 0 || n > Nk) {
+      fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(n) + " is outside [0, Nk] = [0, " +
+           std::to_string(Nk) + "]");
+    }
+    lengths[static_cast<size_t>(b)] = n;
+  }
+  return lengths;
+}
+
 }  // namespace
 
 Dropout make_dropout(double p, uint64_t seed) {
@@ -300,6 +335,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
     if (m.dtype != DType::kBool) check_mask_values(m);
     p.mask = mv;
   }
+  if (in.seqlens_k) p.seqlens_k = read_seqlens(*in.seqlens_k, p.B, p.Nk, r);
 
   if (opt.scale) {
     const double scale = *opt.scale;

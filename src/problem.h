@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <vector>
 
 #include "dropout.h"
 #include "storage.h"
@@ -111,11 +112,18 @@ struct Problem {
   std::optional<View4> weights;  // (B, Hq, Nq, Nk)
   std::optional<View4> lse;      // (B, Hq, Nq, 1)
 
-  // The keys that causal and window allow for query row i (the mask may block more).
-  KeyRange key_range(int64_t i) const {
-    const int64_t aligned = i + (Nk - Nq);  // i aligned bottom-right
+  // Per batch b, the keys that exist: 0 .. seqlens_k[b] - 1 (Inputs::seqlens_k, validated to lie
+  // in [0, Nk]); empty when not given, and then every batch has Nk keys.
+  std::vector<int64_t> seqlens_k;
+  int64_t keys_of(int64_t b) const { return seqlens_k.empty() ? Nk : seqlens_k[static_cast<size_t>(b)]; }
+
+  // The keys that causal, window and the sequence's length allow for query row i of batch b
+  // (the mask may block more): the one place every kernel and reference takes them from.
+  KeyRange key_range(int64_t b, int64_t i) const {
+    const int64_t L = keys_of(b);
+    const int64_t aligned = i + (L - Nq);  // i aligned bottom-right, to the sequence's own length
     int64_t begin = 0;
-    int64_t end = Nk;
+    int64_t end = L;
     if (causal == Causal::kBottomRight) end = std::min(end, aligned + 1);
     if (causal == Causal::kTopLeft) end = std::min(end, i + 1);
     // Bounds past Nq + Nk reach every key; clamping first keeps the sums from overflowing.

@@ -18,7 +18,7 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   //    float64 holds what float32 cannot (1e-50 · inf would be inf here, but 0 · inf = NaN
   //    there). Only the ends of the range: the precision stays float64's. (Partial sums are
   //    not rounded: they may stay finite here where float32's overflow.)
-  const KeyRange range = p.key_range(i);
+  const KeyRange range = p.key_range(b, i);
   const bool f32_range = p.compute == DType::kFloat32 && sizeof(Acc) > sizeof(float);
   const auto in_range = [f32_range](Acc x) {
     const float r = static_cast<float>(x);
@@ -97,7 +97,7 @@ void lse_of_biases(const Problem& p) {
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.Hq; ++h) {
       for (int64_t i = 0; i < p.Nq; ++i) {
-        const KeyRange range = p.key_range(i);
+        const KeyRange range = p.key_range(b, i);
         double lse = -std::numeric_limits<double>::infinity();
         if (!range.empty() && p.mask && p.mask->strides[3] != 0) {
           // The mask varies along the keys: its row exists in memory, so walk it.

@@ -20,7 +20,9 @@ inline DType compute_dtype(DType storage) { return storage == DType::kFloat64 ? 
 
 // Bytes per element (inline: the slow paths ask it per element).
 inline int64_t storage_bytes(DType t) {
-  return t == DType::kFloat64 ? 8 : t == DType::kFloat32 ? 4 : t == DType::kBool ? 1 : 2;
+  return t == DType::kFloat64 || t == DType::kInt64 ? 8 : t == DType::kFloat32 || t == DType::kInt32 ? 4
+         : t == DType::kBool                          ? 1
+                                                      : 2;
 }
 
 inline bool is_float_dtype(DType t) {
@@ -98,7 +100,9 @@ T load_as(DType t, const void* p) {
     case DType::kFloat64: return static_cast<T>(*static_cast<const double*>(p));
     case DType::kBFloat16: return static_cast<T>(bf16_to_f32(*static_cast<const uint16_t*>(p)));
     case DType::kFloat16: return static_cast<T>(f16_to_f32(*static_cast<const uint16_t*>(p)));
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   std::abort();  // validation admits only float dtypes here
 }
@@ -112,7 +116,9 @@ void store_as(DType t, void* p, T x) {
     case DType::kFloat64: *static_cast<double*>(p) = static_cast<double>(x); return;
     case DType::kBFloat16: *static_cast<uint16_t*>(p) = f32_to_bf16(static_cast<float>(x)); return;
     case DType::kFloat16: *static_cast<uint16_t*>(p) = f32_to_f16(static_cast<float>(x)); return;
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   std::abort();
 }

@@ -32,7 +32,8 @@ using sdpa::Causal;
 // ---- Structure: what nothing may see gets exactly zero gradient ----
 
 bool allowed(const Tensors& t, const sdpa::Options& o, const Dims& d, int64_t b, int64_t h, int64_t i, int64_t j) {
-  if (!key_allowed(o, d.Nq, d.Nk, i, j)) return false;
+  (void)d;
+  if (!key_allowed(t, o, b, i, j)) return false;
   if (!t.mask) return true;
   const double m = t.mask->at(b, h, i, j);
   return t.mask->dtype() == DType::kBool ? m != 0 : m != -kInf;

@@ -35,7 +35,9 @@ const void* sentinel(DType dtype) {
     case DType::kFloat64: return &kSentinel64;
     case DType::kBFloat16: return &kSentinelBF16;
     case DType::kFloat16: return &kSentinelF16;
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   return &kSentinel8;
 }
@@ -257,7 +259,9 @@ double GuardedTensor::get(int64_t flat) const {
       std::memcpy(&bits, p, sizeof bits);
       return half_value(dtype_ == DType::kBFloat16 ? kBF16Format : kF16Format, bits);
     }
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   return static_cast<uint8_t>(*p) != 0 ? 1.0 : 0.0;
 }
@@ -278,7 +282,9 @@ void GuardedTensor::set(int64_t flat, double value) {
       std::memcpy(p, &bits, sizeof bits);
       return;
     }
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   *p = static_cast<std::byte>(static_cast<uint8_t>(value));  // any byte: 0 blocks, others attend
 }
@@ -373,6 +379,15 @@ sdpa::Inputs Tensors::inputs() const {
   in.k = k.view();
   in.v = v.view();
   if (mask) in.mask = mask->view();
+  if (!seqlens_k.empty()) {
+    sdpa::TensorView s;
+    s.data = const_cast<int64_t*>(seqlens_k.data());  // read only
+    s.dtype = DType::kInt64;
+    s.rank = 1;
+    s.shape[0] = static_cast<int64_t>(seqlens_k.size());
+    s.strides[0] = 1;
+    in.seqlens_k = s;
+  }
   return in;
 }
 
@@ -380,7 +395,7 @@ Tensors Tensors::converted(DType dtype) const {
   std::optional<GuardedTensor> m;
   if (mask) m = mask->converted(mask->dtype() == DType::kBool ? DType::kBool : dtype, mask->layout());
   return {q.converted(dtype, q.layout()), k.converted(dtype, k.layout()), v.converted(dtype, v.layout()),
-          std::move(m)};
+          std::move(m), seqlens_k};
 }
 
 sdpa::Outputs Outs::outputs() const {
@@ -436,10 +451,16 @@ bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i
   return true;
 }
 
+bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t i, int64_t j) {
+  const Dims d = dims_of(t);
+  const int64_t keys = t.seqlens_k.empty() ? d.Nk : t.seqlens_k[static_cast<size_t>(b)];
+  return j < keys && key_allowed(options, d.Nq, keys, i, j);
+}
+
 double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j) {
   const Dims d = dims_of(t);
   const double bias = mask_bias(t, b, h, i, j);
-  if (!key_allowed(options, d.Nq, d.Nk, i, j) || !std::isfinite(bias)) return 0.0;
+  if (!key_allowed(t, options, b, i, j) || !std::isfinite(bias)) return 0.0;
   const double scale = options.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
   double sum = 0;
   for (int64_t x = 0; x < d.Dk; ++x) sum += std::abs(t.q.at(b, h, i, x) * t.k.at(b, h / d.group, j, x));
@@ -473,7 +494,7 @@ Values oracle(const Tensors& t, const sdpa::Options& options) {
         double m = -kInf;
         for (int64_t j = 0; j < d.Nk; ++j) {
           s[j] = -kInf;
-          if (key_allowed(options, d.Nq, d.Nk, i, j)) {
+          if (key_allowed(t, options, b, i, j)) {
             double dot = 0;
             for (int64_t x = 0; x < d.Dk; ++x) dot += t.q.at(b, h, i, x) * t.k.at(b, kvh, j, x);
             s[j] = dot * scale + mask_bias(t, b, h, i, j);
@@ -642,7 +663,7 @@ testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options
       for (int64_t i = 0; i < d.Nq; ++i) {
         bool any = false;
         for (int64_t j = 0; j < d.Nk; ++j) {
-          const bool allowed = key_allowed(options, d.Nq, d.Nk, i, j) && mask_bias(t, b, h, i, j) != -kInf;
+          const bool allowed = key_allowed(t, options, b, i, j) && mask_bias(t, b, h, i, j) != -kInf;
           any = any || allowed;
           if (!allowed && got.weights && got.weights->at(b, h, i, j) != 0) {
             return testing::AssertionFailure() << "weights[" << b << "," << h << "," << i << "," << j

@@ -105,6 +105,8 @@ void fill_mask(GuardedTensor& t, std::mt19937& rng, double density, double empty
 struct Tensors {
   GuardedTensor q, k, v;
   std::optional<GuardedTensor> mask;
+  // Inputs::seqlens_k (empty: not given), passed as an int64 view of this vector.
+  std::vector<int64_t> seqlens_k = {};
   sdpa::Inputs inputs() const;
   Tensors converted(DType dtype) const;  // q, k, v and a float mask in another dtype
 };
@@ -130,6 +132,9 @@ Values values(const Outs& outs);
 // Whether causal and window let query i see key j: the header's rules written out again,
 // independently of src/.
 bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
+// The same for batch b of t: Nk is that sequence's own length when t has seqlens_k (the header:
+// keys past it do not exist, and causal and window align to it).
+bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t i, int64_t j);
 
 // The dtype of weights and lse for q of this dtype: float64 for float64, float32 otherwise.
 inline DType compute_dtype(DType q) { return q == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }

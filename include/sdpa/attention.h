@@ -58,6 +58,8 @@ enum class DType : uint8_t {
   kFloat64,
   kBFloat16,  // the upper half of a float32 (8 exponent bits, 7 mantissa bits)
   kFloat16,   // IEEE binary16 (5 exponent bits, 10 mantissa bits; largest 65504)
+  kInt32,     // index tensors only (Inputs::seqlens_k)
+  kInt64,
 };
 const char* dtype_name(DType dtype);
 int64_t dtype_size(DType dtype);
@@ -136,6 +138,18 @@ struct Inputs {
   TensorView q = {}, k = {}, v = {};
   // kBool (0 blocks), or a float mask added to the scores: float32 or q's dtype.
   std::optional<TensorView> mask = std::nullopt;
+  // Per-sequence key lengths (ONNX Attention's nonpad_kv_seqlen): shape (B,) (rank 1; (1,) when
+  // q has rank 2 or 3), kInt32 or kInt64, any stride, each 0 <= seqlens_k[b] <= Nk. Sequence b
+  // has keys 0 .. seqlens_k[b] - 1 and the keys past them are never read (their K/V memory may
+  // be uninitialised; their dk, dv are 0). Causal and window align to the sequence's own
+  // length L = seqlens_k[b]: bottom-right, query i sees keys j <= i + (L - Nq); top-left,
+  // j <= i (and j < L). Rows left with no key give out = 0, lse = -inf, as any fully masked row.
+  //
+  //   Nq = 2, Nk = 6, seqlens_k = {5, 2}, causal bottom-right (x: attended, .: not, -: past L)
+  //     b = 0:  x x x x . -      b = 1:  x . - - - -
+  //             x x x x x -              x x - - - -
+  //   (tests/seqlens_test.cc checks this picture)
+  std::optional<TensorView> seqlens_k = std::nullopt;
 };
 
 struct Outputs {

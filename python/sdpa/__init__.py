@@ -305,7 +305,22 @@ def _parsed_dropout(dropout_p, seed):
     return p, int(seed)
 
 
-def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
+def _prepared_seqlens(seqlens_k):
+    """seqlens_k as a 1-dim int64 array _core reads (its length and range are _core's to check,
+    so that its messages name the batch and Nk)."""
+    if seqlens_k is None:
+        return None
+    s = _asarray("seqlens_k", seqlens_k)
+    if s.dtype == np.bool_ or s.dtype.kind not in "iu":
+        raise TypeError(f"seqlens_k has dtype {s.dtype}, but must hold integers (one key length per sequence)")
+    if s.ndim != 1:
+        raise ValueError(f"seqlens_k has shape {s.shape}, but must have 1 dim: (B,), one key length per sequence")
+    if s.dtype == np.uint64 and s.size and int(s.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"seqlens_k holds {int(s.max())}, more than any Nk")
+    return np.ascontiguousarray(s, dtype=np.int64)
+
+
+def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto"):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
@@ -315,6 +330,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
         k        (B, Hkv, Nk, Dk)     Hq must be a multiple of Hkv (grouped-query attention:
         v        (B, Hkv, Nk, Dv)     query head h reads kv head h // (Hq // Hkv))
         mask     broadcastable to (B, Hq, Nq, Nk), NumPy rules, at most as many dims as q
+        seqlens_k  (B,) integers, each in [0, Nk]; (1,) when q has no batch dim
         returns  out      (B, Hq, Nq, Dv)
                  weights  (B, Hq, Nq, Nk)   if return_weights
                  lse      (B, Hq, Nq)       if return_lse: log-sum-exp of each row's scores
@@ -383,6 +399,18 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
             i' - left <= j <= i' + right, where i' = i + (Nk - Nq). -1 or None is unbounded.
             A bound of Nq + Nk or more reaches every key; one above 2**63 - 1 is taken as
             2**63 - 1, which is the same.
+        seqlens_k: per-sequence key lengths (ONNX Attention's nonpad_kv_seqlen; a KV cache
+            filled to different lengths): sequence b has keys 0 .. seqlens_k[b] - 1 and the keys
+            past them are never read (that memory of k and v may hold anything, even
+            uninitialised values); their weights are 0. Causal and window align to the
+            sequence's own length L: bottom_right lets query i see keys j <= i + (L - Nq),
+            top_left keys j <= i (and j < L). For 2 queries, 6 keys, seqlens_k = [5, 2] and
+            causal bottom_right (x = attend, - = past the length)::
+
+                b=0  k0 k1 k2 k3 k4 k5       b=1  k0 k1 k2 k3 k4 k5
+                 q0   x  x  x  x  .  -        q0   x  .  -  -  -  -
+                 q1   x  x  x  x  x  -        q1   x  x  -  -  -  -
+
         return_weights, return_lse: also return the attention weights and/or the lse.
             The weights are the softmax probabilities before any dropout.
         dropout_p, seed: dropout on the weights after the softmax: each weight (b, h, i, j) is
@@ -415,20 +443,21 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None,
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
+    seqlens_k = _prepared_seqlens(seqlens_k)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = _empty("out", lead + (v.shape[-1],), q.dtype)
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
-    _core.attention(*map(_core_view, (q, k, v, mask, out, weights, lse)), scale, causal_code, left, right, backend,
-                    p, seed)
+    _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
+                    backend, p, seed)
 
     extra = tuple(x for x in (weights, lse) if x is not None)
     return (out,) + extra if extra else out
 
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
-                       dropout_p=0.0, seed=None, backend="auto"):
+                       seqlens_k=None, dropout_p=0.0, seed=None, backend="auto"):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``.
 
     Given ``dout = ∂loss/∂out`` for ``out = attention(q, k, v, mask, ...)``, with the softmax
@@ -461,7 +490,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
         dout, out, lse: arrays or array-likes; dout and out are converted to the dtype
             ``attention`` gives out (q's, after its dtype policy), lse to the compute dtype
             (float32 for float32, float16 and bfloat16 q; float64 for float64).
-        q, k, v, mask, causal, scale, window, dropout_p, seed, backend: as in ``attention``
+        q, k, v, mask, causal, scale, window, seqlens_k, dropout_p, seed, backend: as in
+            ``attention`` (keys past seqlens_k[b] are not read and get dk = dv = 0)
             (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)),
             with its dtype policy: dq is returned in q's dtype and dk, dv in k's and v's
             (float16 q, k, v give float16 gradients; float32 q over bfloat16 k and v gives a
@@ -482,6 +512,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
+    seqlens_k = _prepared_seqlens(seqlens_k)
     arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
     for name, a in arrays.items():
         _check_real(name, a)
@@ -492,7 +523,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     dq = _empty("dq", q.shape, q.dtype)
     dk = _empty("dk", k.shape, k.dtype)
     dv = _empty("dv", v.shape, v.dtype)
-    _core.attention_backward(*map(_core_view, (q, k, v, mask, out, lse, dout, dq, dk, dv)), scale, causal_code,
+    _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
                              left, right, backend, p, seed)
     return dq, dk, dv
 

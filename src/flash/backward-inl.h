@@ -121,9 +121,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   // kt = k · scale and vt, transposed; padding lanes zero.
   std::fill(s.xt.get(), s.xt.get() + p.Dk * mq, T(0));
   std::fill(s.yt.get(), s.yt.get() + p.Dv * mq, T(0));
-  const Rows<T> keys = ReadRows(d, p.k, b, kvh, j0, nk, p.Dk, s.ktile.get());
-  const Rows<T> values = ReadRows(d, p.v, b, kvh, j0, nk, p.Dv, s.vtile.get());
-  for (int64_t l = 0; l < nk; ++l) {
+  // Keys past the sequence's length are never read (their lanes stay zero; no row sees them).
+  const int64_t nread = std::clamp<int64_t>(p.keys_of(b) - j0, 0, nk);
+  const Rows<T> keys = ReadRows(d, p.k, b, kvh, j0, nread, p.Dk, s.ktile.get());
+  const Rows<T> values = ReadRows(d, p.v, b, kvh, j0, nread, p.Dv, s.vtile.get());
+  for (int64_t l = 0; l < nread; ++l) {
     const T* k = keys.row(l);
     const T* v = values.row(l);
     for (int64_t c = 0; c < p.Dk; ++c) s.xt[c * mq + l] = k[c] * scale;
@@ -131,8 +133,8 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   }
   bool k_pairs = false, v_pairs = false;  // the same keys and values in bfloat16 pairs
   if (s.bf16_dot) {
-    k_pairs = pack_bf16_pairs([&](int64_t l) { return p.k.at<uint16_t>(b, kvh, j0 + l); }, nk, p.Dk, mq, s.xp.get());
-    v_pairs = pack_bf16_pairs([&](int64_t l) { return p.v.at<uint16_t>(b, kvh, j0 + l); }, nk, p.Dv, mq, s.yp.get());
+    k_pairs = pack_bf16_pairs([&](int64_t l) { return p.k.at<uint16_t>(b, kvh, j0 + l); }, nread, p.Dk, mq, s.xp.get());
+    v_pairs = pack_bf16_pairs([&](int64_t l) { return p.v.at<uint16_t>(b, kvh, j0 + l); }, nread, p.Dv, mq, s.yp.get());
   }
   std::fill(s.gk.get(), s.gk.get() + p.Dk * mq, T(0));
   std::fill(s.gv.get(), s.gv.get() + p.Dv * mq, T(0));
@@ -140,13 +142,13 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   for (size_t q = 0; q < QV; ++q) ones[q] = hn::Set(d, T(1));
 
   // Only rows in [rows.first, rows.last) can see a key of the block (causal and windows).
-  const RowInterval rows = rows_seeing_keys(p, j0, j0 + nk);
+  const RowInterval rows = rows_seeing_keys(p, b, j0, j0 + nk);
   for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
     for (int64_t i0 = rows.first; i0 < rows.last; i0 += kTileKeys) {
       // Rows of this tile that see any key of the block; the others contribute nothing.
       int64_t first = -1, last = -1;
       for (int64_t i = i0; i < std::min(rows.last, i0 + kTileKeys); ++i) {
-        const KeyRange kr = p.key_range(i);
+        const KeyRange kr = p.key_range(b, i);
         if (std::max(kr.begin, j0) < std::min(kr.end, j0 + nk) && rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
           if (first < 0) first = i;
           last = i;
@@ -169,7 +171,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
       }
       for (int64_t r = 0; r < n; ++r) {
-        const KeyRange kr = p.key_range(first + r);
+        const KeyRange kr = p.key_range(b, first + r);
         s.rows[r] = {h, first + r, kr.begin, kr.end};
       }
       MaskScores<QV>(d, p, b, s.rows.data(), n, j0, nk, /*edges=*/true, pt, mq, TileLayout::kRowMajor, static_cast<T*>(nullptr));
@@ -313,7 +315,7 @@ void ScanRows(D d, const BackwardProblem& bp, RowStats<T>& rs, bool bf16_dot, in
   int bad_keys = 0, bad_rows = 0;  // this thread's share, or-ed into the shared flags at the end
 #pragma omp for schedule(static) nowait
   for (int64_t bk = 0; bk < p.B * p.Hkv; ++bk) {
-    for (int64_t j = 0; j < p.Nk; ++j) {
+    for (int64_t j = 0; j < p.keys_of(bk / p.Hkv); ++j) {  // (keys past the length stay 0: unread)
       uint8_t& bad = rs.k_bad[rs.key_index(bk / p.Hkv, bk % p.Hkv, j)];
       bad = AnyNonFinite(d, row(p.k, bk / p.Hkv, bk % p.Hkv, j, p.Dk, 0), p.Dk);
       bad_keys |= bad;

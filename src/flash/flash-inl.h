@@ -289,7 +289,7 @@ HWY_INLINE bool Bf16RowsInDotRange(D d, const uint16_t* rows, int64_t stride, in
 // forward, its weights pass and the backward make the same choice for each (row, key).
 template <class D>
 HWY_INLINE bool TileKeysInDotRange(D d, const Problem& p, int64_t b, int64_t kvh, int64_t t) {
-  const int64_t n = std::min(kTileKeys, p.Nk - t);
+  const int64_t n = std::min(kTileKeys, p.keys_of(b) - t);  // keys past the sequence's length are never read
   return Bf16RowsInDotRange(d, p.k.at<uint16_t>(b, kvh, t), p.k.strides[2], n, p.Dk);
 }
 

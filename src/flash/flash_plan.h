@@ -56,7 +56,7 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
   for (int64_t l = 0; l < blk.rows; ++l) {
     const int64_t r = blk.r0 + l;
     const int64_t i = r / p.group;
-    const KeyRange kr = p.key_range(i);
+    const KeyRange kr = p.key_range(blk.b, i);
     const int64_t begin = std::max(kr.begin, k0);
     const int64_t end = std::max(begin, std::min(kr.end, k1));
     lanes[l] = {blk.kvh * p.group + r % p.group, i, begin, end};
@@ -71,8 +71,8 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
   return span;
 }
 
-// The query rows [first, last) that may see a key of [j0, j1) under causal and window: both
-// ends of key_range(i) are non-decreasing in i, so the rows whose range ends after j0 are a
+// The query rows [first, last) of batch b that may see a key of [j0, j1) under causal, window
+// and the sequence's length: both ends of key_range(b, i) are non-decreasing in i, so the rows whose range ends after j0 are a
 // suffix, those whose range begins before j1 a prefix, and the rows seeing the keys lie in
 // their intersection (rows inside it whose own range is empty still see nothing). Two binary
 // searches instead of a key_range per row: the backward's key blocks ask this once each.
@@ -80,7 +80,7 @@ struct RowInterval {
   int64_t first = 0, last = 0;
 };
 
-inline RowInterval rows_seeing_keys(const Problem& p, int64_t j0, int64_t j1) {
+inline RowInterval rows_seeing_keys(const Problem& p, int64_t b, int64_t j0, int64_t j1) {
   // The first row i in [lo, hi) with pred(i) true, for a pred that is false then true.
   const auto first_true = [](int64_t lo, int64_t hi, auto pred) {
     while (lo < hi) {
@@ -93,8 +93,8 @@ inline RowInterval rows_seeing_keys(const Problem& p, int64_t j0, int64_t j1) {
     }
     return lo;
   };
-  const int64_t first = first_true(0, p.Nq, [&](int64_t i) { return p.key_range(i).end > j0; });
-  const int64_t last = first_true(first, p.Nq, [&](int64_t i) { return p.key_range(i).begin >= j1; });
+  const int64_t first = first_true(0, p.Nq, [&](int64_t i) { return p.key_range(b, i).end > j0; });
+  const int64_t last = first_true(first, p.Nq, [&](int64_t i) { return p.key_range(b, i).begin >= j1; });
   return {first, last};
 }
 
