@@ -112,6 +112,25 @@ class CliTest : public ::testing::Test {
   fs::path dir_;
 };
 
+// --seqlens-k: each sequence attends to its own keys only (ONNX's nonpad_kv_seqlen). One head,
+// D = 1, zero scores: the output is the mean of the values of the keys a row sees.
+TEST_F(CliTest, SeqlensKLimitsEachSequencesKeys) {
+  save("q.npy", array<float>(DType::kFloat32, {2, 1, 2, 1}, {0, 0, 0, 0}));
+  save("k.npy", array<float>(DType::kFloat32, {2, 1, 3, 1}, {0, 0, 0, 0, 0, 0}));
+  save("v.npy", array<float>(DType::kFloat32, {2, 1, 3, 1}, {1, 2, 4, 8, 16, 32}));
+  save("len.npy", array<int32_t>(DType::kInt32, {2}, {2, 3}));
+  const Result r = sdpa("run --q q.npy --k k.npy --v v.npy --seqlens-k len.npy --causal bottom_right -o out.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  // Sequence 0 (L = 2): row 0 sees key 0, row 1 keys 0..1. Sequence 1 (L = 3): keys 0..1, 0..2.
+  const NpyArray out = read_npy(path("out.npy"));
+  const std::vector<float> want = {1, 1.5f, 12, 56.0f / 3};
+  for (int i = 0; i < 4; ++i) EXPECT_FLOAT_EQ(out.values<float>()[i], want[i]) << i;
+  save("bad.npy", array<int64_t>(DType::kInt64, {2}, {2, 4}));
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --seqlens-k bad.npy -o out2.npy"),
+                        "seqlens_k[1] = 4 is outside [0, Nk] = [0, 3]", "bad.npy");
+  EXPECT_FALSE(fs::exists(path("out2.npy")));
+}
+
 TEST_F(CliTest, Seed001CausalMaskExample) {
   save_seed_001(DType::kFloat64);
   save("mask.npy", array<uint8_t>(DType::kBool, {2, 2}, {1, 0, 1, 1}));
@@ -296,7 +315,7 @@ TEST_F(CliTest, HelpDescribesEveryOption) {
   const Result run = sdpa("run --help");
   EXPECT_EQ(run.status, 0);
   for (const char* option :
-       {"--q", "--k", "--v", "--mask", "--causal", "--window", "--scale", "--out", "--weights", "--lse"}) {
+       {"--q", "--k", "--v", "--mask", "--seqlens-k", "--causal", "--window", "--scale", "--out", "--weights", "--lse"}) {
     EXPECT_NE(run.out.find(option), std::string::npos) << option;
   }
   EXPECT_EQ(sdpa("demo --help").status, 0);

@@ -21,6 +21,7 @@ void demo_command(std::ostream& out);
 struct RunOptions {
   std::string q, k, v;
   std::string mask;  // empty: no mask
+  std::string seqlens_k;  // empty: every sequence has Nk keys
   std::string causal = "none";
   std::string window;  // "L,R"; empty: no window
   std::optional<double> scale;

@@ -188,6 +188,10 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   run->add_option("--mask", o.mask,
                   "Bool mask (true = attend) or float bias of any float dtype, broadcast to (..., Hq, Nq, Nk)")
       ->type_name("FILE");
+  run->add_option("--seqlens-k", o.seqlens_k,
+                  "Key length of each sequence (B,), int32 or int64: keys past it are not read, causal and window "
+                  "align to it")
+      ->type_name("FILE");
   run->add_option("--causal", o.causal,
                   "Causal masking: none, bottom_right, top_left (true = bottom_right, false = none)")
       ->type_name("MODE")
@@ -215,7 +219,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       "  float32 when every value fits).\n"
       "bfloat16: NumPy has no such type. np.save of an ml_dtypes.bfloat16 array writes descr '<V2', read\n"
       "  here as bfloat16; bfloat16 outputs are written the same way. np.load gives them back as raw\n"
-      "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).");
+      "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).\n"
+      "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].");
   return run;
 }
 
@@ -243,6 +248,8 @@ void run_command(const RunOptions& o) {
   Input q = read_input("q", o.q), k = read_input("k", o.k), v = read_input("v", o.v);
   std::optional<Input> mask;
   if (!o.mask.empty()) mask = read_input("mask", o.mask);
+  std::optional<Input> seqlens;
+  if (!o.seqlens_k.empty()) seqlens = read_input("seqlens_k", o.seqlens_k);
   // float32 and float64 inputs meet in float64. float16 and bfloat16 are never converted (that
   // would change what is computed): beside them the library's rule holds as it is, q, k and v
   // one dtype or float32 q over float16 or bfloat16 k and v, and its error names the files.
@@ -270,10 +277,12 @@ void run_command(const RunOptions& o) {
   const auto with_files = [&](const sdpa::Error& e) {
     std::string files = "q = " + o.q + ", k = " + o.k + ", v = " + o.v;
     if (mask) files += ", mask = " + o.mask;
+    if (seqlens) files += ", seqlens_k = " + o.seqlens_k;
     return std::runtime_error(std::string(e.what()) + " (" + files + ")");
   };
   sdpa::Inputs inputs{q.array.view(), k.array.view(), v.array.view(), std::nullopt};
   if (mask) inputs.mask = mask->array.view();
+  if (seqlens) inputs.seqlens_k = seqlens->array.view();
   try {
     sdpa::validate(inputs, options);
   } catch (const sdpa::Error& e) {
