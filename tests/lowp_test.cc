@@ -287,4 +287,27 @@ TEST(KernelPaths, OutOfRangeInputsAreWidened) {
   }
 }
 
+// Dk = 0 with bfloat16 and more rows than the decode kernel takes: the bfloat16 pairs of q
+// (empty) once asked Highway for 0 bytes, which aborts the process (fuzz finding F11). Every
+// score is 0, so each row is the mean of v; lse = log(Nk). Forward and backward, every path.
+TEST(KernelPaths, Bfloat16WithNoFeaturesRuns) {
+  for (sdpa::KernelPath cap : {sdpa::KernelPath::kAmxBf16, sdpa::KernelPath::kAvx512Bf16, sdpa::KernelPath::kSimd}) {
+    SCOPED_TRACE(static_cast<int>(cap));
+    const KernelPathCap capped(cap);
+    const int64_t nq = 16;
+    const Tensors t{GuardedTensor(kBF16, {nq, 0}), GuardedTensor(kBF16, {4, 0}), tensor(kBF16, {4, 1}, {1, 2, 4, 9}),
+                    std::nullopt};
+    const Outs got = run(t, sdpa::Options{}, Layout::kContiguous, /*with_extras=*/true);
+    const Values x = values(got);
+    for (int64_t i = 0; i < nq; ++i) {
+      EXPECT_EQ(x.out[i], 4.0);
+      EXPECT_NEAR(x.lse[i], std::log(4.0), 4 * eps(kF32));
+    }
+    GuardedTensor dout(kBF16, {nq, 1}), dq(kBF16, {nq, 0}), dk(kBF16, {4, 0}), dv(kBF16, {4, 1});
+    for (int64_t i = 0; i < nq; ++i) dout.set(i, 1.0);
+    sdpa::attention_backward(t.inputs(), got.out.view(), got.lse->view(), dout.view(), {dq.view(), dk.view(), dv.view()});
+    for (int64_t j = 0; j < 4; ++j) EXPECT_EQ(dv.get(j), nq / 4.0);  // each row gives each key weight 1/4
+  }
+}
+
 }  // namespace

@@ -36,8 +36,8 @@ struct BackwardScratch {
   BackwardScratch(const Problem& p, size_t mq, KernelPath dot)
       : bf16_dot(dot != KernelPath::kSimd),
         amx(dot == KernelPath::kAmxBf16),
-        xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
-        yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max(p.Dk, p.Dv) + 1) / 2 * mq : 1)),
+        xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
+        yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
         xt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
         yt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dv) * mq)),
         gk(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),

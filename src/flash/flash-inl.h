@@ -99,7 +99,7 @@ struct Scratch {
         ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
         bad(hwy::AllocateAligned<T>(std::max<size_t>(1, group * kBadClasses * Dv * mq))),
-        qp(hwy::AllocateAligned<uint32_t>(dot != KernelPath::kSimd ? group * ((Dk + 1) / 2) * mq : 1)),
+        qp(hwy::AllocateAligned<uint32_t>(dot != KernelPath::kSimd ? std::max<size_t>(1, group * ((Dk + 1) / 2) * mq) : 1)),  // Dk = 0: not 0 bytes (Highway aborts)
         bf16_dot(dot != KernelPath::kSimd),
         amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
