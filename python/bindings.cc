@@ -124,6 +124,35 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
 
+void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray& v, const ConstArray& cu_q,
+                      const ConstArray& cu_k, const Array& out, const std::optional<Array>& lse,
+                      std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
+                      const std::string& backend, double dropout_p, std::optional<uint64_t> seed) {
+  const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
+                              to_view(cu_k, "cu_seqlens_k")};
+  sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
+  if (lse) outs.lse = to_view(*lse, "lse");
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  nb::gil_scoped_release release;
+  sdpa::attention_varlen(in, outs, opt);
+}
+
+void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const ConstArray& v, const ConstArray& cu_q,
+                               const ConstArray& cu_k, const ConstArray& out, const ConstArray& lse,
+                               const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
+                               std::optional<double> scale, const std::string& causal, int64_t window_left,
+                               int64_t window_right, const std::string& backend, double dropout_p,
+                               std::optional<uint64_t> seed) {
+  const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
+                              to_view(cu_k, "cu_seqlens_k")};
+  const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
+                         dout_view = to_view(dout, "dout");
+  const sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  nb::gil_scoped_release release;
+  sdpa::attention_varlen_backward(in, out_view, lse_view, dout_view, grads, opt);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -136,6 +165,15 @@ NB_MODULE(_core, m) {
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none());
+  m.def("attention_varlen", &attention_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
+        nb::arg("seed").none());
+  m.def("attention_varlen_backward", &attention_varlen_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
+        nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
+        nb::arg("seed").none());
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

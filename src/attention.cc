@@ -36,29 +36,26 @@ void run_backend(const internal::Problem& p, Backend backend) {
 
 }  // namespace
 
-void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
-  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
-  const internal::Problem p = internal::make_problem(inputs, outputs, options);
+namespace internal {
+
+void run_forward(const Problem& p, Backend backend) {
   if (p.writes_nothing()) return;
   // Scores that are the biases alone: lse from them directly, and the kernels only for the
   // weights (whose Nq × Nk elements exist), so that lse does not depend on asking for them.
   if (p.scores_are_biases_only()) {
     internal::Problem weights_only = p;
     weights_only.lse.reset();
-    if (weights_only.weights) run_backend(weights_only, options.backend);
+    if (weights_only.weights) run_backend(weights_only, backend);
     if (p.lse) internal::lse_of_biases(p);
     return;
   }
-  run_backend(p, options.backend);
+  run_backend(p, backend);
 }
 
-void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
-                        const Gradients& grads, const Options& options) {
-  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
-  const internal::BackwardProblem bp = internal::make_backward_problem(inputs, out, lse, dout, grads, options);
+void run_backward(const BackwardProblem& bp, Backend backend) {
   if (bp.writes_nothing()) return;
   const bool f64 = computes_in_f64(bp.fwd.compute);
-  switch (options.backend) {
+  switch (backend) {
     case Backend::kAuto:
     case Backend::kFlash:
       internal::flash_backward(bp);
@@ -70,7 +67,20 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
       f64 ? internal::materialized_backward<double>(bp) : internal::materialized_backward<float>(bp);
       return;
   }
-  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(options.backend)));
+  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(backend)));
+}
+
+}  // namespace internal
+
+void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
+  internal::run_forward(internal::make_problem(inputs, outputs, options), options.backend);
+}
+
+void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
+                        const Gradients& grads, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
+  internal::run_backward(internal::make_backward_problem(inputs, out, lse, dout, grads, options), options.backend);
 }
 
 }  // namespace sdpa

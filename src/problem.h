@@ -179,4 +179,9 @@ struct BackwardProblem {
 BackwardProblem make_backward_problem(const Inputs& inputs, const TensorView& out, const TensorView& lse,
                                       const TensorView& dout, const Gradients& grads, const Options& options);
 
+// Hand a validated problem to the backend (attention.cc): what attention() and
+// attention_backward() do after make_problem, and what attention_varlen does per sequence.
+void run_forward(const Problem& p, Backend backend);
+void run_backward(const BackwardProblem& bp, Backend backend);
+
 }  // namespace sdpa::internal

@@ -186,6 +186,37 @@ struct Gradients {
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options = {});
 
+// Varlen: a batch of B sequences of different lengths packed end to end, token-major as in
+// FlashAttention's flash_attn_varlen_func; no padding is stored or computed.
+//   q    (total_q, Hq,  Dk)      sequence b's queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1
+//   k    (total_k, Hkv, Dk)      its keys rows cu_seqlens_k[b] .. cu_seqlens_k[b+1] - 1
+//   v    (total_k, Hkv, Dv)
+//   cu_seqlens_q, cu_seqlens_k   (B + 1,) int32 or int64: 0, then non-decreasing prefix sums
+//                                ending at total_q (total_k)
+//   out  (total_q, Hq, Dv)       lse (Hq, total_q), optional
+//
+//   cu_seqlens_q = {0, 2, 5}, cu_seqlens_k = {0, 3, 7}:   q rows  | 0 1 | 2 3 4 |
+//                                                          k rows  | 0 1 2 | 3 4 5 6 |
+//                                                                   seq 0   seq 1
+// Each sequence is attention() of its own rows with the same options: causal and window align
+// to the sequence's own Nq and Nk, dropout draws for (seed, b, h, i, j) with b the sequence
+// and i, j the positions inside it. Nothing crosses a sequence's boundary. dtypes as attention().
+// Results are bitwise those of attention() on each sequence's rows (B = 1 views) for b = 0, and
+// bitwise identical for any thread count.
+struct VarlenInputs {
+  TensorView q = {}, k = {}, v = {};
+  TensorView cu_seqlens_q = {}, cu_seqlens_k = {};
+};
+struct VarlenOutputs {
+  TensorView out = {};
+  std::optional<TensorView> lse = std::nullopt;
+};
+void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, const Options& options = {});
+// Gradients of attention_varlen: dq, dk, dv shaped like the packed q, k, v; out, lse (Hq,
+// total_q) and dout (total_q, Hq, Dv) as attention_varlen gave and takes them.
+void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,
+                               const TensorView& dout, const Gradients& grads, const Options& options = {});
+
 // Writes the dropout factors attention() with this dropout_p and seed applies: mask[b, h, i, j]
 // = 1 where weight (b, h, i, j) is kept, 0 where dropped. mask is bool, shaped like the weights
 // ((Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk)), any strides.

@@ -18,7 +18,8 @@ import numpy as np
 
 from . import _core
 
-__all__ = ["attention", "dropout_mask", "attention_backward", "set_num_threads", "num_threads"]
+__all__ = ["attention", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
+           "set_num_threads", "num_threads"]
 __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
@@ -525,6 +526,86 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     dv = _empty("dv", v.shape, v.dtype)
     _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
                              left, right, backend, p, seed)
+    return dq, dk, dv
+
+
+def _prepared_offsets(name, cu):
+    """cu_seqlens as a 1-dim int64 array (_core checks that it starts at 0, never decreases and
+    ends at the total, naming the entry)."""
+    cu = _asarray(name, cu)
+    if cu.dtype == np.bool_ or cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {cu.dtype}, but must hold integers (B + 1 offsets)")
+    if cu.ndim != 1:
+        raise ValueError(f"{name} has shape {cu.shape}, but must have 1 dim: (B + 1,) offsets")
+    if cu.dtype == np.uint64 and cu.size and int(cu.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {int(cu.max())}, more than any number of rows")
+    return np.ascontiguousarray(cu, dtype=np.int64)
+
+
+def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    dtype, q, k, v, _ = _prepared_inputs(q, k, v, None)
+    for name, a, shape in (("q", q, "(total_q, Hq, Dk)"), ("k", k, "(total_k, Hkv, Dk)"), ("v", v, "(total_k, Hkv, Dv)")):
+        if a.ndim != 3:
+            raise ValueError(f"{name} has shape {a.shape}, but must be {shape} (packed sequences, token-major)")
+    return dtype, q, k, v, _prepared_offsets("cu_seqlens_q", cu_seqlens_q), _prepared_offsets("cu_seqlens_k", cu_seqlens_k)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
+                     return_lse=False, dropout_p=0.0, seed=None, backend="auto"):
+    """``attention`` on a batch of sequences of different lengths packed end to end, token-major
+    (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
+
+    Shapes::
+
+        q             (total_q, Hq,  Dk)    sequence b's queries: rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
+        k             (total_k, Hkv, Dk)    its keys: rows cu_seqlens_k[b] .. cu_seqlens_k[b+1]-1
+        v             (total_k, Hkv, Dv)
+        cu_seqlens_q  (B + 1,) integers: 0, then non-decreasing, ending at total_q
+        cu_seqlens_k  (B + 1,) integers: 0, then non-decreasing, ending at total_k
+        returns  out  (total_q, Hq, Dv)
+                 lse  (Hq, total_q)         if return_lse
+
+    For cu_seqlens_q = [0, 2, 5] and cu_seqlens_k = [0, 3, 7]::
+
+        q rows   | 0 1 | 2 3 4   |
+        k rows   | 0 1 2 | 3 4 5 6 |
+                   seq 0   seq 1
+
+    Each sequence is ``attention`` of its own rows with these options: causal and window align
+    to that sequence's own lengths, dropout draws for (seed, b, h, i, j) with b the sequence and
+    i, j positions inside it. Nothing crosses a sequence's boundary. dtypes, scale, window,
+    dropout and backend as in ``attention``; results are bitwise reproducible.
+    """
+    dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    p, seed = _parsed_dropout(dropout_p, seed)
+    out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
+    lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
+    _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
+                           p, seed)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
+                              window=None, dropout_p=0.0, seed=None, backend="auto"):
+    """Gradients of ``attention_varlen``: returns ``(dq, dk, dv)`` shaped like the packed q, k, v.
+    dout and out are (total_q, Hq, Dv), lse (Hq, total_q), as ``attention_varlen(...,
+    return_lse=True)`` returned them for these inputs and options; the rest as
+    ``attention_backward``, sequence by sequence."""
+    dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    p, seed = _parsed_dropout(dropout_p, seed)
+    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
+    for name, a in arrays.items():
+        _check_real(name, a)
+    dout = _prepared("dout", arrays["dout"], q.dtype)
+    out = _prepared("out", arrays["out"], q.dtype)
+    lse = _prepared("lse", arrays["lse"], dtype, unit_last_stride=False)
+    dq = _empty("dq", q.shape, q.dtype)
+    dk = _empty("dk", k.shape, k.dtype)
+    dv = _empty("dv", v.shape, v.dtype)
+    _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
+                                    causal_code, left, right, backend, p, seed)
     return dq, dk, dv
 
 

@@ -206,7 +206,7 @@ def test_core_refuses_misaligned_data():
     q, k, v = _qkv(np.float32, rank=2)
     out = np.empty((3, 6), np.float32)
     with pytest.raises(ValueError, match=r"^q\b.*aligned"):
-        sdpa._core.attention(_at_odd_address(q), k, v, None, out, None, None, None, "none", -1, -1, "auto", 0.0,
+        sdpa._core.attention(_at_odd_address(q), k, v, None, None, out, None, None, None, "none", -1, -1, "auto", 0.0,
                              None)
 
 

@@ -375,7 +375,7 @@ def test_strided_inputs_are_read_in_place(storage, core_calls):
     for passed, given in zip(fwd[:3] + bwd[:3], (q, k, v) * 2):
         assert passed.ctypes.data == given.ctypes.data and passed.strides == given.strides
         assert passed.dtype == (np.uint16 if given.dtype == BF16 else given.dtype)
-    assert bwd[4].ctypes.data == out.ctypes.data and bwd[6].ctypes.data == dout.ctypes.data
+    assert bwd[5].ctypes.data == out.ctypes.data and bwd[7].ctypes.data == dout.ctypes.data  # after mask, seqlens_k
     copies = [np.ascontiguousarray(a) for a in (q, k, v)]
     out2, lse2 = sdpa.attention(*copies, causal=True, return_lse=True)
     grads2 = sdpa.attention_backward(dout, *copies, out2, lse2, causal=True)
@@ -426,7 +426,7 @@ def test_core_names_the_argument_of_a_bad_combination(q_dt, k_dt, v_dt, message)
              for d, s in zip((q_dt, k_dt, v_dt), [(2, 4), (3, 4), (3, 2)])]
     out = np.zeros((2, 2), q_dt)
     with pytest.raises(ValueError, match=message):
-        sdpa._core.attention(*views, None, out.view(np.uint16) if q_dt == BF16 else out, None, None, None, "none",
+        sdpa._core.attention(*views, None, None, out.view(np.uint16) if q_dt == BF16 else out, None, None, None, "none",
                              -1, -1, "auto", 0.0, None)
 
 
@@ -434,8 +434,8 @@ def test_core_names_an_output_of_the_wrong_dtype():
     q, k, v, _, _ = _case("bf16", dict(rank=2, Nq=2, Nk=3, Dk=4, Dv=2), None)
     qv, kv_, vv = (a.view(np.uint16) for a in (q, k, v))
     with pytest.raises(ValueError, match=r"^lse has dtype bfloat16 but must be float32, the compute type of bfloat16 q"):
-        sdpa._core.attention(qv, kv_, vv, None, np.zeros((2, 2), np.uint16), None, np.zeros(2, np.uint16), None,
+        sdpa._core.attention(qv, kv_, vv, None, None, np.zeros((2, 2), np.uint16), None, np.zeros(2, np.uint16), None,
                              "none", -1, -1, "auto", 0.0, None)
     with pytest.raises(ValueError, match=r"^out has dtype float32 but q has dtype bfloat16"):
-        sdpa._core.attention(qv, kv_, vv, None, np.zeros((2, 2), np.float32), None, None, None, "none", -1, -1,
+        sdpa._core.attention(qv, kv_, vv, None, None, np.zeros((2, 2), np.float32), None, None, None, "none", -1, -1,
                              "auto", 0.0, None)

@@ -187,8 +187,8 @@ def _spy_on_core(monkeypatch):
     """Records the NumPy arrays sdpa hands to its C++ kernels (name -> data pointer)."""
     import sdpa._core as core
     calls = []
-    for fn, names in (("attention", ("q", "k", "v", "mask")),
-                      ("attention_backward", ("q", "k", "v", "mask", "out", "lse", "dout"))):
+    for fn, names in (("attention", ("q", "k", "v", "mask", "seqlens_k")),
+                      ("attention_backward", ("q", "k", "v", "mask", "seqlens_k", "out", "lse", "dout"))):
         original = getattr(core, fn)
 
         def spy(*args, _original=original, _names=names, _fn=fn):

@@ -1,0 +1,86 @@
+"""Packed sequences of different lengths, three ways, in one process (issue 11's target):
+
+  varlen   sdpa.attention_varlen on the packed batch (no padding)
+  dense    sdpa.attention on each sequence alone, summed
+  seqlens  one padded (B, H, Lmax, D) call with seqlens_k (padding keys never read; padded query
+           rows still computed)
+  padded   one padded call with a key-padding bool mask (what a user does without varlen)
+
+Times are medians over --reps runs; GFLOP/s count only the real pairs: 4 * H * sum_b (causal
+pairs of sequence b) * D. Prints the CPU flags that matter.
+
+    .venv/bin/python bench/varlen.py --threads 2
+"""
+
+import argparse
+import re
+import statistics
+import time
+
+import numpy as np
+
+import sdpa
+
+
+def cpu_flags():
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return "?"
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    flags = sorted(set(re.findall(r"\b(avx512\w*|avx2|amx\w*)\b", text)))
+    return f"{model.group(1) if model else '?'}; {' '.join(flags)}"
+
+
+def median_time(fn, reps):
+    fn()  # warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=64)
+    args = ap.parse_args()
+    sdpa.set_num_threads(args.threads)
+    H, D = args.heads, args.dim
+    lengths = [128, 4096, 256, 2048, 512, 3072, 1024, 1200]  # 8 sequences, 128 ... 4096 (12,336 tokens)
+    rng = np.random.default_rng(0)
+    cu = np.cumsum([0] + lengths)
+    q = rng.standard_normal((cu[-1], H, D)).astype(np.float32)
+    k = rng.standard_normal((cu[-1], H, D)).astype(np.float32)
+    v = rng.standard_normal((cu[-1], H, D)).astype(np.float32)
+    seqs = [tuple(np.ascontiguousarray(x[cu[b]:cu[b + 1]].transpose(1, 0, 2)) for x in (q, k, v))
+            for b in range(len(lengths))]
+    B, Lmax = len(lengths), max(lengths)
+    pad = [np.zeros((B, H, Lmax, D), np.float32) for _ in range(3)]
+    for b, s in enumerate(seqs):
+        for p, x in zip(pad, s):
+            p[b, :, :lengths[b]] = x
+    key_mask = np.arange(Lmax)[None, None, None, :] < np.array(lengths)[:, None, None, None]  # (B, 1, 1, Lmax)
+    # Causal pairs per sequence: n (n + 1) / 2.
+    flops = 4 * H * D * sum(n * (n + 1) / 2 for n in lengths)
+
+    runs = {
+        "varlen": lambda: sdpa.attention_varlen(q, k, v, cu, cu, causal=True),
+        "dense (sum)": lambda: [sdpa.attention(*s, causal=True) for s in seqs],
+        "seqlens": lambda: sdpa.attention(pad[0], pad[1], pad[2], causal="top_left", seqlens_k=lengths),
+        "padded + mask": lambda: sdpa.attention(pad[0], pad[1], pad[2], key_mask, causal="top_left"),
+    }
+    print(f"CPU: {cpu_flags()}")
+    print(f"threads={args.threads}  H={H} D={D} float32 causal, lengths {lengths} (total {cu[-1]})")
+    print("GFLOP/s = 4*H*D*sum_b n_b(n_b+1)/2 / median time (real pairs only)")
+    times = {name: median_time(fn, args.reps) for name, fn in runs.items()}
+    for name, t in times.items():
+        print(f"{name:16s} {t * 1e3:9.2f} ms  {flops / t / 1e9:7.1f} GFLOP/s  {t / times['varlen']:5.2f}x varlen")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+// attention_varlen: sequences packed end to end (token-major, FlashAttention's layout). Each
+// sequence is an ordinary attention() problem on strided views of its rows (no copy): the
+// packed (total, H, D) rows of sequence b are the (H, n_b, D) view with the first two strides
+// swapped. Every sequence is validated before any is computed, so an Error writes nothing.
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernel_path.h"
+#include "problem.h"
+
+namespace sdpa {
+namespace internal {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw Error(message); }
+
+// cu_seqlens: (B + 1,) int32 or int64, starting at 0, non-decreasing, ending at `total` (the
+// packed rows of `of`). Read once, into int64.
+std::vector<int64_t> read_offsets(const char* name, const TensorView& t, int64_t total, const char* of) {
+  if (t.rank != 1) fail(std::string(name) + " has rank " + std::to_string(t.rank) + " but must have rank 1: (B + 1,)");
+  if (t.dtype != DType::kInt32 && t.dtype != DType::kInt64) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be int32 or int64");
+  }
+  if (t.shape[0] < 1) fail(std::string(name) + " has shape " + t.shape_string() + " but must hold B + 1 >= 1 offsets");
+  if (t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  std::vector<int64_t> cu(static_cast<size_t>(t.shape[0]));
+  for (int64_t b = 0; b < t.shape[0]; ++b) {
+    const char* at = static_cast<const char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+    cu[b] = t.dtype == DType::kInt32 ? *reinterpret_cast<const int32_t*>(at) : *reinterpret_cast<const int64_t*>(at);
+    const int64_t before = b == 0 ? 0 : cu[b - 1];
+    if (b == 0 ? cu[b] != 0 : cu[b] < before) {
+      fail(std::string(name) + "[" + std::to_string(b) + "] = " + std::to_string(cu[b]) +
+           (b == 0 ? std::string(" but must be 0") : " is less than " + std::string(name) + "[" + std::to_string(b - 1) + "] = " +
+                                            std::to_string(before) + ": offsets must not decrease"));
+    }
+  }
+  if (cu.back() != total) {
+    fail(std::string(name) + "[" + std::to_string(cu.size() - 1) + "] = " + std::to_string(cu.back()) + " but " + of +
+         " has " + std::to_string(total) + " rows: the last offset is the total");
+  }
+  return cu;
+}
+
+void check_rank3(const char* name, const TensorView& t, const char* shape) {
+  if (t.rank != 3) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape);
+}
+
+// Rows [r0, r1) of a packed (total, H, D) tensor as a (H, r1 - r0, D) view.
+TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
+  TensorView v = t;
+  v.shape[0] = t.shape[1];
+  v.shape[1] = r1 - r0;
+  v.strides[0] = t.strides[1];
+  v.strides[1] = t.strides[0];
+  if (r1 > r0) v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * dtype_size(t.dtype);
+  return v;
+}
+
+// Columns [r0, r1) of lse (H, total_q).
+TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
+  TensorView v = t;
+  v.shape[1] = r1 - r0;
+  if (r1 > r0) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * dtype_size(t.dtype);
+  return v;
+}
+
+struct Packed {
+  std::vector<int64_t> cu_q, cu_k;
+  int64_t sequences() const { return static_cast<int64_t>(cu_q.size()) - 1; }
+  // All rows as one sequence: for the checks that do not depend on the cut.
+  Inputs whole(const VarlenInputs& in) const {
+    return {rows_of(in.q, 0, in.q.shape[0]), rows_of(in.k, 0, in.k.shape[0]), rows_of(in.v, 0, in.v.shape[0]),
+            std::nullopt, std::nullopt};
+  }
+  // Sequence b's own inputs (its q, k, v rows), as attention() takes them.
+  Inputs inputs(const VarlenInputs& in, int64_t b) const {
+    Inputs s;
+    s.q = rows_of(in.q, cu_q[b], cu_q[b + 1]);
+    s.k = rows_of(in.k, cu_k[b], cu_k[b + 1]);
+    s.v = rows_of(in.v, cu_k[b], cu_k[b + 1]);
+    return s;
+  }
+};
+
+Packed read_packed(const VarlenInputs& in, const TensorView& out, const std::optional<TensorView>& lse) {
+  check_rank3("q", in.q, "(total_q, Hq, Dk)");
+  check_rank3("k", in.k, "(total_k, Hkv, Dk)");
+  check_rank3("v", in.v, "(total_k, Hkv, Dv)");
+  check_rank3("out", out, "(total_q, Hq, Dv)");
+  if (lse && lse->rank != 2) fail("lse has shape " + lse->shape_string() + " but must be (Hq, total_q)");
+  Packed p{read_offsets("cu_seqlens_q", in.cu_seqlens_q, in.q.shape[0], "q"),
+           read_offsets("cu_seqlens_k", in.cu_seqlens_k, in.k.shape[0], "k")};
+  if (p.cu_q.size() != p.cu_k.size()) {
+    fail("cu_seqlens_q has shape " + in.cu_seqlens_q.shape_string() + " but cu_seqlens_k has shape " +
+         in.cu_seqlens_k.shape_string() + ": both hold B + 1 offsets");
+  }
+  // Shapes beyond the row counts, checked once on the whole tensors (attention() checks each
+  // sequence's views again, in the terms of its own shapes).
+  if (out.shape[0] != in.q.shape[0] || out.shape[1] != in.q.shape[1] || out.shape[2] != in.v.shape[2]) {
+    fail("out has shape " + out.shape_string() + " but must be (total_q, Hq, Dv) = (" + std::to_string(in.q.shape[0]) +
+         ", " + std::to_string(in.q.shape[1]) + ", " + std::to_string(in.v.shape[2]) + ")");
+  }
+  if (lse && (lse->shape[0] != in.q.shape[1] || lse->shape[1] != in.q.shape[0])) {
+    fail("lse has shape " + lse->shape_string() + " but must be (Hq, total_q) = (" + std::to_string(in.q.shape[1]) +
+         ", " + std::to_string(in.q.shape[0]) + ")");
+  }
+  return p;
+}
+
+}  // namespace
+}  // namespace internal
+
+void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);
+  const internal::Packed pk = internal::read_packed(inputs, outputs.out, outputs.lse);
+  // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
+  internal::make_problem(pk.whole(inputs), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
+                                            std::nullopt, outputs.lse}, options);
+  std::vector<internal::Problem> problems;
+  problems.reserve(static_cast<size_t>(pk.sequences()));
+  for (int64_t b = 0; b < pk.sequences(); ++b) {  // every sequence valid before any is computed
+    Outputs o;
+    o.out = internal::rows_of(outputs.out, pk.cu_q[b], pk.cu_q[b + 1]);
+    if (outputs.lse) o.lse = internal::cols_of(*outputs.lse, pk.cu_q[b], pk.cu_q[b + 1]);
+    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, options));
+    problems.back().dropout.batch_offset = b;
+  }
+  for (const internal::Problem& p : problems) internal::run_forward(p, options.backend);
+}
+
+void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,
+                               const TensorView& dout, const Gradients& grads, const Options& options) {
+  internal::note_kernel_path(KernelPath::kSimd);
+  const internal::Packed pk = internal::read_packed(inputs, out, lse);
+  internal::check_rank3("dout", dout, "(total_q, Hq, Dv)");
+  internal::check_rank3("dq", grads.dq, "(total_q, Hq, Dk)");
+  internal::check_rank3("dk", grads.dk, "(total_k, Hkv, Dk)");
+  internal::check_rank3("dv", grads.dv, "(total_k, Hkv, Dv)");
+  for (const auto& [name, t, like] : {std::tuple{"dout", &dout, &out}, std::tuple{"dq", &grads.dq, &inputs.q},
+                                      std::tuple{"dk", &grads.dk, &inputs.k}, std::tuple{"dv", &grads.dv, &inputs.v}}) {
+    if (t->shape[0] != like->shape[0]) {
+      internal::fail(std::string(name) + " has shape " + t->shape_string() + " but must have " +
+                     std::to_string(like->shape[0]) + " rows, as " + (t == &dout ? "out" : "the tensor it is the gradient of"));
+    }
+  }
+  const int64_t total_q = inputs.q.shape[0];
+  internal::make_backward_problem(pk.whole(inputs), internal::rows_of(out, 0, total_q), lse,
+                                  internal::rows_of(dout, 0, total_q),
+                                  {internal::rows_of(grads.dq, 0, total_q),
+                                   internal::rows_of(grads.dk, 0, grads.dk.shape[0]),
+                                   internal::rows_of(grads.dv, 0, grads.dv.shape[0])},
+                                  options);
+  std::vector<internal::BackwardProblem> problems;
+  problems.reserve(static_cast<size_t>(pk.sequences()));
+  for (int64_t b = 0; b < pk.sequences(); ++b) {
+    const int64_t q0 = pk.cu_q[b], q1 = pk.cu_q[b + 1], k0 = pk.cu_k[b], k1 = pk.cu_k[b + 1];
+    const Gradients g{internal::rows_of(grads.dq, q0, q1), internal::rows_of(grads.dk, k0, k1),
+                      internal::rows_of(grads.dv, k0, k1)};
+    problems.push_back(internal::make_backward_problem(pk.inputs(inputs, b), internal::rows_of(out, q0, q1),
+                                                       internal::cols_of(lse, q0, q1), internal::rows_of(dout, q0, q1), g,
+                                                       options));
+    problems.back().fwd.dropout.batch_offset = b;
+  }
+  for (const internal::BackwardProblem& bp : problems) internal::run_backward(bp, options.backend);
+}
+
+}  // namespace sdpa
