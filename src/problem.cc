@@ -3,7 +3,6 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -204,15 +203,7 @@ std::vector<int64_t> read_seqlens(const TensorView& s, int64_t B, int64_t Nk, in
   }
   std::vector<int64_t> lengths(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
-    const char* at = static_cast<const char*>(s.data) + b * s.strides[0] * dtype_size(s.dtype);
-    int64_t n;
-    if (s.dtype == DType::kInt32) {
-      int32_t x;
-      std::memcpy(&x, at, sizeof x);  // any alignment
-      n = x;
-    } else {
-      std::memcpy(&n, at, sizeof n);
-    }
+    const int64_t n = index_at(s, b);
     if (n < 0 || n > Nk) {
       fail("seqlens_k[" + std::to_string(b) + "] = " + std::to_string(n) + " is outside [0, Nk] = [0, " +
            std::to_string(Nk) + "]");

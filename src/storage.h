@@ -92,6 +92,19 @@ inline uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(mag * 0x1p24f)));
 }
 
+// Element i of a rank-1 int32 or int64 view (seqlens_k, cu_seqlens), any stride and alignment.
+inline int64_t index_at(const TensorView& t, int64_t i) {
+  const char* at = static_cast<const char*>(t.data) + i * t.strides[0] * storage_bytes(t.dtype);
+  if (t.dtype == DType::kInt32) {
+    int32_t x;
+    std::memcpy(&x, at, sizeof x);
+    return x;
+  }
+  int64_t x;
+  std::memcpy(&x, at, sizeof x);
+  return x;
+}
+
 // Element `p` of a float tensor of dtype t, widened to T (exact unless T is narrower than t).
 template <typename T>
 T load_as(DType t, const void* p) {

@@ -8,6 +8,7 @@
 
 #include "kernel_path.h"
 #include "problem.h"
+#include "storage.h"
 
 namespace sdpa {
 namespace internal {
@@ -26,13 +27,12 @@ std::vector<int64_t> read_offsets(const char* name, const TensorView& t, int64_t
   if (t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
   std::vector<int64_t> cu(static_cast<size_t>(t.shape[0]));
   for (int64_t b = 0; b < t.shape[0]; ++b) {
-    const char* at = static_cast<const char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
-    cu[b] = t.dtype == DType::kInt32 ? *reinterpret_cast<const int32_t*>(at) : *reinterpret_cast<const int64_t*>(at);
-    const int64_t before = b == 0 ? 0 : cu[b - 1];
-    if (b == 0 ? cu[b] != 0 : cu[b] < before) {
-      fail(std::string(name) + "[" + std::to_string(b) + "] = " + std::to_string(cu[b]) +
-           (b == 0 ? std::string(" but must be 0") : " is less than " + std::string(name) + "[" + std::to_string(b - 1) + "] = " +
-                                            std::to_string(before) + ": offsets must not decrease"));
+    cu[b] = index_at(t, b);
+    const std::string entry = std::string(name) + "[" + std::to_string(b) + "] = " + std::to_string(cu[b]);
+    if (b == 0 && cu[b] != 0) fail(entry + " but must be 0");
+    if (b > 0 && cu[b] < cu[b - 1]) {
+      fail(entry + " is less than " + name + "[" + std::to_string(b - 1) + "] = " + std::to_string(cu[b - 1]) +
+           ": offsets must not decrease");
     }
   }
   if (cu.back() != total) {
@@ -141,7 +141,8 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                       std::tuple{"dk", &grads.dk, &inputs.k}, std::tuple{"dv", &grads.dv, &inputs.v}}) {
     if (t->shape[0] != like->shape[0]) {
       internal::fail(std::string(name) + " has shape " + t->shape_string() + " but must have " +
-                     std::to_string(like->shape[0]) + " rows, as " + (t == &dout ? "out" : "the tensor it is the gradient of"));
+                     std::to_string(like->shape[0]) + " rows, as " +
+                     (t == &dout ? "out" : "the tensor it is the gradient of"));
     }
   }
   const int64_t total_q = inputs.q.shape[0];

@@ -72,9 +72,9 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
 }
 
 // The query rows [first, last) of batch b that may see a key of [j0, j1) under causal, window
-// and the sequence's length: both ends of key_range(b, i) are non-decreasing in i, so the rows whose range ends after j0 are a
-// suffix, those whose range begins before j1 a prefix, and the rows seeing the keys lie in
-// their intersection (rows inside it whose own range is empty still see nothing). Two binary
+// and the sequence's length: both ends of key_range(b, i) are non-decreasing in i, so the rows
+// whose range ends after j0 are a suffix, those whose range begins before j1 a prefix, and the
+// rows seeing the keys lie in their intersection (rows inside it whose own range is empty still see nothing). Two binary
 // searches instead of a key_range per row: the backward's key blocks ask this once each.
 struct RowInterval {
   int64_t first = 0, last = 0;
