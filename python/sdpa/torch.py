@@ -51,9 +51,10 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from . import _parsed_dropout, attention, attention_backward
+from . import _parsed_dropout, attention, attention_backward, attention_varlen_backward
+from . import attention_varlen as _numpy_attention_varlen
 
-__all__ = ["scaled_dot_product_attention"]
+__all__ = ["scaled_dot_product_attention", "attention_varlen"]
 
 
 def _numpy(t):
@@ -195,3 +196,43 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out = _Attention.apply(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
                            attn_mask, causal, scale, dropout_p, seed)
     return out.reshape(out_shape)
+
+
+class _Varlen(torch.autograd.Function):
+    """sdpa.attention_varlen on packed (total, H, D) tensors, with its backward."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, cu_q, cu_k, causal, scale, window, dropout_p, seed):
+        out, lse = _numpy_attention_varlen(_numpy(query), _numpy(key), _numpy(value), cu_q, cu_k, causal=causal,
+                                           scale=scale, window=window, dropout_p=dropout_p, seed=seed, return_lse=True)
+        out = _torch(out)
+        ctx.save_for_backward(query, key, value, out, _torch(lse))
+        ctx.cu, ctx.options = (cu_q, cu_k), dict(causal=causal, scale=scale, window=window, dropout_p=dropout_p,
+                                                 seed=seed)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        query, key, value, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_varlen_backward(_numpy(dout), _numpy(query), _numpy(key), _numpy(value), _numpy(out),
+                                               _numpy(lse), *ctx.cu, **ctx.options)
+        return _torch(dq), _torch(dk), _torch(dv), None, None, None, None, None, None, None
+
+
+def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
+                     dropout_p=0.0):
+    """``sdpa.attention_varlen`` on CPU tensors, with autograd (FlashAttention's
+    ``flash_attn_varlen_func`` layout): query (total_q, Hq, Dk), key (total_k, Hkv, Dk), value
+    (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k (B + 1,) integer tensors (or sequences);
+    returns out (total_q, Hq, Dv) in the query's dtype. causal is False, True / "bottom_right"
+    (FlashAttention's alignment, per sequence) or "top_left"; window and scale as in
+    ``sdpa.attention``. With dropout_p > 0 the seed is drawn from torch's global generator
+    (``torch.manual_seed`` reproduces it) and reused by the backward."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU torch.Tensor")
+    cu = [np.asarray(c.detach().cpu().numpy() if isinstance(c, torch.Tensor) else c) for c in (cu_seqlens_q, cu_seqlens_k)]
+    dropout_p, _ = _parsed_dropout(dropout_p, 0)
+    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
+    return _Varlen.apply(query, key, value, cu[0], cu[1], causal, scale, window, dropout_p, seed)
