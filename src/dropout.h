@@ -38,8 +38,8 @@ struct Dropout {
   template <typename T>
   T factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (!enabled()) return T(1);
-    const uint32_t u = draw(seed, static_cast<uint32_t>(b + batch_offset), static_cast<uint32_t>(h), static_cast<uint32_t>(i),
-                            static_cast<uint32_t>(j));
+    const uint32_t u = draw(seed, static_cast<uint32_t>(b + batch_offset), static_cast<uint32_t>(h),
+                            static_cast<uint32_t>(i), static_cast<uint32_t>(j));
     return u < threshold ? T(0) : static_cast<T>(keep_scale);
   }
 };
