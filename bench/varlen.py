@@ -74,6 +74,14 @@ def main():
         "seqlens": lambda: sdpa.attention(pad[0], pad[1], pad[2], causal="top_left", seqlens_k=lengths),
         "padded + mask": lambda: sdpa.attention(pad[0], pad[1], pad[2], key_mask, causal="top_left"),
     }
+    # Check what is timed: the packed call and the padded seqlens_k call give each sequence the
+    # bits of the dense call on it.
+    packed = runs["varlen"]()
+    padded = runs["seqlens"]()
+    for b, s in enumerate(seqs):
+        dense = sdpa.attention(*s, causal=True)
+        assert np.array_equal(packed[cu[b]:cu[b + 1]].transpose(1, 0, 2), dense), b
+        assert np.allclose(padded[b, :, :lengths[b]], dense, rtol=1e-5, atol=1e-5), b
     print(f"CPU: {cpu_flags()}")
     print(f"threads={args.threads}  H={H} D={D} float32 causal, lengths {lengths} (total {cu[-1]})")
     print("GFLOP/s = 4*H*D*sum_b n_b(n_b+1)/2 / median time (real pairs only)")
