@@ -306,19 +306,24 @@ def _parsed_dropout(dropout_p, seed):
     return p, int(seed)
 
 
-def _prepared_seqlens(seqlens_k):
-    """seqlens_k as a 1-dim int64 array _core reads (its length and range are _core's to check,
-    so that its messages name the batch and Nk)."""
-    if seqlens_k is None:
+def _prepared_indices(name, a, meaning):
+    """An index array (seqlens_k, cu_seqlens) as the 1-dim int64 array _core reads; _core checks
+    its length and values, so that its messages name the batch and the sizes. `meaning` says
+    what it holds, for the messages here."""
+    if a is None:
         return None
-    s = _asarray("seqlens_k", seqlens_k)
-    if s.dtype == np.bool_ or s.dtype.kind not in "iu":
-        raise TypeError(f"seqlens_k has dtype {s.dtype}, but must hold integers (one key length per sequence)")
-    if s.ndim != 1:
-        raise ValueError(f"seqlens_k has shape {s.shape}, but must have 1 dim: (B,), one key length per sequence")
-    if s.dtype == np.uint64 and s.size and int(s.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"seqlens_k holds {int(s.max())}, more than any Nk")
-    return np.ascontiguousarray(s, dtype=np.int64)
+    a = _asarray(name, a)
+    if a.dtype == np.bool_ or a.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {a.dtype}, but must hold integers ({meaning})")
+    if a.ndim != 1:
+        raise ValueError(f"{name} has shape {a.shape}, but must have 1 dim: {meaning}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} holds {int(a.max())}, more than any number of rows")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def _prepared_seqlens(seqlens_k):
+    return _prepared_indices("seqlens_k", seqlens_k, "(B,), one key length per sequence")
 
 
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
@@ -529,25 +534,14 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     return dq, dk, dv
 
 
-def _prepared_offsets(name, cu):
-    """cu_seqlens as a 1-dim int64 array (_core checks that it starts at 0, never decreases and
-    ends at the total, naming the entry)."""
-    cu = _asarray(name, cu)
-    if cu.dtype == np.bool_ or cu.dtype.kind not in "iu":
-        raise TypeError(f"{name} has dtype {cu.dtype}, but must hold integers (B + 1 offsets)")
-    if cu.ndim != 1:
-        raise ValueError(f"{name} has shape {cu.shape}, but must have 1 dim: (B + 1,) offsets")
-    if cu.dtype == np.uint64 and cu.size and int(cu.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} holds {int(cu.max())}, more than any number of rows")
-    return np.ascontiguousarray(cu, dtype=np.int64)
-
-
 def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
     dtype, q, k, v, _ = _prepared_inputs(q, k, v, None)
     for name, a, shape in (("q", q, "(total_q, Hq, Dk)"), ("k", k, "(total_k, Hkv, Dk)"), ("v", v, "(total_k, Hkv, Dv)")):
         if a.ndim != 3:
             raise ValueError(f"{name} has shape {a.shape}, but must be {shape} (packed sequences, token-major)")
-    return dtype, q, k, v, _prepared_offsets("cu_seqlens_q", cu_seqlens_q), _prepared_offsets("cu_seqlens_k", cu_seqlens_k)
+    offsets = (_prepared_indices(name, cu, "(B + 1,) offsets")
+               for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    return (dtype, q, k, v, *offsets)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
