@@ -462,6 +462,17 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     return (out,) + extra if extra else out
 
 
+def _backward_arrays(dout, out, lse, q, k, v, dtype):
+    """dout, out (q's dtype) and lse (the compute dtype `dtype`) ready for _core, and empty dq,
+    dk, dv shaped and typed like q, k, v: what both backward functions take and return."""
+    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
+    for name, a in arrays.items():
+        _check_real(name, a)
+    return (_prepared("dout", arrays["dout"], q.dtype), _prepared("out", arrays["out"], q.dtype),
+            _prepared("lse", arrays["lse"], dtype, unit_last_stride=False),
+            _empty("dq", q.shape, q.dtype), _empty("dk", k.shape, k.dtype), _empty("dv", v.shape, v.dtype))
+
+
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto"):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``.
@@ -519,16 +530,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
-    for name, a in arrays.items():
-        _check_real(name, a)
-    dout = _prepared("dout", arrays["dout"], q.dtype)
-    out = _prepared("out", arrays["out"], q.dtype)
-    lse = _prepared("lse", arrays["lse"], dtype, unit_last_stride=False)
-
-    dq = _empty("dq", q.shape, q.dtype)
-    dk = _empty("dk", k.shape, k.dtype)
-    dv = _empty("dv", v.shape, v.dtype)
+    dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
                              left, right, backend, p, seed)
     return dq, dk, dv
@@ -589,15 +591,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
-    for name, a in arrays.items():
-        _check_real(name, a)
-    dout = _prepared("dout", arrays["dout"], q.dtype)
-    out = _prepared("out", arrays["out"], q.dtype)
-    lse = _prepared("lse", arrays["lse"], dtype, unit_last_stride=False)
-    dq = _empty("dq", q.shape, q.dtype)
-    dk = _empty("dk", k.shape, k.dtype)
-    dv = _empty("dv", v.shape, v.dtype)
+    dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
                                     causal_code, left, right, backend, p, seed)
     return dq, dk, dv
