@@ -201,8 +201,9 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
 // Each sequence is attention() of its own rows with the same options: causal and window align
 // to the sequence's own Nq and Nk, dropout draws for (seed, b, h, i, j) with b the sequence
 // and i, j the positions inside it. Nothing crosses a sequence's boundary. dtypes as attention().
-// Results are bitwise those of attention() on each sequence's rows (B = 1 views) for b = 0, and
-// bitwise identical for any thread count.
+// Without dropout each sequence's results are bit for bit those of attention() on its rows (with
+// dropout, sequence b draws as batch entry b of a dense call would); bitwise identical for any
+// thread count. Each sequence runs as its own call of the kernels (no copy): see PERFORMANCE.md.
 struct VarlenInputs {
   TensorView q = {}, k = {}, v = {};
   TensorView cu_seqlens_q = {}, cu_seqlens_k = {};
