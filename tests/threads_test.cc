@@ -269,16 +269,19 @@ TEST_P(BackwardThreads, GradientsAreBitwiseIdenticalForAnyThreadCount) {
   }
 }
 
-// The backward splits its work into key blocks (dk, dv) and query blocks (dq) of 2 SIMD
-// vectors of lanes: 16 or 32 (float32), 8 or 16 (float64). Every shape here gives each pass
-// several blocks per thread; the first crosses a 128-row query tile in the key-block pass.
+// The backward splits its work into key blocks of 2 SIMD vectors of lanes: 16 or 32
+// (float32), 8 or 16 (float64). The first three shapes run the one-pass plan (dq summed over
+// chunks of key blocks; backward-inl.h's OnePassChunks), the first crossing a 128-row query
+// tile in the key-block pass; the last has too few key blocks for it on every target and
+// runs the two-pass plan (query blocks for dq).
 INSTANTIATE_TEST_SUITE_P(
     Cuts, BackwardThreads,
     testing::Combine(
         testing::Values(BackwardShape{"gqa_causal_top_left_mask", 2, 4, 2, 150, 170, 24, 16, sdpa::Causal::kTopLeft, true},
                         BackwardShape{"mqa_causal_bottom_right", 1, 3, 1, 70, 300, 32, 40, sdpa::Causal::kBottomRight,
                                       false},
-                        BackwardShape{"one_row_many_keys_mask", 1, 4, 2, 1, 700, 16, 8, sdpa::Causal::kNone, true}),
+                        BackwardShape{"one_row_many_keys_mask", 1, 4, 2, 1, 700, 16, 8, sdpa::Causal::kNone, true},
+                        BackwardShape{"two_pass_few_keys_mask", 1, 2, 1, 300, 24, 16, 12, sdpa::Causal::kNone, true}),
         testing::Bool(), testing::Values(0.0, 0.3)),
     [](const testing::TestParamInfo<BackwardParam>& info) {
       return std::string(std::get<0>(info.param).name) + (std::get<1>(info.param) ? "_f64" : "_f32") +

@@ -3,12 +3,20 @@
 //   p_ij = exp(s_ij - lse_i)       (recomputed tile by tile from the saved lse)
 //   D_i  = dout_i · out_i          ds_ij = p_ij · (dout_i · v_j - D_i)
 //   dv_j = Σ_i p_ij dout_i         dk_j = scale · Σ_i ds_ij q_i        dq_i = scale · Σ_j ds_ij k_j
-// Two passes, so that every output element has one owner and a fixed summation order (no
-// atomics, bitwise identical for any thread count):
+// Every output element has one owner and a fixed summation order (no atomics, bitwise
+// identical for any thread count):
 //   KeyBlockGrads: lanes = keys of one kv head; all query rows of its group stream past,
-//                  accumulating dk, dv in registers-and-L1 tiles.
-//   QueryBlockGrad: lanes = query rows, as the forward; key tiles stream past, accumulating dq.
-// The Nq×Nk matrices never exist: extra memory is O(threads × tile) plus D and lse, O(N).
+//                  accumulating dk, dv in registers-and-L1 tiles. In the one-pass plan
+//                  (OnePassChunks) it also adds ds · k into float rows of dq: five products
+//                  per tile (s, dp, dv, dk, dq), one unit per (b, kv head, chunk of its key
+//                  blocks), each chunk with its own dq rows, summed in chunk order at the end.
+//   QueryBlockGrad: the two-pass plan's second pass, for shapes with too few (b, kv head)
+//                  units or too much dq to hold per chunk: lanes = query rows, as the
+//                  forward; key tiles stream past, accumulating dq (the score and dout · vᵀ
+//                  products again: seven in all).
+// The plan depends on the shape only, never on the thread count. The Nq×Nk matrices never
+// exist: extra memory is O(threads × tile) plus D and lse, O(N), plus chunks × dq in the
+// one-pass plan.
 
 #if defined(SDPA_FLASH_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef SDPA_FLASH_BACKWARD_INL_H_
@@ -29,6 +37,13 @@ namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
 constexpr size_t kBackwardQV = 2;  // vectors per block: 16 lanes of f32 on AVX2, 32 on AVX-512
+
+// Row width rounded up to whole vectors of n lanes (at least one): the one-pass plan's dq
+// rows and padded key rows, so that its product needs no partial vectors.
+inline int64_t padded_width(int64_t width, size_t n) {
+  const int64_t lanes = static_cast<int64_t>(n);
+  return std::max<int64_t>(1, (width + lanes - 1) / lanes) * lanes;
+}
 
 // Per-thread tiles of the backward pass.
 template <typename T>
@@ -53,6 +68,7 @@ struct BackwardScratch {
         vtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dv))),
         qtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dk))),
         dtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dv))),
+        kpad(hwy::AllocateAligned<T>(mq * padded_width(p.Dk, hn::Lanes(hn::ScalableTag<T>())))),
         grad_row(static_cast<size_t>(std::max<int64_t>(1, std::max(p.Dk, p.Dv)))),
         grad_row2(grad_row.size()),
         lanes(mq),
@@ -66,6 +82,7 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
   hwy::AlignedFreeUniquePtr<T[]> lane_lse, lane_D;  // per query lane: lse and D
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile, qtile, dtile;  // rows of k, v, q, dout widened to T (ReadRows)
+  hwy::AlignedFreeUniquePtr<T[]> kpad;  // the one-pass plan: the block's keys, rows padded to whole vectors
   std::vector<T> grad_row, grad_row2;               // one gradient row before write_row
   std::vector<LaneRow> lanes;  // the dq pass's lanes
   std::vector<LaneRow> rows;   // the dk/dv pass's query rows of one tile
@@ -107,10 +124,88 @@ struct RowStats {
   }
 };
 
-// dk, dv for keys [j0, j0 + nk) of kv head (b, kvh): keys in lanes.
+// acc[r][c] += Σ_{l < nk} w[r·mq + l] · keys[l][c] for NR rows r and NV vectors of columns c:
+// dq += ds · k with the ds tile as KeyBlockGrads holds it (query rows × key lanes); keys and
+// acc rows `width` apart (whole vectors). Each accumulator is a chain of fused multiply-adds
+// in key order; keys flagged in `bad` are skipped here (AccumulateDsKeys adds them).
+template <size_t NR, size_t NV, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void DsKeysBlock(D d, const T* HWY_RESTRICT w, size_t mq, int64_t nk, const T* HWY_RESTRICT keys,
+                            int64_t width, const uint8_t* bad, T* HWY_RESTRICT acc) {
+  const size_t N = hn::Lanes(d);
+  hn::Vec<D> a[NR][NV];
+  for (size_t r = 0; r < NR; ++r)
+    for (size_t v = 0; v < NV; ++v) a[r][v] = hn::Load(d, acc + static_cast<int64_t>(r) * width + v * N);
+  for (int64_t l = 0; l < nk; ++l) {
+    if (bad != nullptr && bad[l]) continue;
+    hn::Vec<D> k[NV];
+    for (size_t v = 0; v < NV; ++v) k[v] = hn::Load(d, keys + l * width + v * N);
+    for (size_t r = 0; r < NR; ++r) {
+      const auto x = hn::Set(d, w[r * mq + static_cast<size_t>(l)]);
+      for (size_t v = 0; v < NV; ++v) a[r][v] = hn::MulAdd(x, k[v], a[r][v]);
+    }
+  }
+  for (size_t r = 0; r < NR; ++r)
+    for (size_t v = 0; v < NV; ++v) hn::Store(a[r][v], d, acc + static_cast<int64_t>(r) * width + v * N);
+}
+
+// dq rows [0, n) += ds · k (DsKeysBlock over all rows and columns; NR·NV accumulators + NV
+// loads + 1 broadcast fit the target's registers). A key row holding a NaN or inf (`bad`)
+// is added last and skips the rows that give it ds = 0, where 0 · inf would be NaN.
+template <class D, typename T = hn::TFromD<D>>
+void AccumulateDsKeys(D d, const T* HWY_RESTRICT w, int64_t n, size_t mq, int64_t nk, const T* HWY_RESTRICT keys,
+                      int64_t width, const uint8_t* bad, T* HWY_RESTRICT acc) {
+  constexpr size_t NR = kVectorRegisters >= 32 ? 6 : 2, NV = 4;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t c = 0; c < width;) {
+    const bool whole = c + static_cast<int64_t>(NV) * N <= width;
+    int64_t r = 0;
+    for (; r + static_cast<int64_t>(NR) <= n; r += NR) {
+      const T* wr = w + r * static_cast<int64_t>(mq);
+      T* ar = acc + r * width + c;
+      whole ? DsKeysBlock<NR, NV>(d, wr, mq, nk, keys + c, width, bad, ar)
+            : DsKeysBlock<NR, 1>(d, wr, mq, nk, keys + c, width, bad, ar);
+    }
+    for (; r < n; ++r) {
+      const T* wr = w + r * static_cast<int64_t>(mq);
+      T* ar = acc + r * width + c;
+      whole ? DsKeysBlock<1, NV>(d, wr, mq, nk, keys + c, width, bad, ar)
+            : DsKeysBlock<1, 1>(d, wr, mq, nk, keys + c, width, bad, ar);
+    }
+    c += whole ? static_cast<int64_t>(NV) * N : N;
+  }
+  for (int64_t l = 0; bad != nullptr && l < nk; ++l) {
+    if (!bad[l]) continue;
+    for (int64_t r = 0; r < n; ++r) {
+      const T x = w[r * static_cast<int64_t>(mq) + l];
+      if (x == T(0)) continue;
+      for (int64_t c = 0; c < width; ++c) acc[r * width + c] += x * keys[l * width + c];
+    }
+  }
+}
+
+// The one-pass plan: how many chunks each (b, kv head)'s key blocks are dealt into (block
+// kb goes to chunk kb mod chunks, which interleaves a causal mask's long and short blocks),
+// or 0 for the two-pass plan. Enough units for 16 threads where the key blocks allow, with
+// the chunks' float dq rows at most one dq's worth or 32 MiB, whichever is more (FlashAttention
+// keeps one float dq too); two passes where that leaves fewer than 4 units (one long head:
+// N = 65536, D = 64 would need 16 MiB per chunk). A function of the shape and the target's
+// block size only, so the summation order, and with it every bit, is the same for any
+// thread count.
+inline int64_t OnePassChunks(const Problem& p, int64_t key_blocks, int64_t dq_row_bytes) {
+  constexpr int64_t kUnits = 16, kMinUnits = 4, kSpareBytes = int64_t{32} << 20;
+  const int64_t heads = p.B * p.Hkv;
+  const int64_t dq_bytes = std::max<int64_t>(1, p.B * p.Hq * p.Nq * dq_row_bytes);
+  int64_t chunks = std::min(key_blocks, ceil_div(kUnits, heads));
+  chunks = std::min(chunks, std::max(dq_bytes, kSpareBytes) / dq_bytes);
+  return chunks >= 1 && heads * chunks >= kMinUnits ? chunks : 0;
+}
+
+// dk, dv for keys [j0, j0 + nk) of kv head (b, kvh): keys in lanes. With dq_rows (the
+// one-pass plan: rows (h - kvh·group, i) of the group's float dq, padded_width(Dk) apart),
+// also dq += ds · k for the rows that see these keys.
 template <class D, typename T = hn::TFromD<D>>
 void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_t b, int64_t kvh, int64_t j0,
-                   BackwardScratch<T>& s) {
+                   BackwardScratch<T>& s, T* dq_rows) {
   constexpr size_t QV = kBackwardQV;
   using V = hn::Vec<D>;
   const Problem& p = bp.fwd;
@@ -131,6 +226,12 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
     for (int64_t c = 0; c < p.Dk; ++c) s.xt[c * mq + l] = k[c] * scale;
     for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = v[e];
   }
+  const int64_t dq_width = padded_width(p.Dk, N);
+  if (dq_rows != nullptr) {  // the keys unscaled, rows padded with zeros to whole vectors
+    std::fill(s.kpad.get(), s.kpad.get() + nk * dq_width, T(0));
+    for (int64_t l = 0; l < nread; ++l) std::copy_n(keys.row(l), p.Dk, s.kpad.get() + l * dq_width);
+  }
+  const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(b, kvh, j0) : nullptr;
   bool k_pairs = false, v_pairs = false;  // the same keys and values in bfloat16 pairs
   if (s.bf16_dot) {
     k_pairs = pack_bf16_pairs([&](int64_t l) { return p.k.at<uint16_t>(b, kvh, j0 + l); }, nread, p.Dk, mq, s.xp.get());
@@ -211,6 +312,10 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
       AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
+      if (dq_rows != nullptr) {
+        T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;
+        AccumulateDsKeys(d, dpt, n, mq, nread, s.kpad.get(), dq_width, k_bad, acc);
+      }
     }
   }
   T* dk = s.grad_row.data();
@@ -380,6 +485,12 @@ void FlashBackward(const BackwardProblem& bp) {
     rs.dout_dot.resize(rs.lse.size());
   }
   int any_bad_rows = 0, any_bad_keys = 0;
+  // The one-pass plan's float dq rows: (chunk, b, kv head) × (group · Nq rows of dq_width).
+  const int64_t dq_width = padded_width(p.Dk, hn::Lanes(d));
+  const int64_t chunks = OnePassChunks(p, key_blocks, dq_width * static_cast<int64_t>(sizeof(T)));
+  const int64_t head_rows = p.group * p.Nq * dq_width;
+  hwy::AlignedFreeUniquePtr<T[]> dq_chunks =
+      hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(1, chunks * p.B * p.Hkv * head_rows)));
 
 #pragma omp parallel num_threads(threads)
   {
@@ -390,16 +501,42 @@ void FlashBackward(const BackwardProblem& bp) {
       rs.any_bad_keys = any_bad_keys != 0;
     }  // (its barrier publishes them)
     BackwardScratch<T> s(p, static_cast<size_t>(mq), dot);
+    if (chunks == 0) {
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {
-      const int64_t head = u / key_blocks;
-      KeyBlockGrads(d, bp, rs, head / p.Hkv, head % p.Hkv, (u % key_blocks) * mq, s);
-    }
+      for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {
+        const int64_t head = u / key_blocks;
+        KeyBlockGrads(d, bp, rs, head / p.Hkv, head % p.Hkv, (u % key_blocks) * mq, s, static_cast<T*>(nullptr));
+      }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < p.B * p.Hkv * query_blocks; ++u) {
-      const int64_t head = u / query_blocks, r0 = (u % query_blocks) * mq;
-      const BlockRows blk{head / p.Hkv, head % p.Hkv, r0, std::min(mq, rows_per_head - r0)};
-      QueryBlockGrad(d, bp, rs, blk, s);
+      for (int64_t u = 0; u < p.B * p.Hkv * query_blocks; ++u) {
+        const int64_t head = u / query_blocks, r0 = (u % query_blocks) * mq;
+        const BlockRows blk{head / p.Hkv, head % p.Hkv, r0, std::min(mq, rows_per_head - r0)};
+        QueryBlockGrad(d, bp, rs, blk, s);
+      }
+    } else {
+      // Unit (chunk, b, kv head): its key blocks in order, dq into the chunk's rows of the group.
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t u = 0; u < chunks * p.B * p.Hkv; ++u) {
+        const int64_t chunk = u / (p.B * p.Hkv), head = u % (p.B * p.Hkv);
+        T* rows = dq_chunks.get() + u * head_rows;
+        std::fill(rows, rows + head_rows, T(0));
+        for (int64_t kb = chunk; kb < key_blocks; kb += chunks)
+          KeyBlockGrads(d, bp, rs, head / p.Hkv, head % p.Hkv, kb * mq, s, rows);
+      }
+      // dq = scale · Σ_chunk rows, in chunk order.
+      std::vector<T>& dq = s.grad_row;
+      const T scale = static_cast<T>(p.scale);
+#pragma omp for schedule(static)
+      for (int64_t x = 0; x < p.B * p.Hq * p.Nq; ++x) {
+        const int64_t b = x / (p.Hq * p.Nq), h = x / p.Nq % p.Hq, i = x % p.Nq;
+        const T* row = dq_chunks.get() + (b * p.Hkv + h / p.group) * head_rows + (h % p.group * p.Nq + i) * dq_width;
+        for (int64_t c = 0; c < p.Dk; ++c) {
+          T sum = row[c];
+          for (int64_t chunk = 1; chunk < chunks; ++chunk) sum += row[chunk * p.B * p.Hkv * head_rows + c];
+          dq[c] = sum * scale;
+        }
+        write_row(bp.dq, b, h, i, dq.data(), p.Dk);
+      }
     }
   }
 }
