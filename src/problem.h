@@ -22,7 +22,26 @@ struct View4 {
   int64_t shape[4] = {1, 1, 1, 1};
   int64_t strides[4] = {0, 0, 0, 0};  // in elements
 
+  // A paged K/V pool (attention_paged): row n of batch b lies in page table(b, n / page_rows)
+  // of the pool, at row n % page_rows; strides[0] is unused (0) and page_stride steps pages.
+  // Rows are evenly spaced only within a page: kernels that stride across rows keep their
+  // runs inside one (run_end).
+  const void* page_table = nullptr;  // (B, max_pages) int32 or int64, validated for the rows read
+  bool page_table_64 = false;
+  int64_t page_table_stride = 0;  // elements between the table's batch rows
+  int64_t page_rows = 0, page_stride = 0;
+
+  bool paged() const { return page_table != nullptr; }
+  int64_t page_of(int64_t b, int64_t n) const {
+    const int64_t at = b * page_table_stride + n / page_rows;
+    return page_table_64 ? static_cast<const int64_t*>(page_table)[at] : static_cast<const int32_t*>(page_table)[at];
+  }
+  // One past the last row of the evenly spaced run that holds row n.
+  int64_t run_end(int64_t n) const {
+    return paged() ? (n / page_rows + 1) * page_rows : std::numeric_limits<int64_t>::max();
+  }
   int64_t offset(int64_t b, int64_t h, int64_t n, int64_t d) const {
+    if (paged()) return page_of(b, n) * page_stride + n % page_rows * strides[2] + h * strides[1] + d * strides[3];
     return b * strides[0] + h * strides[1] + n * strides[2] + d * strides[3];
   }
   template <typename T>

@@ -218,6 +218,38 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
 void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,
                                const TensorView& dout, const Gradients& grads, const Options& options = {});
 
+// Paged KV cache: keys and values live in a pool of fixed-size pages, as in vLLM and
+// FlashAttention's block_table; sequence b's key j is row j % page_size of page
+// block_table[b][j / page_size].
+//   q            (B, Hq, Nq, Dk)                   q's dtype: float32, float64, bfloat16 or float16
+//   k_pages      (num_pages, page_size, Hkv, Dk)   q's dtype, or bfloat16/float16 under float32 q
+//   v_pages      (num_pages, page_size, Hkv, Dv)   the same dtype and pages as k_pages
+//   block_table  (B, max_pages) int32 or int64, unit last stride; entries of the pages a
+//                sequence uses (j < ceil(seqlens_k[b] / page_size)) in [0, num_pages); the
+//                rest are never read (-1 is fine)
+//   seqlens_k    (B,) int32 or int64, 0 <= seqlens_k[b] <= max_pages · page_size
+//   out          (B, Hq, Nq, Dv); lse (B, Hq, Nq) and weights (B, Hq, Nq, max_pages · page_size),
+//                optional, as attention()'s
+//
+//   page_size = 4, block_table[b] = {7, 2, 5}, seqlens_k[b] = 10:
+//     keys 0-3 in page 7, keys 4-7 in page 2, keys 8-9 in rows 0-1 of page 5
+//
+// The same as attention() with q, the sequence's keys and values gathered in order, and
+// Inputs::seqlens_k: causal and window align to each sequence's own length (a decode step's
+// query sees the whole cache), no mask. page_size may be any size >= 1 (16 to 256 in
+// practice); pages may be shared between sequences and appear in any order. Forward only.
+// Decode (few query rows per kv head) reads the pages in place, one tile per page when a
+// page is shorter than the kernels' 128-key tile; longer query blocks gather each tile of
+// rows. With page_size a multiple of 128, or for query blocks that gather, results are bit for
+// bit those of attention() on the gathered keys capped at KernelPath::kSimd (a paged call does
+// not use the AVX512_BF16/AMX products, which read a tile's keys in place); otherwise tiles end
+// at page boundaries and the sums round differently (the same error bound).
+struct PagedInputs {
+  TensorView q = {}, k_pages = {}, v_pages = {};
+  TensorView block_table = {}, seqlens_k = {};
+};
+void attention_paged(const PagedInputs& inputs, const Outputs& outputs, const Options& options = {});
+
 // Writes the dropout factors attention() with this dropout_p and seed applies: mask[b, h, i, j]
 // = 1 where weight (b, h, i, j) is kept, 0 where dropped. mask is bool, shaped like the weights
 // ((Nq, Nk), (Hq, Nq, Nk) or (B, Hq, Nq, Nk)), any strides.

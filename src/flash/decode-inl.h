@@ -48,6 +48,12 @@ inline constexpr int64_t kVectorRegisters = 16;
 template <int64_t R>
 inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R + 1) * 2 <= kVectorRegisters ? 2 : 1;
 
+// The keys of the tile that starts at j0 (< end): to the next multiple of kTileKeys, and in a
+// paged pool to the end of j0's page, since K and V are read in place with one row stride.
+inline int64_t decode_tile_keys(const Problem& p, int64_t j0, int64_t end) {
+  return std::min({tile_start(j0) + kTileKeys, end, p.k.run_end(j0)}) - j0;
+}
+
 // s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
 // pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
 // vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
@@ -61,18 +67,25 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
   const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
-  // Byte addresses of key row j0 + kTileKeys (a tile ahead) and value row j0, advanced per key.
-  const char* k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, 0, 0));
-  const char* v_row = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, 0, 0));
+  // Byte addresses of the key rows a tile ahead (kTileKeys keys on; in a paged pool the run of
+  // rows that follows this one, up to `ahead` of them) and of value row j0, advanced per key.
   const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype), vs_bytes = p.v.strides[2] * storage_bytes(p.v.dtype);
-  k_ahead += (j0 + kTileKeys) * ks_bytes;
-  v_row += j0 * vs_bytes;
+  const char* v_row = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, j0, 0));
+  const char* k_ahead = nullptr;
+  int64_t ahead = 0;  // rows of k_ahead that exist (a pointer past the tensor would be undefined, even unread)
+  if (!p.k.paged()) {
+    ahead = std::min(n, p.Nk - (j0 + kTileKeys));
+    if (ahead > 0) k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + kTileKeys, 0));
+  } else if (j0 + n < p.keys_of(blk.b)) {
+    ahead = std::min({n, p.k.run_end(j0 + n), p.keys_of(blk.b)}) - (j0 + n);
+    k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + n, 0));
+  }
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
     const S* kj = keys.row(j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
-    // the key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
-    if (j0 + j + kTileKeys < p.Nk) {  // a pointer past the tensor would be undefined, even unread
+    // a key row ahead now (in its storage dtype), so both arrive while this tile computes.
+    if (j < ahead) {
       const char* next = k_ahead + j * ks_bytes;
       for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
     }
@@ -149,9 +162,8 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
   }
   std::fill(o, o + R * dvp, T(0));
 
-  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
-    const int64_t j0 = std::max(t, span.begin);
-    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+  for (int64_t j0 = span.begin, n = 0; j0 < span.end; j0 += n) {
+    n = decode_tile_keys(p, j0, span.end);
     const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
     const Rows<S> values{p.v.at<S>(blk.b, blk.kvh, j0), p.v.strides[2]};
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/true, st);
@@ -248,9 +260,8 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
   }
-  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
-    const int64_t j0 = std::max(t, span.begin);
-    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+  for (int64_t j0 = span.begin, n = 0; j0 < span.end; j0 += n) {
+    n = decode_tile_keys(p, j0, span.end);
     const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, st);
     for (int64_t r = 0; r < R; ++r) {

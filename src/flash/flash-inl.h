@@ -96,8 +96,8 @@ struct Scratch {
         l(hwy::AllocateAligned<T>(group * mq)),
         decode_q(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dk + lanes_per_vector))),
         decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
-        ktile(hwy::AllocateAligned<T>(p.k.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dk))),
-        vtile(hwy::AllocateAligned<T>(p.v.dtype == dtype_of<T>() ? 1 : kTileKeys * std::max<int64_t>(1, p.Dv))),
+        ktile(hwy::AllocateAligned<T>(needs_row_scratch<T>(p.k) ? kTileKeys * std::max<int64_t>(1, p.Dk) : 1)),
+        vtile(hwy::AllocateAligned<T>(needs_row_scratch<T>(p.v) ? kTileKeys * std::max<int64_t>(1, p.Dv) : 1)),
         bad(hwy::AllocateAligned<T>(std::max<size_t>(1, group * kBadClasses * Dv * mq))),
         qp(hwy::AllocateAligned<uint32_t>(dot != KernelPath::kSimd ? std::max<size_t>(1, group * ((Dk + 1) / 2) * mq) : 1)),  // Dk = 0: not 0 bytes (Highway aborts)
         bf16_dot(dot != KernelPath::kSimd),
@@ -507,8 +507,10 @@ void Flash(const Problem& p) {
   const Plan plan = make_plan(p, N);
   const size_t mq = plan.qv * N;
   // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
-  const KernelPath dot = plan.decode || !bf16_dot_scale_ok(p.scale) ? KernelPath::kSimd
-                                                                     : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
+  // (Not from a paged pool: the instruction reads a tile's keys in place, evenly spaced.)
+  const KernelPath dot = plan.decode || !bf16_dot_scale_ok(p.scale) || p.k.paged()
+                             ? KernelPath::kSimd
+                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
   note_kernel_path(dot);
   const size_t partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * mq;  // (ot, m, l, bad) of one block and chunk
   std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);

@@ -48,6 +48,10 @@ HWY_INLINE void WidenRow(D d, DType from, const void* src, int64_t n, T* HWY_RES
       for (; c + N <= n; c += N) hn::StoreU(hn::PromoteTo(d, hn::LoadU(dh, s + c)), d, dst + c);
     }
   }
+  if (from == dtype_of<T>()) {  // a paged view's rows gathered as they are
+    std::copy_n(static_cast<const T*>(src), n, dst);
+    return;
+  }
   const int64_t bytes = storage_bytes(from);
   for (; c < n; ++c) dst[c] = load_as<T>(from, static_cast<const char*>(src) + c * bytes);
 }
@@ -89,13 +93,20 @@ HWY_INLINE void WithStorage(DType storage, const F& f) {
 }
 
 // Rows [n0, n0 + n) of head (b, h) of a (B, H, N, width) view as T: in place when the view holds
-// T, else widened into scratch (n × width, which the caller sizes).
+// T and the rows are evenly spaced (not across pages of a paged view), else widened or
+// gathered into scratch (n × width, which the caller sizes: see needs_row_scratch).
 template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n, int64_t width,
                             T* HWY_RESTRICT scratch) {
-  if (v.dtype == dtype_of<T>()) return {v.at<T>(b, h, n0), v.strides[2]};
+  if (v.dtype == dtype_of<T>() && n0 + n <= v.run_end(n0)) return {v.at<T>(b, h, n0), v.strides[2]};
   for (int64_t r = 0; r < n; ++r) WidenRow(d, v.dtype, v.ptr(b, h, n0 + r, 0), width, scratch + r * width);
   return {scratch, width};
+}
+
+// Whether ReadRows may need scratch for rows of v read as T.
+template <typename T>
+bool needs_row_scratch(const View4& v) {
+  return v.dtype != dtype_of<T>() || v.paged();
 }
 
 // Whether x[0, n) holds a NaN or inf: x · 0 is NaN exactly for those, so one fused
