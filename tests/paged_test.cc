@@ -268,6 +268,39 @@ TEST(Paged, BadArgumentsAreErrorsThatWriteNothing) {
   call([](auto& in, auto&, auto&) { in.k_pages.shape[1] = 0; in.v_pages.shape[1] = 0; }, "page_size");
 }
 
+// Two sequences sharing a prefix read the same pages (read-only): the second sequence's table
+// points at the first's two full pages, then a page of its own.
+TEST(Paged, SequencesMaySharePages) {
+  const PagedCase c{kF32, kF32, 2, 2, 1, 2, 4, 16, 16, 16, Causal::kBottomRight, {}};
+  std::mt19937 rng(8);
+  Tensors t = dense_problem(c, rng);
+  t.seqlens_k = {40, 45};
+  const int64_t Nk = c.max_pages * c.page_size;
+  for (int64_t j = 0; j < Nk; ++j)  // sequence 1's first 32 keys are sequence 0's; the rest finite
+    for (int64_t e = 0; e < c.Dk; ++e) {
+      const double k0 = j < 32 ? t.k.get(j * c.Dk + e) : static_cast<double>(e % 5) - 2;
+      const double v0 = j < 32 ? t.v.get(j * c.Dv + e) : static_cast<double>(e % 3) - 1;
+      t.k.set((Nk + j) * c.Dk + e, k0);
+      t.v.set((Nk + j) * c.Dv + e, v0);
+      if (j >= 32) {
+        t.k.set(j * c.Dk + e, k0);
+        t.v.set(j * c.Dv + e, v0);
+      }
+    }
+  Pool pool = scatter(t, c, rng);  // 3 + 3 pages: sequence 1's first two are copies
+  for (int64_t pg = 0; pg < 2; ++pg) {  // its own copies become NaN: only the shared ones are read
+    const int64_t own = pool.table[c.max_pages + pg];
+    for (int64_t x = 0; x < c.page_size * c.Dk; ++x) pool.k.set(own * c.page_size * c.Dk + x, std::nan(""));
+    for (int64_t x = 0; x < c.page_size * c.Dv; ++x) pool.v.set(own * c.page_size * c.Dv + x, std::nan(""));
+    pool.table[c.max_pages + pg] = pool.table[pg];
+  }
+  sdpa::Options o;
+  o.causal = c.causal;
+  const Outs got = run_paged(t, pool, c, o);
+  EXPECT_TRUE(matches_reference(t, o, got));
+  EXPECT_TRUE(blocked_are_exact(t, o, got));
+}
+
 // A table entry past a sequence's pages is never read: -1 or garbage there changes nothing.
 TEST(Paged, EntriesPastASequencesPagesAreNotRead) {
   const PagedCase c{kF32, kF32, 3, 2, 1, 1, 6, 16, 32, 32, Causal::kNone, {}};

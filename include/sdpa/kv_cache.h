@@ -1,0 +1,76 @@
+// A paged KV cache that owns its pool and block tables: the layout attention_paged reads.
+//
+//   pool    k_pages (num_pages, page_size, Hkv, Dk), v_pages (num_pages, page_size, Hkv, Dv),
+//           C order, in the cache's dtype (float32, float64, bfloat16 or float16)
+//   seq s   a list of pages (its block-table row) and a length L: key j of s is row
+//           j % page_size of page pages[j / page_size], for j < L
+//
+//   page_size 4; sequence 0 holds 6 tokens in pages {3, 0}, sequence 1 holds 3 in page {1}:
+//     page 0: s0 keys 4 5 . .    page 1: s1 keys 0 1 2 .    page 2: free    page 3: s0 keys 0 1 2 3
+//
+// append() writes new tokens in place, taking free pages as a sequence grows (lowest index
+// first); free() gives a sequence's pages back. An engine that fills the pool itself can call
+// attention_paged on k_pages(), v_pages() and block tables of its own instead.
+// Not thread-safe: one thread changes a cache at a time (attention() only reads it).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "sdpa/attention.h"
+
+namespace sdpa {
+
+class KVCache {
+ public:
+  // Throws Error for a size < 1 (page_size, Hkv), < 0 (num_pages, Dk, Dv) or a dtype that is
+  // not float32, float64, bfloat16 or float16.
+  KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int64_t head_dim_k, int64_t head_dim_v,
+          DType dtype = DType::kFloat32);
+
+  // A new, empty sequence: its id (the lowest id not in use).
+  int64_t new_sequence();
+  // Appends n tokens to sequence `seq`: k (n, Hkv, Dk) and v (n, Hkv, Dv) in the cache's dtype,
+  // any strides with a unit last one. Throws Error (writing nothing) for an unknown sequence,
+  // mismatched shapes or dtype, or when the pool has too few free pages.
+  void append(int64_t seq, const TensorView& k, const TensorView& v);
+  // Gives the sequence's pages back; its id may be reused. Throws Error for an unknown sequence.
+  void free(int64_t seq);
+
+  // Attention of q (len(seqs), Hq, Nq, Dk), row b against sequence seqs[b] (a sequence may
+  // appear more than once): attention_paged on the pool with these sequences' block tables
+  // and lengths. Causal bottom-right lets query i see keys j <= i + L - Nq: a step that
+  // appended Nq tokens and attends with their queries sees the cache up to itself.
+  void attention(const TensorView& q, const std::vector<int64_t>& seqs, const Outputs& outputs,
+                 const Options& options = {}) const;
+
+  int64_t length(int64_t seq) const;
+  const std::vector<int32_t>& pages(int64_t seq) const;  // its block-table row
+  std::vector<int64_t> sequences() const;                // the ids in use, ascending
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t num_pages() const { return num_pages_; }
+  int64_t page_size() const { return page_size_; }
+  int64_t num_kv_heads() const { return heads_; }
+  int64_t head_dim_k() const { return dk_; }
+  int64_t head_dim_v() const { return dv_; }
+  DType dtype() const { return dtype_; }
+  TensorView k_pages() const;  // the pool, (num_pages, page_size, Hkv, Dk)
+  TensorView v_pages() const;
+
+ private:
+  struct Sequence {
+    bool live = false;
+    int64_t length = 0;
+    std::vector<int32_t> pages;
+  };
+  const Sequence& sequence(int64_t seq) const;  // throws for an unknown id
+
+  int64_t num_pages_, page_size_, heads_, dk_, dv_;
+  DType dtype_;
+  std::vector<std::byte> k_, v_;
+  std::vector<int32_t> free_;  // free pages, highest first (taken from the back)
+  std::vector<Sequence> seqs_;
+};
+
+}  // namespace sdpa

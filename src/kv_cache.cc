@@ -1,0 +1,164 @@
+// KVCache: the pool, its free list and the sequences' pages; attention goes to attention_paged.
+#include "sdpa/kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "storage.h"
+
+namespace sdpa {
+namespace {
+
+[[noreturn]] void fail(const std::string& message) { throw Error(message); }
+
+int64_t checked_product(std::initializer_list<int64_t> dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) {
+    if (d != 0 && n > std::numeric_limits<int64_t>::max() / d) fail("KVCache: the pool's size overflows");
+    n *= d;
+  }
+  return n;
+}
+
+// Token rows (n, H, D) of a new k or v: shape, dtype, unit last stride.
+void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, DType dtype, int64_t n) {
+  const std::string want = "(n, " + std::to_string(H) + ", " + std::to_string(D) + ")";
+  if (t.rank != 3 || t.shape[1] != H || t.shape[2] != D) {
+    fail(std::string(name) + " has shape " + t.shape_string() + " but the cache takes " + want);
+  }
+  if (t.shape[0] != n) {
+    fail(std::string(name) + " has " + std::to_string(t.shape[0]) + " tokens but k has " + std::to_string(n));
+  }
+  if (t.dtype != dtype) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but the cache holds " + dtype_name(dtype));
+  }
+  if (n > 0 && D > 1 && t.strides[2] != 1) fail(std::string(name) + " must have a unit last stride");
+  if (n > 0 && H > 0 && D > 0 && t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
+}
+
+}  // namespace
+
+KVCache::KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int64_t head_dim_k, int64_t head_dim_v,
+                 DType dtype)
+    : num_pages_(num_pages), page_size_(page_size), heads_(num_kv_heads), dk_(head_dim_k), dv_(head_dim_v), dtype_(dtype) {
+  if (page_size < 1) fail("KVCache: page_size=" + std::to_string(page_size) + " must be at least 1");
+  if (num_kv_heads < 1) fail("KVCache: num_kv_heads=" + std::to_string(num_kv_heads) + " must be at least 1");
+  if (num_pages < 0 || num_pages > std::numeric_limits<int32_t>::max()) {
+    fail("KVCache: num_pages=" + std::to_string(num_pages) + " must be in [0, 2^31)");
+  }
+  if (head_dim_k < 0 || head_dim_v < 0) {
+    fail("KVCache: head dims " + std::to_string(head_dim_k) + ", " + std::to_string(head_dim_v) + " must be >= 0");
+  }
+  if (dtype != DType::kFloat32 && dtype != DType::kFloat64 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
+    fail(std::string("KVCache: dtype ") + dtype_name(dtype) + " must be float32, float64, bfloat16 or float16");
+  }
+  const int64_t bytes = internal::storage_bytes(dtype);
+  k_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_k, bytes})));
+  v_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_v, bytes})));
+  for (int64_t p = num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
+}
+
+int64_t KVCache::new_sequence() {
+  for (size_t s = 0; s < seqs_.size(); ++s) {
+    if (!seqs_[s].live) {
+      seqs_[s] = {true, 0, {}};
+      return static_cast<int64_t>(s);
+    }
+  }
+  seqs_.push_back({true, 0, {}});
+  return static_cast<int64_t>(seqs_.size()) - 1;
+}
+
+const KVCache::Sequence& KVCache::sequence(int64_t seq) const {
+  if (seq < 0 || seq >= static_cast<int64_t>(seqs_.size()) || !seqs_[static_cast<size_t>(seq)].live) {
+    fail("sequence " + std::to_string(seq) + " is not in this KVCache (ids in use: " +
+         std::to_string(sequences().size()) + ", from new_sequence())");
+  }
+  return seqs_[static_cast<size_t>(seq)];
+}
+
+void KVCache::append(int64_t seq, const TensorView& k, const TensorView& v) {
+  const Sequence& s = sequence(seq);
+  const int64_t n = k.rank == 3 ? k.shape[0] : 0;
+  check_tokens("k", k, heads_, dk_, dtype_, n);
+  check_tokens("v", v, heads_, dv_, dtype_, n);
+  const int64_t need = (s.length + n + page_size_ - 1) / page_size_ - static_cast<int64_t>(s.pages.size());
+  if (need > free_pages()) {
+    fail("KVCache is full: sequence " + std::to_string(seq) + " needs " + std::to_string(need) +
+         " more pages for " + std::to_string(n) + " tokens, " + std::to_string(free_pages()) + " of " +
+         std::to_string(num_pages_) + " are free");
+  }
+  Sequence& w = seqs_[static_cast<size_t>(seq)];
+  for (int64_t p = 0; p < need; ++p) {
+    w.pages.push_back(free_.back());
+    free_.pop_back();
+  }
+  const int64_t bytes = internal::storage_bytes(dtype_);
+  const auto copy = [&](const TensorView& t, std::vector<std::byte>& pool, int64_t D) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = w.length + i;
+      const int64_t row = w.pages[static_cast<size_t>(j / page_size_)] * page_size_ + j % page_size_;
+      for (int64_t h = 0; h < heads_; ++h) {
+        const auto* src = static_cast<const std::byte*>(t.data) + (i * t.strides[0] + h * t.strides[1]) * bytes;
+        std::memcpy(pool.data() + ((row * heads_ + h) * D) * bytes, src, static_cast<size_t>(D * bytes));
+      }
+    }
+  };
+  if (dk_ > 0) copy(k, k_, dk_);
+  if (dv_ > 0) copy(v, v_, dv_);
+  w.length += n;
+}
+
+void KVCache::free(int64_t seq) {
+  sequence(seq);
+  Sequence& s = seqs_[static_cast<size_t>(seq)];
+  for (auto it = s.pages.rbegin(); it != s.pages.rend(); ++it) free_.push_back(*it);
+  std::sort(free_.begin(), free_.end(), std::greater<>());  // lowest index taken first
+  s = {};
+}
+
+void KVCache::attention(const TensorView& q, const std::vector<int64_t>& seqs, const Outputs& outputs,
+                        const Options& options) const {
+  if (q.rank != 4 || q.shape[0] != static_cast<int64_t>(seqs.size())) {
+    fail("q has shape " + q.shape_string() + " but must be (len(seqs), Hq, Nq, Dk) = (" + std::to_string(seqs.size()) +
+         ", Hq, Nq, " + std::to_string(dk_) + ")");
+  }
+  size_t max_pages = 0;
+  for (int64_t s : seqs) max_pages = std::max(max_pages, sequence(s).pages.size());
+  std::vector<int32_t> table(seqs.size() * std::max<size_t>(1, max_pages), -1);
+  std::vector<int64_t> lengths(seqs.size());
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const Sequence& s = sequence(seqs[b]);
+    std::copy(s.pages.begin(), s.pages.end(), table.begin() + static_cast<std::ptrdiff_t>(b * max_pages));
+    lengths[b] = s.length;
+  }
+  PagedInputs in;
+  in.q = q;
+  in.k_pages = k_pages();
+  in.v_pages = v_pages();
+  in.block_table = TensorView::contiguous(table.data(), DType::kInt32,
+                                          {static_cast<int64_t>(seqs.size()), static_cast<int64_t>(max_pages)});
+  in.seqlens_k = TensorView::contiguous(lengths.data(), DType::kInt64, {static_cast<int64_t>(seqs.size())});
+  attention_paged(in, outputs, options);
+}
+
+int64_t KVCache::length(int64_t seq) const { return sequence(seq).length; }
+const std::vector<int32_t>& KVCache::pages(int64_t seq) const { return sequence(seq).pages; }
+
+std::vector<int64_t> KVCache::sequences() const {
+  std::vector<int64_t> ids;
+  for (size_t s = 0; s < seqs_.size(); ++s)
+    if (seqs_[s].live) ids.push_back(static_cast<int64_t>(s));
+  return ids;
+}
+
+TensorView KVCache::k_pages() const {
+  return TensorView::contiguous(const_cast<std::byte*>(k_.data()), dtype_, {num_pages_, page_size_, heads_, dk_});
+}
+TensorView KVCache::v_pages() const {
+  return TensorView::contiguous(const_cast<std::byte*>(v_.data()), dtype_, {num_pages_, page_size_, heads_, dv_});
+}
+
+}  // namespace sdpa
