@@ -12,9 +12,11 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "hwy/targets.h"
 #include "sdpa/attention.h"
+#include "sdpa/kv_cache.h"
 
 namespace nb = nanobind;
 
@@ -38,7 +40,7 @@ sdpa::TensorView to_view(const A& a, const char* name) {
   } else if (dt == nb::dtype<bool>()) {
     t.dtype = sdpa::DType::kBool;
   } else if (dt == nb::dtype<int64_t>()) {
-    t.dtype = sdpa::DType::kInt64;  // seqlens_k only (the package converts it to int64)
+    t.dtype = sdpa::DType::kInt64;  // seqlens_k, cu_seqlens, block_table (the package makes them int64)
   } else {
     throw nb::type_error(
         (std::string(name) + " must be float32, float64, float16, bfloat16 (as a uint16 view) or bool").c_str());
@@ -153,6 +155,39 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
   sdpa::attention_varlen_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
 
+void attention_paged(const ConstArray& q, const ConstArray& k_pages, const ConstArray& v_pages, const ConstArray& table,
+                     const ConstArray& seqlens_k, const Array& out, const std::optional<Array>& lse,
+                     std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
+                     const std::string& backend) {
+  const sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
+                             to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k")};
+  sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
+  if (lse) outs.lse = to_view(*lse, "lse");
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt);
+  nb::gil_scoped_release release;
+  sdpa::attention_paged(in, outs, opt);
+}
+
+sdpa::DType parse_float_dtype(const std::string& name) {
+  if (name == "float32") return sdpa::DType::kFloat32;
+  if (name == "float64") return sdpa::DType::kFloat64;
+  if (name == "float16") return sdpa::DType::kFloat16;
+  if (name == "bfloat16") return sdpa::DType::kBFloat16;
+  throw nb::value_error(("dtype must be float32, float64, float16 or bfloat16, got '" + name + "'").c_str());
+}
+
+// The pool of a KVCache as an array of its memory (bfloat16 as uint16 bits), kept alive by the
+// cache (rv_policy::reference_internal).
+nb::ndarray<nb::numpy> pool_array(const sdpa::TensorView& t) {
+  const size_t shape[4] = {static_cast<size_t>(t.shape[0]), static_cast<size_t>(t.shape[1]),
+                           static_cast<size_t>(t.shape[2]), static_cast<size_t>(t.shape[3])};
+  nb::dlpack::dtype dt = nb::dtype<float>();
+  if (t.dtype == sdpa::DType::kFloat64) dt = nb::dtype<double>();
+  if (t.dtype == sdpa::DType::kFloat16) dt = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+  if (t.dtype == sdpa::DType::kBFloat16) dt = nb::dtype<uint16_t>();
+  return nb::ndarray<nb::numpy>(t.data, 4, shape, nb::handle(), nullptr, dt);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -174,6 +209,45 @@ NB_MODULE(_core, m) {
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none());
+  m.def("attention_paged", &attention_paged, nb::arg("q"), nb::arg("k_pages"), nb::arg("v_pages"),
+        nb::arg("block_table"), nb::arg("seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
+  nb::class_<sdpa::KVCache>(m, "KVCache")
+      .def("__init__",
+           [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
+              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, parse_float_dtype(dtype)); },
+           nb::arg("num_pages"), nb::arg("page_size"), nb::arg("num_kv_heads"), nb::arg("head_dim_k"),
+           nb::arg("head_dim_v"), nb::arg("dtype"))
+      .def("new_sequence", &sdpa::KVCache::new_sequence)
+      .def("append", [](sdpa::KVCache& c, int64_t seq, const ConstArray& k, const ConstArray& v) {
+        c.append(seq, to_view(k, "k"), to_view(v, "v"));
+      }, nb::arg("seq"), nb::arg("k"), nb::arg("v"))
+      .def("free", &sdpa::KVCache::free, nb::arg("seq"))
+      .def("length", &sdpa::KVCache::length, nb::arg("seq"))
+      .def("pages", &sdpa::KVCache::pages, nb::arg("seq"))
+      .def("sequences", &sdpa::KVCache::sequences)
+      .def_prop_ro("free_pages", &sdpa::KVCache::free_pages)
+      .def_prop_ro("num_pages", &sdpa::KVCache::num_pages)
+      .def_prop_ro("page_size", &sdpa::KVCache::page_size)
+      .def_prop_ro("num_kv_heads", &sdpa::KVCache::num_kv_heads)
+      .def_prop_ro("head_dim_k", &sdpa::KVCache::head_dim_k)
+      .def_prop_ro("head_dim_v", &sdpa::KVCache::head_dim_v)
+      .def_prop_ro("dtype", [](const sdpa::KVCache& c) { return std::string(sdpa::dtype_name(c.dtype())); })
+      .def("k_pages", [](const sdpa::KVCache& c) { return pool_array(c.k_pages()); }, nb::rv_policy::reference_internal)
+      .def("v_pages", [](const sdpa::KVCache& c) { return pool_array(c.v_pages()); }, nb::rv_policy::reference_internal)
+      .def("attention",
+           [](const sdpa::KVCache& c, const ConstArray& q, const std::vector<int64_t>& seqs, const Array& out,
+              const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
+              int64_t window_left, int64_t window_right, const std::string& backend) {
+             sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
+             if (lse) outs.lse = to_view(*lse, "lse");
+             const sdpa::TensorView qv = to_view(q, "q");
+             const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt);
+             nb::gil_scoped_release release;
+             c.attention(qv, seqs, outs, opt);
+           },
+           nb::arg("q"), nb::arg("seqs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(),
+           nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

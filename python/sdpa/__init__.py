@@ -19,7 +19,7 @@ import numpy as np
 from . import _core
 
 __all__ = ["attention", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "set_num_threads", "num_threads"]
+           "attention_paged", "KVCache", "set_num_threads", "num_threads"]
 __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
@@ -595,6 +595,168 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
                                     causal_code, left, right, backend, p, seed)
     return dq, dk, dv
+
+
+_POOL_DTYPES = {_FLOAT32: "float32", _FLOAT64: "float64", _FLOAT16: "float16", _BFLOAT16: "bfloat16"}
+
+
+def _pool_array(name, a):
+    """A page pool as _core reads it: in place, never copied (it may be most of memory)."""
+    a = _asarray(name, a)
+    if a.dtype not in _POOL_DTYPES:
+        raise TypeError(f"{name} has dtype {a.dtype}, but a page pool must be float32, float64, float16 or "
+                        "ml_dtypes.bfloat16 (it is read in place, not converted)")
+    if a.ndim != 4:
+        raise ValueError(f"{name} has shape {a.shape}, but must be (num_pages, page_size, Hkv, D)")
+    if not _readable_in_place(a) or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
+        raise ValueError(f"{name} must be aligned with a unit stride in its last dim (it is read in place)")
+    return a
+
+
+def _paged_query(q, pool_dtype, nq_name="q"):
+    """q as the kernels take it against a pool of `pool_dtype`: the pool's dtype, or float32 over
+    a 16-bit pool."""
+    q = _asarray(nq_name, q)
+    _check_real(nq_name, q)
+    if q.ndim != 4:
+        raise ValueError(f"{nq_name} has shape {q.shape}, but must be (B, Hq, Nq, Dk)")
+    dtype = _FLOAT32 if pool_dtype in _LOW and _narrow_float(q) == _FLOAT32 else pool_dtype
+    return _prepared(nq_name, q, dtype)
+
+
+def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, causal=False, scale=None, window=None,
+                    return_lse=False, backend="auto"):
+    """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
+    layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
+
+    Shapes::
+
+        q            (B, Hq, Nq, Dk)
+        k_pages      (num_pages, page_size, Hkv, Dk)   float32, float64, float16 or bfloat16,
+        v_pages      (num_pages, page_size, Hkv, Dv)   read in place (never copied)
+        block_table  (B, max_pages) integers: the pages sequence b uses, in order; entries past
+                     ceil(seqlens_k[b] / page_size) are not read (-1 is fine)
+        seqlens_k    (B,) integers: sequence b has keys 0 .. seqlens_k[b] - 1
+        returns out  (B, Hq, Nq, Dv)          in q's dtype
+                lse  (B, Hq, Nq)              if return_lse
+
+    For page_size = 4, block_table[b] = [7, 2, 5], seqlens_k[b] = 10::
+
+        keys     0 1 2 3 | 4 5 6 7 | 8 9
+        pages    page 7  | page 2  | page 5 (rows 0-1)
+
+    The same as ``attention(q, k, v, seqlens_k=seqlens_k)`` with each sequence's keys and
+    values gathered in order: causal and window align to each sequence's own length (with
+    ``causal=True`` a query block appended last sees the whole cache up to itself). q is
+    converted to the pools' dtype, except float32 q over 16-bit pools, which is kept. Pages
+    may be shared between sequences and appear in any order. Forward only; no mask.
+    """
+    k_pages, v_pages = _pool_array("k_pages", k_pages), _pool_array("v_pages", v_pages)
+    q = _paged_query(q, k_pages.dtype)
+    table = _asarray("block_table", block_table)
+    if table.dtype == np.bool_ or table.dtype.kind not in "iu":
+        raise TypeError(f"block_table has dtype {table.dtype}, but must hold integers (page indices)")
+    if table.ndim != 2:
+        raise ValueError(f"block_table has shape {table.shape}, but must be (B, max_pages)")
+    if table.dtype == np.uint64 and table.size and int(table.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"block_table holds {int(table.max())}, more than any number of pages")
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    seqlens = _prepared_seqlens(seqlens_k)
+    dtype = _compute_dtype(q.dtype)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
+    lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
+    _core.attention_paged(*map(_core_view, (q, k_pages, v_pages, table, seqlens, out, lse)), scale, causal_code, left,
+                          right, backend)
+    return (out, lse) if return_lse else out
+
+
+class KVCache:
+    """A paged KV cache that owns its page pool and the sequences' block tables, for
+    ``attention_paged``::
+
+        cache = sdpa.KVCache(num_pages=1024, page_size=16, num_kv_heads=8, head_dim_k=128)
+        s = cache.new_sequence()
+        cache.append(s, k_prompt, v_prompt)        # (n, Hkv, Dk), (n, Hkv, Dv) token-major
+        out = cache.attention(q, [s], causal=True) # q (1, Hq, Nq, Dk) against all of s so far
+
+    Layout (what an engine filling a pool itself reproduces)::
+
+        k_pages  (num_pages, page_size, Hkv, Dk), v_pages (num_pages, page_size, Hkv, Dv), C order
+        sequence s: pages(s) = its block-table row; key j is row j % page_size of page
+                    pages(s)[j // page_size], for j < length(s)
+
+        page_size 4; s0 holds 6 tokens in pages [3, 0], s1 holds 3 in page [1]:
+          page 0: s0 keys 4 5 . .   page 1: s1 keys 0 1 2 .   page 2: free   page 3: s0 keys 0-3
+
+    ``append`` writes new tokens in place (converted to the cache's dtype, rounded once), taking
+    free pages lowest first; ``free`` gives a sequence's pages back. ``attention(q, seqs)``
+    attends row b of q (len(seqs), Hq, Nq, Dk) to sequence seqs[b]. Errors (ValueError) for a
+    full pool, an unknown sequence, and mismatched heads, dims or token counts; nothing is
+    written then. Not thread-safe while it changes.
+    """
+
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim_k, head_dim_v=None, dtype=np.float32):
+        self._dtype = np.dtype(dtype)
+        if self._dtype not in _POOL_DTYPES:
+            raise TypeError(f"dtype {self._dtype} must be float32, float64, float16 or ml_dtypes.bfloat16")
+        self._c = _core.KVCache(num_pages, page_size, num_kv_heads, head_dim_k,
+                                head_dim_k if head_dim_v is None else head_dim_v, _POOL_DTYPES[self._dtype])
+
+    def new_sequence(self):
+        """A new, empty sequence; returns its id (the lowest not in use)."""
+        return self._c.new_sequence()
+
+    def append(self, seq, k, v):
+        """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv)."""
+        k, v = (_prepared(name, _asarray(name, a), self._dtype) for name, a in (("k", k), ("v", v)))
+        self._c.append(seq, _core_view(k), _core_view(v))
+
+    def free(self, seq):
+        """Gives the sequence's pages back to the pool; its id may be reused."""
+        self._c.free(seq)
+
+    def length(self, seq):
+        return self._c.length(seq)
+
+    def pages(self, seq):
+        """The sequence's pages in order: its block-table row."""
+        return list(self._c.pages(seq))
+
+    def sequences(self):
+        return list(self._c.sequences())
+
+    @property
+    def free_pages(self):
+        return self._c.free_pages
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def k_pages(self):
+        """The key pool (num_pages, page_size, Hkv, Dk): a view of the cache's memory."""
+        a = self._c.k_pages()
+        return a.view(_BFLOAT16) if self._dtype == _BFLOAT16 else a
+
+    @property
+    def v_pages(self):
+        a = self._c.v_pages()
+        return a.view(_BFLOAT16) if self._dtype == _BFLOAT16 else a
+
+    def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto"):
+        """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (ids; one may
+        appear more than once): row b attends to sequence seqs[b]. Options as ``attention``."""
+        seqs = [int(s) for s in (seqs if isinstance(seqs, (list, tuple, np.ndarray)) else [seqs])]
+        q = _paged_query(q, self._dtype)
+        dtype = _compute_dtype(q.dtype)
+        causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+        out = _empty("out", q.shape[:-1] + (self._c.head_dim_v,), q.dtype)
+        lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
+        self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,
+                          backend)
+        return (out, lse) if return_lse else out
 
 
 def dropout_mask(shape, dropout_p, seed):

@@ -1,0 +1,140 @@
+"""sdpa.attention_paged and sdpa.KVCache: the gathered dense problem's results, the docstring's
+picture, token-by-token generation against full recomputation, dtypes, and the errors."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import sdpa
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def tolerance(dtype):
+    return {np.float64: 1e-12, np.float32: 2e-5}.get(np.dtype(dtype).type, 2e-2)
+
+
+def paged(rng, lengths, page_size, hkv, dk, dv, dtype):
+    """A pool holding the sequences' rows in shuffled pages (the others NaN), its block table,
+    and the dense (B, Hkv, Nk, D) keys and values the pages hold."""
+    used = [-(-n // page_size) for n in lengths]
+    num_pages = sum(used) + 2
+    max_pages = max(used + [1])
+    order = rng.permutation(num_pages)
+    k_pages = np.full((num_pages, page_size, hkv, dk), np.nan, dtype)
+    v_pages = np.full((num_pages, page_size, hkv, dv), np.nan, dtype)
+    table = np.full((len(lengths), max_pages), -1, np.int32)
+    nk = max_pages * page_size
+    k = rng.standard_normal((len(lengths), hkv, nk, dk)).astype(dtype)
+    v = rng.standard_normal((len(lengths), hkv, nk, dv)).astype(dtype)
+    at = 0
+    for b, n in enumerate(lengths):
+        for p in range(used[b]):
+            page = order[at]
+            at += 1
+            table[b, p] = page
+            rows = range(p * page_size, min(n, (p + 1) * page_size))
+            for r, j in enumerate(rows):
+                k_pages[page, r] = k[b, :, j]
+                v_pages[page, r] = v[b, :, j]
+    return k_pages, v_pages, table, k, v
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
+@pytest.mark.parametrize("page_size,nq,causal", [(16, 1, True), (48, 3, True), (128, 20, "top_left"), (16, 2, False)])
+def test_paged_equals_attention_on_the_gathered_keys(dtype, page_size, nq, causal):
+    rng = np.random.default_rng(page_size + nq)
+    lengths = [page_size * 3, 0, 1, page_size - 1, page_size + 1, 100]
+    k_pages, v_pages, table, k, v = paged(rng, lengths, page_size, 2, 32, 24, dtype)
+    q = rng.standard_normal((len(lengths), 4, nq, 32)).astype(dtype)
+    out, lse = sdpa.attention_paged(q, k_pages, v_pages, table, lengths, causal=causal, return_lse=True)
+    want, want_lse = sdpa.attention(q, k, v, seqlens_k=lengths, causal=causal, return_lse=True, backend="reference")
+    assert out.dtype == q.dtype and out.shape == (len(lengths), 4, nq, 24)
+    np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), atol=tolerance(dtype), rtol=0)
+    np.testing.assert_allclose(lse, want_lse, atol=tolerance(dtype) * 10, rtol=0)
+    assert np.all(out[1] == 0) and np.all(np.isneginf(lse[1]))  # no keys: out 0, lse -inf
+
+
+def test_float32_queries_over_a_bfloat16_pool():
+    rng = np.random.default_rng(1)
+    k_pages, v_pages, table, k, v = paged(rng, [40, 7], 16, 1, 16, 16, BF16)
+    q = rng.standard_normal((2, 2, 1, 16)).astype(np.float32)
+    out = sdpa.attention_paged(q, k_pages, v_pages, table, [40, 7])
+    assert out.dtype == np.float32
+    want = sdpa.attention(q, k, v, seqlens_k=[40, 7], backend="reference")
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=0)
+
+
+def test_docstring_picture():
+    # page_size 4, block_table [7, 2, 5], 10 keys; with q = 0 out is the mean of the 10 values read.
+    v_pages = np.full((8, 4, 1, 1), -1e6, np.float32)
+    for j in range(10):
+        v_pages[[7, 2, 5][j // 4], j % 4, 0, 0] = j
+    out = sdpa.attention_paged(np.zeros((1, 1, 1, 2), np.float32), np.zeros((8, 4, 1, 2), np.float32), v_pages,
+                               [[7, 2, 5]], [10])
+    assert out[0, 0, 0, 0] == pytest.approx(4.5)
+
+
+def test_errors_name_the_argument():
+    pool = np.zeros((4, 16, 1, 8), np.float32)
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    with pytest.raises(ValueError, match=r"block_table\[0\]\[1\] = 9 is not a page of k_pages"):
+        sdpa.attention_paged(q, pool, pool, [[0, 9]], [20])
+    with pytest.raises(ValueError, match="seqlens_k"):
+        sdpa.attention_paged(q, pool, pool, [[0, 1]], [33])
+    with pytest.raises(TypeError, match="block_table has dtype float64"):
+        sdpa.attention_paged(q, pool, pool, [[0.0, 1.0]], [3])
+    with pytest.raises(ValueError, match=r"k_pages has shape \(16, 1, 8\)"):
+        sdpa.attention_paged(q, pool[0], pool, [[0]], [3])
+    with pytest.raises(TypeError, match="read in place, not converted"):
+        sdpa.attention_paged(q, pool.astype(np.int32), pool, [[0]], [3])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16, np.float64])
+def test_kv_cache_token_by_token_matches_full_recomputation(dtype):
+    rng = np.random.default_rng(7)
+    cache = sdpa.KVCache(num_pages=30, page_size=16, num_kv_heads=2, head_dim_k=16, head_dim_v=8, dtype=dtype)
+    seqs = [cache.new_sequence() for _ in range(3)]
+    hist = {s: ([], []) for s in seqs}
+
+    def step(s, n):
+        k = rng.standard_normal((n, 2, 16)).astype(dtype)
+        v = rng.standard_normal((n, 2, 8)).astype(dtype)
+        cache.append(s, k, v)
+        hist[s][0].append(k)
+        hist[s][1].append(v)
+        q = rng.standard_normal((1, 4, n, 16)).astype(dtype)
+        out = cache.attention(q, [s], causal=True)
+        k_all = np.concatenate(hist[s][0]).transpose(1, 0, 2)[None]
+        v_all = np.concatenate(hist[s][1]).transpose(1, 0, 2)[None]
+        want = sdpa.attention(q, k_all, v_all, causal=True, backend="reference")
+        np.testing.assert_allclose(out.astype(np.float64), want.astype(np.float64), atol=tolerance(dtype), rtol=0)
+
+    for s, n in zip(seqs, (5, 16, 33)):  # prompts: chunked prefill into the cache
+        step(s, n)
+    for _ in range(20):
+        for s in seqs:
+            step(s, 1)
+    assert [cache.length(s) for s in seqs] == [25, 36, 53]
+    assert cache.free_pages == 30 - (2 + 3 + 4)
+    assert cache.k_pages.dtype == np.dtype(dtype) and cache.k_pages.shape == (30, 16, 2, 16)
+    # The pool view shows the tokens where pages() says they are.
+    page = cache.pages(seqs[0])[1]  # tokens 16 .. 24 of sequence 0
+    np.testing.assert_array_equal(cache.k_pages[page, :9], np.concatenate(hist[seqs[0]][0])[16:25])
+
+
+def test_kv_cache_errors_and_page_reuse():
+    cache = sdpa.KVCache(2, 16, 1, 8)
+    s = cache.new_sequence()
+    with pytest.raises(ValueError, match="KVCache is full: sequence 0 needs 3 more pages"):
+        cache.append(s, np.zeros((33, 1, 8), np.float32), np.zeros((33, 1, 8), np.float32))
+    assert cache.length(s) == 0 and cache.free_pages == 2
+    with pytest.raises(ValueError, match="sequence 5 is not in this KVCache"):
+        cache.append(5, np.zeros((1, 1, 8)), np.zeros((1, 1, 8)))
+    with pytest.raises(ValueError, match=r"k has shape \(1, 2, 8\) but the cache takes \(n, 1, 8\)"):
+        cache.append(s, np.zeros((1, 2, 8)), np.zeros((1, 1, 8)))
+    cache.append(s, np.ones((20, 1, 8)), np.ones((20, 1, 8)))
+    assert cache.pages(s) == [0, 1] and cache.free_pages == 0
+    cache.free(s)
+    assert cache.free_pages == 2 and cache.sequences() == []
+    with pytest.raises(ValueError, match="sequence 0 is not in this KVCache"):
+        cache.length(s)
