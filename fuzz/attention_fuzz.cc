@@ -22,6 +22,11 @@
 // k, v; 3: as 1 with a float32 mask instead of q's dtype), bits 2-3 the kernel-path cap (1:
 // kAvx512Bf16, 2: kSimd, 0 and 3: none). Inputs without the prefix (every corpus file and
 // finding written before 16-bit dtypes were fuzzed) decode exactly as they did.
+// ext bit 4 (0x10): the call gets Inputs::seqlens_k; the two bytes after ext, `sk` and `sk_seed`,
+// say how (decode_seqlens: how lengths in [0, Nk] are drawn, int32 or int64, stride 1 / 2 / -1 / 0,
+// misalignment, and sometimes an invalid one). ext bit 5 (0x20): the input is an
+// attention_varlen call (+ attention_varlen_backward) instead, decoded by run_varlen. Bits 4-7
+// of every ext byte written before were 0, so those inputs decode as they did.
 //
 // Checks (each has a name; a failure prints the case and aborts, unless the check is listed
 // as KNOWN below, which records it and goes on):
@@ -57,6 +62,23 @@
 //   kernel_path       sdpa::last_kernel_path() after a call: no better than the cap, available
 //                     on this CPU (with the SIMD targets not disabled), kSimd unless q, k and v
 //                     are all bfloat16
+// With seqlens_k (ext bit 4) every check above uses the header's rule: batch entry b has keys
+// 0 .. L - 1 (L = seqlens_k[b]) and causal / window align to L, so keys past L count as blocked
+// (blocked_weight, masked_row, poison_*, masked_grad: dk = dv = 0 there); invalid values
+// (negative, > Nk, shape (B + 1,) or (B - 1,), rank, dtype, null) go through error_expected and
+// error_untouched for attention, validate and attention_backward; and
+//   seqlens_unread    the same forward (and backward) with garbage (NaN, ±inf, huge, random
+//                     bits) in every k, v element only keys past their length use gives the same
+//                     bits; in ASan builds those bytes are also poisoned (ASAN_POISON_MEMORY_REGION)
+//                     during the call, so a read of one is a use-after-poison report
+// attention_varlen (ext bit 5): repeatable, guards, unwritten, kernel_path, lse_inf_backward,
+// error_expected / error_untouched (cu_seqlens not starting at 0, decreasing, negative, last
+// != total, wrong dtype / rank / count / null; out, lse, k, q, dq, dout, dv wrong), and
+//   varlen_dense      each sequence's out and lse (and dq, dk, dv) equal bit for bit attention()
+//                     (attention_backward) on contiguous copies of its rows with the same options;
+//                     with dropout, sequence b against batch entry b of a dense (b + 1, ...) call
+//                     (the draws the header promises); the backward with dropout only for b = 0
+//                     (a dense call with another B may take another backward plan: other bits)
 //
 // The tolerance rule is reimplemented here from tests/test_util.cc (matches_reference) and
 // tests/backward_util.cc (expected / matches): those files need GoogleTest, which a fuzz build
@@ -90,6 +112,20 @@
 
 #include "hwy/targets.h"
 #include "sdpa/attention.h"
+
+// ASan's manual poisoning (no-ops without ASan): keys past seqlens_k are made unaddressable while
+// the library runs, so that reading one is an ASan report, not only a changed bit.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define SDPA_FUZZ_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(SDPA_FUZZ_ASAN)
+#define SDPA_FUZZ_ASAN 1
+#endif
+#ifdef SDPA_FUZZ_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
 
 namespace {
 
@@ -129,6 +165,14 @@ bool g_avx2 = false;  // this input caps Highway's dispatch at AVX2
 sdpa::KernelPath g_path_cap = sdpa::KernelPath::kAmxBf16;  // this input's set_max_kernel_path (kAmxBf16: no cap)
 int g_storage = 0;  // ext bits 0-1: 0 float32 / float64, 1 all 16-bit, 2 float32 q over 16-bit k, v, 3 as 1, float32 mask
 constexpr unsigned char kExtMagic[2] = {0xb6, 0x16};  // an input starting with these has an `ext` byte next
+// ext bit 4 (kExtSeqlens): Inputs::seqlens_k; two more prefix bytes follow ext: `sk` (bits 0-2
+// how lengths are drawn, bit 3 int32, bits 4-5 stride, bits 6-7 and sk_seed's top bits: an
+// invalid seqlens_k) and `sk_seed` (the lengths' and the garbage's PRNG seed).
+// ext bit 5 (kExtVarlen): the input is an attention_varlen (+ backward) call (run_varlen).
+constexpr uint8_t kExtSeqlens = 0x10, kExtVarlen = 0x20;
+bool g_seqlens = false;
+uint8_t g_sk = 0, g_sk_seed = 0;
+bool g_varlen = false;
 
 std::set<std::string> split(const char* s) {
   std::set<std::string> r;
@@ -525,6 +569,55 @@ class Tensor {
   std::unique_ptr<std::byte[], Free> buf_;
 };
 
+// An int32 / int64 rank-1 tensor (seqlens_k, cu_seqlens) in an exactly-sized heap buffer, any
+// stride (0 only when every value is the same) and a byte offset (index_at reads any alignment).
+struct IndexTensor {
+  DType dtype = DType::kInt64;
+  std::vector<int64_t> vals;
+  int64_t stride = 1;
+  int misalign = 0;  // bytes before the lowest element
+  struct Free { void operator()(std::byte* p) const { std::free(p); } };
+  std::unique_ptr<std::byte[], Free> buf;
+  size_t bytes = 0;
+  std::byte* data = nullptr;  // element 0
+
+  IndexTensor(DType dt, std::vector<int64_t> v, int64_t st, int mis) : dtype(dt), vals(std::move(v)), stride(st), misalign(mis) {
+    const int64_t n = static_cast<int64_t>(vals.size()), es = dt == DType::kInt32 ? 4 : 8;
+    const int64_t span = n == 0 ? 0 : (n - 1) * std::abs(stride) + 1;
+    bytes = static_cast<size_t>(span * es + misalign);
+    buf.reset(static_cast<std::byte*>(std::malloc(std::max<size_t>(1, bytes))));
+    std::memset(buf.get(), 0xa5, std::max<size_t>(1, bytes));
+    data = buf.get() + misalign + (stride < 0 && n > 0 ? (n - 1) * -stride * es : 0);
+    for (int64_t i = 0; i < n; ++i) {
+      std::byte* at = data + i * stride * es;
+      if (dt == DType::kInt32) { const int32_t x = static_cast<int32_t>(vals[static_cast<size_t>(i)]); std::memcpy(at, &x, 4); }
+      else std::memcpy(at, &vals[static_cast<size_t>(i)], 8);
+    }
+  }
+  sdpa::TensorView view() const {
+    sdpa::TensorView t;
+    t.data = vals.empty() ? nullptr : data;
+    t.dtype = dtype;
+    t.rank = 1;
+    t.shape[0] = static_cast<int64_t>(vals.size());
+    t.strides[0] = stride;
+    return t;
+  }
+  std::string describe(const char* name) const {
+    std::ostringstream s;
+    s << name << ": " << (dtype == DType::kInt32 ? "int32" : "int64") << " (" << vals.size() << ",) stride " << stride
+      << " misalign " << misalign << " values [";
+    for (size_t i = 0; i < vals.size(); ++i) s << (i ? ", " : "") << vals[i];
+    s << "]";
+    return s.str();
+  }
+};
+
+// What an invalid seqlens_k (sk bits 6-7 with sk_seed bits 5-7) breaks.
+enum class BadSeqlens : uint8_t { kNone, kNegative, kTooLong, kShapeB1, kRank, kDtype, kNull, kShapeSmall };
+const char* const kBadSeqlensNames[] = {"none", "negative length", "length > Nk", "shape (B + 1,)", "rank != 1",
+                                        "dtype not int32/int64", "null data", "shape (B - 1,) or (0,)"};
+
 // ---- The case ----
 
 struct Dims {
@@ -550,7 +643,15 @@ struct Case {
   bool avx2 = false;
   sdpa::KernelPath path_cap = sdpa::KernelPath::kAmxBf16;
   bool backward = false;
+  // Inputs::seqlens_k (ext bit 4): lengths per batch entry (one entry for rank 2 / 3), the view
+  // the call gets, and what an invalid one breaks (the view then differs from `seqlens`).
+  std::vector<int64_t> seqlens;
+  std::shared_ptr<IndexTensor> sl;
+  std::optional<sdpa::TensorView> sl_view;
+  BadSeqlens bad_sl = BadSeqlens::kNone;
 
+  // The keys batch entry b has (Nk without seqlens_k): causal and window align to it.
+  int64_t keys_of(int64_t b) const { return seqlens.empty() ? d.Nk : seqlens[static_cast<size_t>(b)]; }
   DType compute() const { return compute_of(dtype); }  // weights', lse's and the arithmetic's
   bool lowp() const { return is16(dtype) || is16(kv); }
   bool all_bf16() const { return dtype == DType::kBFloat16 && kv == DType::kBFloat16; }
@@ -561,6 +662,7 @@ struct Case {
     in.k = k.view();
     in.v = v.view();
     if (mask) in.mask = mask->view();
+    if (sl_view) in.seqlens_k = *sl_view;
     return in;
   }
   std::vector<int64_t> out_shape() const { return last_dims(rank, {d.B, d.Hq, d.Nq, d.Dv}); }
@@ -601,6 +703,11 @@ std::string describe(const Case& c) {
     << ", " << (c.tame ? "tame" : "not tame") << (c.huge ? ", huge-empty" : "") << "\n";
   s << c.q.describe("q") << "\n" << c.k.describe("k") << "\n" << c.v.describe("v") << "\n";
   if (c.mask) s << c.mask->describe("mask") << "\n";
+  if (c.sl) {
+    s << c.sl->describe("seqlens_k");
+    if (c.bad_sl != BadSeqlens::kNone) s << " (invalid: " << kBadSeqlensNames[static_cast<int>(c.bad_sl)] << ")";
+    s << "\n";
+  }
   return s.str();
 }
 
@@ -713,14 +820,20 @@ double mask_bias(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   const double m = c.mask->at4(b, h, i, j);
   return c.mask->dtype() == DType::kBool ? (m != 0 ? 0.0 : -kInf) : m;
 }
+// Causal, window and seqlens_k: batch entry b has keys 0 .. L - 1, L = seqlens_k[b], and causal
+// and window align to L (the header's Inputs::seqlens_k), not to Nk.
+bool key_allowed(const Case& c, int64_t b, int64_t i, int64_t j) {
+  const int64_t L = c.keys_of(b);
+  return j < L && key_allowed_cw(c.opt, c.d.Nq, L, i, j);
+}
 bool allowed(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
-  return key_allowed_cw(c.opt, c.d.Nq, c.d.Nk, i, j) && mask_bias(c, b, h, i, j) != -kInf;
+  return key_allowed(c, b, i, j) && mask_bias(c, b, h, i, j) != -kInf;
 }
 
 // tests/test_util.cc: score_magnitude: |scale| Σ_d |q_d k_d| + |bias|, 0 for a blocked key.
 double score_magnitude(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   const double bias = mask_bias(c, b, h, i, j);
-  if (!key_allowed_cw(c.opt, c.d.Nq, c.d.Nk, i, j) || !std::isfinite(bias)) return 0.0;
+  if (!key_allowed(c, b, i, j) || !std::isfinite(bias)) return 0.0;
   double t = 0;
   for (int64_t x = 0; x < c.d.Dk; ++x) t += std::abs(c.q.at4(b, h, i, x) * c.k.at4(b, h / c.d.group(), j, x));
   return std::abs(c.scale()) * t + std::abs(bias);
@@ -750,7 +863,7 @@ struct Score {
 Score classify(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
   Score r;
   const double bias = mask_bias(c, b, h, i, j);
-  if (!key_allowed_cw(c.opt, c.d.Nq, c.d.Nk, i, j) || bias == -kInf) return r;
+  if (!key_allowed(c, b, i, j) || bias == -kInf) return r;
   // The range is the inputs' dtype's for every backend (kReference rounds q·scale, each
   // product and the score to it); the arithmetic is float64 in kReference (the header's rule).
   // 16-bit inputs compute in float32: the range and the arithmetic are float32's (kReference
@@ -1058,6 +1171,7 @@ Case converted(const Case& c, DType dt) {
   r.dtype = dt; r.kv = dt; r.rank = c.rank; r.d = c.d; r.opt = c.opt;
   r.q = c.q.converted(dt); r.k = c.k.converted(dt); r.v = c.v.converted(dt);
   if (c.mask) r.mask.emplace(c.mask->converted(c.mask->dtype() == DType::kBool ? DType::kBool : dt));
+  r.seqlens = c.seqlens; r.sl = c.sl; r.sl_view = c.sl_view; r.bad_sl = c.bad_sl;
   return r;
 }
 
@@ -1309,6 +1423,67 @@ void fill_mask(Case& c, std::mt19937_64& rng, double density, double empty_rows,
   }
 }
 
+// Inputs::seqlens_k from the prefix bytes sk and sk_seed (see kExtSeqlens): lengths in [0, Nk]
+// drawn as sk bits 0-2 say, int32 (bit 3) or int64, stride 1 / 2 / -1 / 0 (bits 4-5; 0 sets
+// every length to the first), 0-3 bytes of misalignment; sk bits 6-7 (with sk_seed's top bits)
+// make it invalid.
+void decode_seqlens(Case& c) {
+  std::mt19937_64 rng(0x5e91e25ull * (g_sk_seed + 1u) + g_sk);
+  const int64_t B = c.rank == 4 ? c.d.B : 1, Nk = c.d.Nk, Nq = c.d.Nq;
+  auto draw = [&](int kind) -> int64_t {
+    auto clampk = [&](int64_t x) { return std::clamp<int64_t>(x, 0, Nk); };
+    switch (kind) {
+      case 1: return Nk;
+      case 2: return 0;
+      case 3: return static_cast<int64_t>(rng() % static_cast<uint64_t>(Nk + 1));
+      case 4: return clampk(static_cast<int64_t>(rng() % 4));
+      case 5: return clampk(Nq - 1 + static_cast<int64_t>(rng() % 3));  // causal's edge: L - Nq near 0
+      case 6: return clampk(Nk - 1 - static_cast<int64_t>(rng() % 2));
+      default: {  // a tile or chunk edge
+        static const int64_t kEdge[] = {7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1024, 2047, 2048, 2049};
+        return clampk(kEdge[rng() % 19]);
+      }
+    }
+  };
+  const int how = g_sk & 7;
+  std::vector<int64_t> L(static_cast<size_t>(B));
+  for (auto& x : L) x = draw(how == 0 ? 1 + static_cast<int>(rng() % 7) : how);
+  const int st = (g_sk >> 4) & 3;
+  const int64_t stride = st == 0 ? 1 : st == 1 ? 2 : st == 2 ? -1 : 0;
+  if (stride == 0) for (auto& x : L) x = L.empty() ? 0 : L[0];
+  const DType dt = g_sk & 8 ? DType::kInt32 : DType::kInt64;
+  const int bad_hi = (g_sk >> 6) & 3;
+  BadSeqlens bad = bad_hi == 0 ? BadSeqlens::kNone : static_cast<BadSeqlens>(1 + ((bad_hi - 1) * 8 + (g_sk_seed >> 5)) % 7);
+  std::vector<int64_t> vals = L;
+  const size_t at = B > 0 ? static_cast<size_t>(rng() % static_cast<uint64_t>(B)) : 0;
+  switch (bad) {
+    case BadSeqlens::kNegative:
+    case BadSeqlens::kTooLong: {
+      if (B == 0) { bad = BadSeqlens::kNone; break; }
+      int64_t x;
+      if (bad == BadSeqlens::kNegative) x = rng() % 2 ? -1 : dt == DType::kInt32 ? INT32_MIN : INT64_MIN;
+      else x = rng() % 2 ? Nk + 1 : dt == DType::kInt32 ? INT32_MAX : int64_t{1} << 40;
+      if (stride == 0) for (auto& v : vals) v = x; else vals[at] = x;
+      break;
+    }
+    case BadSeqlens::kShapeB1: vals.push_back(B > 0 ? L[0] : 0); break;
+    case BadSeqlens::kShapeSmall: if (B > 0) vals.pop_back(); else vals.push_back(0); break;
+    case BadSeqlens::kNull: if (B == 0) bad = BadSeqlens::kNone; break;
+    default: break;
+  }
+  c.bad_sl = bad;
+  c.sl = std::make_shared<IndexTensor>(dt, vals, stride, (g_sk_seed >> 3) & 3);
+  sdpa::TensorView v = c.sl->view();
+  if (bad == BadSeqlens::kRank) {
+    if (g_sk_seed & 1) { v.rank = 2; v.shape[1] = v.shape[0]; v.strides[1] = v.strides[0]; v.shape[0] = 1; v.strides[0] = 0; }
+    else { v.rank = 0; if (!v.data) v.data = c.sl->buf.get(); }
+  }
+  if (bad == BadSeqlens::kDtype) v.dtype = g_sk_seed & 1 ? DType::kBool : dt == DType::kInt32 ? DType::kFloat32 : DType::kFloat64;
+  if (bad == BadSeqlens::kNull) v.data = nullptr;
+  c.sl_view = v;
+  if (bad == BadSeqlens::kNone) c.seqlens = L;
+}
+
 bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
   const uint8_t flags = f.ConsumeIntegral<uint8_t>();
   // The ext byte's storage: 16-bit k and v are float16 where the bit that picks float64 is set,
@@ -1452,6 +1627,7 @@ bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
       }
     }
   }
+  if (g_seqlens) decode_seqlens(c);
   // Tame: finite, |values| <= 1e3, |scale| <= 1e3: float32 scores and sums cannot overflow.
   if (c.tame && o.scale && !(std::fabs(*o.scale) <= 1e3)) c.tame = false;
   if (c.tame && o.scale && *o.scale != 0 && std::fabs(*o.scale) < 1e-30) c.tame = false;
@@ -1679,6 +1855,136 @@ void poison_offsets(const Tensor& t, const Dims& d, int64_t off, int64_t heads, 
           if (t.offset4(b, h, n, e) == off) { hit[static_cast<size_t>((b * heads + h) * rows + n)] = 1; break; }
 }
 
+// ---- seqlens_k: keys past a sequence's length are never read ----
+
+// The buffer elements of k (or v) that only keys past their sequence's length use (an element a
+// key inside some length shares, through a zero or overlapping stride, is left alone).
+std::vector<int64_t> past_offsets(const Case& c, const Tensor& t, int64_t cols) {
+  const Dims& d = c.d;
+  if (t.numel() == 0 || c.seqlens.empty()) return {};
+  std::vector<int64_t> in, past;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hkv; ++h)
+      for (int64_t j = 0; j < d.Nk; ++j)
+        for (int64_t e = 0; e < cols; ++e) (j < c.keys_of(b) ? in : past).push_back(t.offset4(b, h, j, e));
+  std::sort(in.begin(), in.end());
+  std::sort(past.begin(), past.end());
+  past.erase(std::unique(past.begin(), past.end()), past.end());
+  std::vector<int64_t> r;
+  for (int64_t o : past) if (!std::binary_search(in.begin(), in.end(), o)) r.push_back(o);
+  return r;
+}
+
+// Garbage (NaN, ±inf, huge, random bits) in those elements of k and v while a call runs, and (ASan
+// builds) the bytes made unaddressable: a read is an ASan report. The destructor puts the values
+// back and the bytes into use again.
+class PastKeysGarbage {
+ public:
+  PastKeysGarbage(Case& c, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    for (int which = 0; which < 2; ++which) {
+      Tensor& t = which == 0 ? c.k : c.v;
+      const std::vector<int64_t> offs = past_offsets(c, t, which == 0 ? c.d.Dk : c.d.Dv);
+      for (int64_t o : offs) {
+        saved_.push_back({&t, o, t.get_off(o)});
+        double x;
+        const uint64_t r = rng();
+        if (r % 3 == 0) {  // random bits of the dtype
+          if (t.dtype() == DType::kFloat64) x = std::bit_cast<double>(rng());
+          else if (t.dtype() == DType::kFloat32) x = std::bit_cast<float>(static_cast<uint32_t>(rng()));
+          else x = half_value(half_format(t.dtype()), static_cast<uint16_t>(rng()));
+        } else {
+          x = special(static_cast<uint8_t>(r >> 8), t.dtype());
+        }
+        t.set_off(o, x);
+      }
+      fence(t, offs);
+    }
+    count_ = saved_.size();
+  }
+  ~PastKeysGarbage() {
+#ifdef SDPA_FUZZ_ASAN
+    for (const auto& [p, n] : regions_) ASAN_UNPOISON_MEMORY_REGION(p, n);
+#endif
+    for (const Saved& s : saved_) s.t->set_off(s.off, s.old);
+  }
+  size_t count() const { return count_; }
+  PastKeysGarbage(const PastKeysGarbage&) = delete;
+  PastKeysGarbage& operator=(const PastKeysGarbage&) = delete;
+
+ private:
+  void fence(const Tensor& t, const std::vector<int64_t>& offs) {
+#ifdef SDPA_FUZZ_ASAN
+    const int64_t es = esize(t.dtype());
+    std::byte* base = static_cast<std::byte*>(t.view().data);
+    for (size_t a = 0; a < offs.size();) {  // runs of consecutive elements, one region each
+      size_t z = a + 1;
+      while (z < offs.size() && offs[z] == offs[z - 1] + 1) ++z;
+      std::byte* p = base + offs[a] * es;
+      const size_t n = static_cast<size_t>((offs[z - 1] - offs[a] + 1) * es);
+      ASAN_POISON_MEMORY_REGION(p, n);
+      regions_.push_back({p, n});
+      a = z;
+    }
+#else
+    (void)t;
+    (void)offs;
+#endif
+  }
+  struct Saved { Tensor* t; int64_t off; double old; };
+  std::vector<Saved> saved_;
+  std::vector<std::pair<std::byte*, size_t>> regions_;
+  size_t count_ = 0;
+};
+
+// An invalid seqlens_k (negative, past Nk, wrong shape, rank or dtype, null): attention,
+// validate and attention_backward throw sdpa::Error and write nothing.
+void run_bad_seqlens(Case& c, bool bad_scale) {
+  const char* what_bad = kBadSeqlensNames[static_cast<int>(c.bad_sl)];
+  g_case = describe(c) + "invalid seqlens_k: " + what_bad + "\n";
+  Outs o = make_outs(c, c.want_weights, c.want_lse, true);
+  const auto snap = std::make_tuple(o.out.snapshot(), o.weights ? o.weights->snapshot() : std::vector<std::byte>{},
+                                    o.lse ? o.lse->snapshot() : std::vector<std::byte>{});
+  auto throws = [&](const char* call, const std::function<void()>& fn, std::string& what) {
+    try {
+      fn();
+    } catch (const sdpa::Error& e) {
+      what = e.what();
+      return true;
+    } catch (const std::exception& e) {
+      check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
+    }
+    return false;
+  };
+  std::string what;
+  const bool threw = throws("attention", [&] { sdpa::attention(c.inputs(), o.outputs(), c.opt); }, what);
+  check(threw, "error_expected", [&] { return std::string("attention: no sdpa::Error for an invalid seqlens_k: ") + what_bad; });
+  const bool untouched = o.out.same_bytes(std::get<0>(snap)) && (!o.weights || o.weights->same_bytes(std::get<1>(snap))) &&
+                         (!o.lse || o.lse->same_bytes(std::get<2>(snap)));
+  check(untouched, "error_untouched", [&] { return "sdpa::Error(\"" + what + "\") for seqlens_k but an output buffer changed"; });
+  check(throws("validate", [&] { sdpa::validate(c.inputs(), c.opt); }, what), "error_expected",
+        [&] { return std::string("validate: no sdpa::Error for an invalid seqlens_k: ") + what_bad; });
+  if (!c.backward) return;
+  // attention_backward with out and lse of a valid forward (the same call without seqlens_k).
+  sdpa::Options opt = c.opt;
+  opt.backend = Backend::kReference;
+  if (bad_scale) opt.scale = 1.0;
+  sdpa::Inputs in = c.inputs();
+  in.seqlens_k.reset();
+  Outs fo = make_outs(c, false, true, false);
+  expect_no_throw("attention (without seqlens_k)", [&] { sdpa::attention(in, fo.outputs(), opt); });
+  Tensor dout(c.dtype, c.out_shape(), Role::kUnitLast, true, LayoutSpec::plain());
+  for (int64_t n = 0; n < dout.numel(); ++n) dout.set_flat(n, 1.0);
+  Grads g = make_grads(c, c.out_ls);
+  const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+  const bool bthrew = throws("attention_backward", [&] {
+    sdpa::attention_backward(c.inputs(), fo.out.view(), fo.lse->view(), dout.view(), g.gradients(), opt);
+  }, what);
+  check(bthrew, "error_expected", [&] { return std::string("attention_backward: no sdpa::Error for an invalid seqlens_k: ") + what_bad; });
+  check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched",
+        [&] { return "attention_backward: sdpa::Error(\"" + what + "\") for seqlens_k but a gradient buffer changed"; });
+}
+
 void run_case(FuzzedDataProvider& f) {
   Case c;
   Invalid invalid = Invalid::kNone;
@@ -1694,6 +2000,13 @@ void run_case(FuzzedDataProvider& f) {
   if (c.opt.scale) {
     const double s = *c.opt.scale;
     bad_scale = !std::isfinite(s) || (f32 && (std::fabs(s) > FLT_MAX || (s != 0 && static_cast<float>(s) == 0)));
+  }
+
+  // An invalid seqlens_k (it comes before the other invalid arguments, whose backward-only kinds
+  // need a valid forward).
+  if (c.bad_sl != BadSeqlens::kNone) {
+    run_bad_seqlens(c, bad_scale);
+    return;
   }
 
   // Invalid arguments: must throw sdpa::Error, and write nothing.
@@ -1806,6 +2119,22 @@ void run_case(FuzzedDataProvider& f) {
     std::string why;
     check(o.bitwise_equal(full, why), "weights_invariant", [&] { return "the same call with weights and lse requested differs: " + why; });
     check_edge_semantics(c, full);
+    // seqlens_k: the same call with garbage in the keys past each length (and, under ASan,
+    // those bytes unaddressable) gives the same bits.
+    if (!c.seqlens.empty()) {
+      Outs g2 = make_outs(c, true, true, false);
+      bool ran = false;
+      {
+        PastKeysGarbage garbage(c, 0x9a4ba9eull + g_sk_seed);
+        if (garbage.count() > 0) {
+          run_forward(c, c.inputs(), g2, c.opt);
+          ran = true;
+        }
+      }
+      if (ran)
+        check(full.bitwise_equal(g2, why), "seqlens_unread",
+              [&] { return "attention with garbage (NaN, inf, random bits) in k, v past seqlens_k differs: " + why; });
+    }
   }
 
   if (c.tame) check_tolerance(c, o);
@@ -1953,6 +2282,19 @@ void run_case(FuzzedDataProvider& f) {
     std::string why;
     check(grads_bitwise(g, g2, why), "repeatable", [&] { return "two identical backward calls (threads 1 and 2) differ: " + why; });
   }
+  if (!c.seqlens.empty()) {  // as seqlens_unread in the forward
+    Grads g3 = make_grads(c, LayoutSpec::plain());
+    bool ran = false;
+    {
+      PastKeysGarbage garbage(c, 0xb4c4ba9eull + g_sk_seed);
+      if (garbage.count() > 0) {
+        run_backward(c, c.inputs(), o.out, lse, dout, g3, c.opt);
+        ran = true;
+      }
+    }
+    std::string why;
+    if (ran) check(grads_bitwise(g, g3, why), "seqlens_unread", [&] { return "attention_backward with garbage in k, v past seqlens_k differs: " + why; });
+  }
   // (e): rows with no allowed key: dq = 0; keys no row allows: dk = dv = 0.
   {
     std::vector<uint8_t> key_used(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0);
@@ -2072,6 +2414,380 @@ void run_case(FuzzedDataProvider& f) {
   }
 }
 
+// ---- attention_varlen / attention_varlen_backward (ext bit 5) ----
+
+// Rows [r0, r1) of a packed (total, H, D) tensor as a contiguous (H, n, D) copy, or, for `at` > 0,
+// as batch entry `at` of a contiguous (at + 1, H, n, D) tensor whose earlier entries are 0 (a
+// dense call in which the sequence draws dropout as batch entry `at`, as the header promises).
+Tensor dense_rows(const Tensor& t, int64_t r0, int64_t r1, int64_t at) {
+  const int64_t H = t.shape()[1], D = t.shape()[2], n = r1 - r0;
+  const std::vector<int64_t> shape = at == 0 ? std::vector<int64_t>{H, n, D} : std::vector<int64_t>{at + 1, H, n, D};
+  Tensor r(t.dtype(), shape, Role::kUnitLast, true, LayoutSpec::plain());
+  const int64_t base = at * H * n * D;
+  for (int64_t x = 0; x < base; ++x) r.set_flat(x, 0.0);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t e = 0; e < D; ++e) r.set_flat(base + (h * n + i) * D + e, t.flat(((r0 + i) * H + h) * D + e));
+  return r;
+}
+
+// Packed rows [r0, r1) of `packed` (total, H, D) against the dense (.., H, n, D) tensor (batch entry
+// `at`): "" when bitwise equal (NaN matches NaN).
+std::string rows_bitwise(const char* name, const Tensor& packed, int64_t r0, const Tensor& dense, int64_t at) {
+  const int64_t H = packed.shape()[1], D = packed.shape()[2];
+  const int64_t n = dense.shape()[dense.rank() - 2], base = at * H * n * D;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t e = 0; e < D; ++e) {
+        const double a = packed.flat(((r0 + i) * H + h) * D + e), b = dense.flat(base + (h * n + i) * D + e);
+        if (!(same_bits(a, b) || (std::isnan(a) && std::isnan(b))))
+          return std::string(name) + " packed row " + std::to_string(r0 + i) + " head " + std::to_string(h) + " col " + std::to_string(e) +
+                 " = " + num(a) + " but the dense call on the sequence's rows gives " + num(b);
+      }
+  return "";
+}
+
+enum class VarBad : uint8_t {
+  kNone, kFirstNonzero, kDecreasing, kLastShort, kLastLong, kCuDtype, kCuRank, kCountMismatch, kCuEmpty, kCuNull,
+  kNegative, kOutShape, kLseShape, kKDtype, kQRank,
+  // backward only
+  kDqRows, kDoutShape, kDvDtype, kCount
+};
+const char* const kVarBadNames[] = {"none", "cu_seqlens_q[0] != 0", "cu_seqlens_k decreasing", "cu_seqlens_q last < total_q",
+                                    "cu_seqlens_k last > total_k", "cu_seqlens dtype", "cu_seqlens rank 2", "B + 1 differs between q and k",
+                                    "cu_seqlens_q shape (0,)", "cu_seqlens_k null", "cu_seqlens_q negative entry", "out shape", "lse shape",
+                                    "k dtype", "q rank 2", "dq rows (backward)", "dout shape (backward)", "dv dtype (backward)"};
+static_assert(sizeof(kVarBadNames) / sizeof(kVarBadNames[0]) == static_cast<size_t>(VarBad::kCount));
+
+void run_varlen(FuzzedDataProvider& f) {
+  Case c;  // c.q, c.k, c.v: the packed (total, H, D) tensors; c.d: B sequences, Nq / Nk the totals
+  const uint8_t flags = f.ConsumeIntegral<uint8_t>();
+  if (g_storage != 0) {
+    c.kv = flags & 1 ? DType::kFloat16 : DType::kBFloat16;
+    c.dtype = g_storage == 2 ? DType::kFloat32 : c.kv;
+  } else {
+    c.dtype = c.kv = flags & 1 ? DType::kFloat64 : DType::kFloat32;
+  }
+  c.backward = flags & 2;
+  c.threads = flags & 4 ? 2 : 1;
+  c.avx2 = g_avx2;
+  c.path_cap = g_path_cap;
+  const bool fancy = flags & 16;
+  c.tame = !(flags & 32);
+  c.rank = 3;
+  const uint8_t inv = f.ConsumeIntegral<uint8_t>();
+  VarBad bad = inv < 190 ? VarBad::kNone : static_cast<VarBad>(1 + inv % (static_cast<int>(VarBad::kCount) - 1));
+  Dims& d = c.d;
+  static const int64_t kHkv[] = {1, 1, 2, 3, 0};
+  static const int64_t kGroup[] = {1, 1, 2, 4, 5};
+  static const int64_t kD[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64, 65, 128};
+  static const int64_t kNqV[] = {0, 1, 1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 64, 65, 130};
+  static const int64_t kNkV[] = {0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 33, 64, 65, 130, 300, 2100};
+  d.Hkv = pick(f, kHkv);
+  d.Hq = d.Hkv * pick(f, kGroup);
+  d.Dk = pick(f, kD);
+  d.Dv = pick(f, kD);
+  const int nseq = f.ConsumeIntegralInRange<int>(0, 5);
+  d.B = nseq;
+  std::vector<int64_t> nq(static_cast<size_t>(nseq)), nk(static_cast<size_t>(nseq));
+  for (int b = 0; b < nseq; ++b) {
+    nq[static_cast<size_t>(b)] = pick(f, kNqV);
+    nk[static_cast<size_t>(b)] = pick(f, kNkV);
+  }
+  auto work = [&] {
+    long double w = 0;
+    for (int b = 0; b < nseq; ++b) w += static_cast<long double>(nq[static_cast<size_t>(b)]) * nk[static_cast<size_t>(b)];
+    return w * std::max<int64_t>(1, d.Hq) * (d.Dk + d.Dv + 1);
+  };
+  while (work() > kWorkBudget) {
+    if (d.Hq > std::max<int64_t>(1, d.Hkv)) { d.Hq = d.Hkv; continue; }
+    int64_t* biggest = &d.Dk;
+    if (d.Dv > *biggest) biggest = &d.Dv;
+    for (auto& x : nq) if (x > *biggest) biggest = &x;
+    for (auto& x : nk) if (x > *biggest) biggest = &x;
+    *biggest /= 2;
+  }
+  std::vector<int64_t> cu_q{0}, cu_k{0};
+  for (int b = 0; b < nseq; ++b) {
+    cu_q.push_back(cu_q.back() + nq[static_cast<size_t>(b)]);
+    cu_k.push_back(cu_k.back() + nk[static_cast<size_t>(b)]);
+  }
+  d.Nq = cu_q.back();
+  d.Nk = cu_k.back();
+
+  // Options, as decode() draws them (no weights: varlen has none).
+  sdpa::Options& o = c.opt;
+  static const int64_t kWin[] = {-1, -1, 0, 1, 3, 16, 100, INT64_MAX, int64_t{1} << 62};
+  const uint8_t of = f.ConsumeIntegral<uint8_t>();
+  o.causal = static_cast<Causal>(of % 3);
+  if (of & 4) o.window = {pick(f, kWin), pick(f, kWin)};
+  const uint8_t be = f.ConsumeIntegral<uint8_t>();
+  o.backend = be < 140 ? Backend::kFlash : be < 180 ? Backend::kAuto : be < 220 ? Backend::kReference : Backend::kNaive;
+  if (of & 8) {
+    static const double kScales[] = {1, 0.5, 0.125, -1, 0, 1e-3, 2, 8, 30, 1e30};
+    o.scale = kScales[f.ConsumeIntegralInRange<int>(0, 9)];
+  }
+  if (of & 16) {
+    static const double kP[] = {0.1, 0.5, 0.9, 0.25};
+    o.dropout_p = kP[f.ConsumeIntegralInRange<int>(0, 3)];
+    o.seed = f.ConsumeIntegral<uint64_t>();
+  }
+  c.want_lse = (of & 128) || c.backward;
+  const uint8_t cf = f.ConsumeIntegral<uint8_t>();
+  const DType cu_dt = cf & 1 ? DType::kInt32 : DType::kInt64;
+  const int64_t cu_stride = ((cf >> 1) & 3) == 1 ? 2 : ((cf >> 1) & 3) == 2 ? -1 : 1;
+  const int cu_mis = (cf >> 3) & 3;
+
+  const LayoutSpec lq = decode_layout(f, fancy), lk = decode_layout(f, fancy), lv = decode_layout(f, fancy);
+  c.out_ls = decode_layout(f, fancy);
+  c.l_ls = decode_layout(f, fancy);
+  c.q.init(c.dtype, {d.Nq, d.Hq, d.Dk}, Role::kUnitLast, true, lq);
+  c.k.init(c.kv, {d.Nk, d.Hkv, d.Dk}, Role::kUnitLast, true, lk);
+  c.v.init(c.kv, {d.Nk, d.Hkv, d.Dv}, Role::kUnitLast, true, lv);
+  std::mt19937_64 rng(f.ConsumeIntegral<uint64_t>());
+  static const double kSigma[] = {1, 1, 0.1, 3, 30};
+  const double sigma = kSigma[f.ConsumeIntegralInRange<int>(0, 4)];
+  fill_values(c.q, rng, sigma, 0);
+  fill_values(c.k, rng, sigma, 0);
+  fill_values(c.v, rng, 1.0, 0);
+  if (!c.tame) {
+    const int n = f.ConsumeIntegralInRange<int>(1, 6);
+    for (int s = 0; s < n; ++s) {
+      const uint8_t which = f.ConsumeIntegral<uint8_t>();
+      const uint32_t where = f.ConsumeIntegral<uint32_t>();
+      Tensor& t = which % 3 == 0 ? c.q : which % 3 == 1 ? c.k : c.v;
+      if (t.numel() > 0) t.set_flat(where % t.numel(), special(f.ConsumeIntegral<uint8_t>(), t.dtype()));
+    }
+  }
+
+  const IndexTensor cuq(cu_dt, cu_q, cu_stride, cu_mis), cuk(cu_dt, cu_k, cu_stride, cu_mis);
+  sdpa::VarlenInputs in{c.q.view(), c.k.view(), c.v.view(), cuq.view(), cuk.view()};
+  auto describe_varlen = [&] {
+    return describe(c) + "attention_varlen: " + cuq.describe("cu_seqlens_q") + "\n" + cuk.describe("cu_seqlens_k") + "\n";
+  };
+  g_case = describe_varlen();
+  if (g_print) std::fprintf(stderr, "attention_fuzz: varlen case\n%s", g_case.c_str());
+  sdpa::set_num_threads(c.threads);
+  const DType ct = c.compute();
+  auto make_vouts = [&](bool fancy_layout) {
+    Outs r;
+    r.out.init(c.dtype, {d.Nq, d.Hq, d.Dv}, Role::kUnitLast, false, fancy_layout ? c.out_ls : LayoutSpec::plain());
+    if (c.want_lse) r.lse.emplace(ct, std::vector<int64_t>{d.Hq, d.Nq}, Role::kAny, false, fancy_layout ? c.l_ls : LayoutSpec::plain());
+    return r;
+  };
+  auto vouts = [](const Outs& r) {
+    sdpa::VarlenOutputs vo;
+    vo.out = r.out.view();
+    if (r.lse) vo.lse = r.lse->view();
+    return vo;
+  };
+  auto make_vgrads = [&](const LayoutSpec& ls) {
+    return Grads{Tensor(c.dtype, {d.Nq, d.Hq, d.Dk}, Role::kUnitLast, false, ls), Tensor(c.kv, {d.Nk, d.Hkv, d.Dk}, Role::kUnitLast, false, ls),
+                 Tensor(c.kv, {d.Nk, d.Hkv, d.Dv}, Role::kUnitLast, false, ls)};
+  };
+  bool bad_scale = false;
+  if (o.scale) bad_scale = c.compute() == DType::kFloat32 && std::fabs(*o.scale) > FLT_MAX;  // not drawn today
+
+  Outs vo = make_vouts(true);
+  Tensor dout(c.dtype, {d.Nq, d.Hq, d.Dv}, Role::kUnitLast, true, decode_layout(f, true));
+  {
+    std::mt19937_64 r2(f.ConsumeIntegral<uint64_t>());
+    fill_values(dout, r2, 1.0, 0);
+  }
+
+  if (bad != VarBad::kNone) {
+    // Invalid: sdpa::Error, nothing written. The backward gets the out and lse of a valid forward.
+    Outs valid = make_vouts(false);
+    if (!valid.lse) valid.lse.emplace(ct, std::vector<int64_t>{d.Hq, d.Nq}, Role::kAny, false, LayoutSpec::plain());
+    if (c.backward) expect_no_throw("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(valid), o); });
+    sdpa::VarlenInputs bin = in;
+    sdpa::VarlenOutputs bo = vouts(vo);
+    std::vector<int64_t> bq = cu_q, bk = cu_k;
+    sdpa::TensorView bout = valid.out.view(), blse = valid.lse->view(), bdout = dout.view();
+    Grads g = make_vgrads(c.out_ls);
+    sdpa::Gradients gr = g.gradients();
+    bool must_throw = true, fwd = true;
+    std::optional<IndexTensor> tq, tk;
+    switch (bad) {
+      case VarBad::kFirstNonzero: bq[0] = 1; break;
+      case VarBad::kDecreasing: if (nseq >= 2 && bk[1] > 0) bk[1] = bk[2] + 1; else bk.back() += 1; break;
+      case VarBad::kLastShort: if (bq.back() > 0) bq.back() -= 1; else bq.back() = 1; break;
+      case VarBad::kLastLong: bk.back() += 1; break;
+      case VarBad::kNegative: if (nseq >= 1) bq[1] = -1; else bq[0] = -1; break;
+      case VarBad::kCountMismatch: bk.push_back(bk.back()); break;
+      default: break;
+    }
+    tq.emplace(cu_dt, bq, cu_stride, cu_mis);
+    tk.emplace(cu_dt, bk, cu_stride, cu_mis);
+    bin.cu_seqlens_q = tq->view();
+    bin.cu_seqlens_k = tk->view();
+    switch (bad) {
+      case VarBad::kCuDtype: bin.cu_seqlens_q.dtype = cf & 32 ? DType::kBool : cu_dt == DType::kInt32 ? DType::kFloat32 : DType::kFloat64; break;
+      case VarBad::kCuRank: {
+        sdpa::TensorView& t = bin.cu_seqlens_k;
+        t.rank = 2; t.shape[1] = t.shape[0]; t.strides[1] = t.strides[0]; t.shape[0] = 1; t.strides[0] = 0;
+        break;
+      }
+      case VarBad::kCuEmpty: bin.cu_seqlens_q.shape[0] = 0; break;
+      case VarBad::kCuNull: bin.cu_seqlens_k.data = nullptr; break;
+      case VarBad::kOutShape: bo.out.shape[2] += 1; bout.shape[2] += 1; break;
+      case VarBad::kLseShape: if (bo.lse) bo.lse->shape[1] += 1; else must_throw = c.backward; blse.shape[1] += 1; break;
+      case VarBad::kKDtype: bin.k.dtype = c.kv == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; break;
+      case VarBad::kQRank: bin.q.rank = 2; break;
+      case VarBad::kDqRows: fwd = false; gr.dq.shape[0] += 1; break;
+      case VarBad::kDoutShape: fwd = false; bdout.shape[2] += 1; break;
+      case VarBad::kDvDtype: fwd = false; gr.dv.dtype = c.kv == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; break;
+      default: break;
+    }
+    g_case = describe_varlen() + "invalid argument: " + kVarBadNames[static_cast<int>(bad)] + "\n" + tq->describe("cu_seqlens_q (given)") + "\n" +
+             tk->describe("cu_seqlens_k (given)") + "\n";
+    if (!fwd && !c.backward) return;
+    auto attempt = [&](const char* call, const std::function<void()>& fn, std::string& what) {
+      try {
+        fn();
+      } catch (const sdpa::Error& e) {
+        what = e.what();
+        return true;
+      } catch (const std::exception& e) {
+        check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
+      }
+      return false;
+    };
+    std::string what;
+    if (fwd) {
+      const auto s0 = vo.out.snapshot();
+      const auto s1 = vo.lse ? vo.lse->snapshot() : std::vector<std::byte>{};
+      const bool threw = attempt("attention_varlen", [&] { sdpa::attention_varlen(bin, bo, o); }, what);
+      if (threw)
+        check(vo.out.same_bytes(s0) && (!vo.lse || vo.lse->same_bytes(s1)), "error_untouched",
+              [&] { return "attention_varlen: sdpa::Error(\"" + what + "\") but an output buffer changed"; });
+      else
+        check(!must_throw || (bad == VarBad::kLseShape && !vo.lse), "error_expected",
+              [&] { return std::string("attention_varlen: no sdpa::Error for: ") + kVarBadNames[static_cast<int>(bad)]; });
+    }
+    if (!c.backward) return;
+    const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+    const bool threw = attempt("attention_varlen_backward", [&] { sdpa::attention_varlen_backward(bin, bout, blse, bdout, gr, o); }, what);
+    if (threw)
+      check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched",
+            [&] { return "attention_varlen_backward: sdpa::Error(\"" + what + "\") but a gradient buffer changed"; });
+    else
+      check(false, "error_expected", [&] { return std::string("attention_varlen_backward: no sdpa::Error for: ") + kVarBadNames[static_cast<int>(bad)]; });
+    return;
+  }
+  (void)bad_scale;
+
+  // A valid call.
+  expect_no_throw("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(vo), o); });
+  check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen");
+  check_outs_written(vo);
+  {
+    sdpa::set_num_threads(3 - c.threads);
+    Outs o2 = make_vouts(false);
+    expect_no_throw("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(o2), o); });
+    sdpa::set_num_threads(c.threads);
+    std::string why;
+    check(vo.bitwise_equal(o2, why), "repeatable", [&] { return "two identical attention_varlen calls (threads 1 and 2) differ: " + why; });
+  }
+  // Each sequence: bit for bit attention() on contiguous copies of its rows (with dropout, as
+  // batch entry b of a dense call).
+  struct Seq { Tensor q, k, v, out; std::optional<Tensor> lse; int64_t at = 0; bool ran = false; };
+  std::vector<Seq> seqs(static_cast<size_t>(nseq));
+  for (int b = 0; b < nseq; ++b) {
+    Seq& s = seqs[static_cast<size_t>(b)];
+    s.at = o.dropout_p > 0 ? b : 0;
+    const int64_t q0 = cu_q[static_cast<size_t>(b)], q1 = cu_q[static_cast<size_t>(b) + 1];
+    const int64_t k0 = cu_k[static_cast<size_t>(b)], k1 = cu_k[static_cast<size_t>(b) + 1];
+    if (static_cast<long double>(s.at + 1) * (q1 - q0) * (k1 - k0) * std::max<int64_t>(1, d.Hq) * (d.Dk + d.Dv + 1) > 4.0L * kWorkBudget) continue;
+    s.q = dense_rows(c.q, q0, q1, s.at);
+    s.k = dense_rows(c.k, k0, k1, s.at);
+    s.v = dense_rows(c.v, k0, k1, s.at);
+    std::vector<int64_t> os = s.q.shape(), ls = os;
+    os.back() = d.Dv;
+    ls.pop_back();
+    s.out.init(c.dtype, os, Role::kUnitLast, false, LayoutSpec::plain());
+    s.lse.emplace(ct, ls, Role::kAny, false, LayoutSpec::plain());
+    sdpa::Inputs di;
+    di.q = s.q.view();
+    di.k = s.k.view();
+    di.v = s.v.view();
+    sdpa::Outputs dout_s;
+    dout_s.out = s.out.view();
+    dout_s.lse = s.lse->view();
+    expect_no_throw("attention (one sequence)", [&] { sdpa::attention(di, dout_s, o); });
+    s.ran = true;
+    std::string r = rows_bitwise("out", vo.out, q0, s.out, s.at);
+    if (r.empty() && vo.lse) {
+      const int64_t n = q1 - q0;
+      for (int64_t h = 0; h < d.Hq && r.empty(); ++h)
+        for (int64_t i = 0; i < n; ++i) {
+          const double a = vo.lse->flat(h * d.Nq + q0 + i), w = s.lse->flat((s.at * d.Hq + h) * n + i);
+          if (!(same_bits(a, w) || (std::isnan(a) && std::isnan(w)))) {
+            r = "lse[" + std::to_string(h) + ", " + std::to_string(q0 + i) + "] = " + num(a) + " but the dense call gives " + num(w);
+            break;
+          }
+        }
+    }
+    check(r.empty(), "varlen_dense", [&] { return "sequence " + std::to_string(b) + ": " + r; });
+  }
+
+  if (!c.backward) return;
+  const Tensor& lse = *vo.lse;
+  bool lse_pinf = false;
+  for (int64_t n = 0; n < lse.numel(); ++n) lse_pinf |= lse.flat(n) == kInf;
+  Grads g = make_vgrads(c.out_ls);
+  auto call_bwd = [&](const Grads& gg) { sdpa::attention_varlen_backward(in, vo.out.view(), lse.view(), dout.view(), gg.gradients(), o); };
+  if (lse_pinf) {
+    const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+    bool threw = false;
+    try {
+      call_bwd(g);
+    } catch (const sdpa::Error&) {
+      threw = true;
+    }
+    check(threw, "lse_inf_backward", [&] { return std::string("attention_varlen_backward with +inf in lse did not throw"); });
+    check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched", [] { return std::string("varlen backward Error but a gradient changed"); });
+    return;
+  }
+  expect_no_throw("attention_varlen_backward", [&] { call_bwd(g); });
+  check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen_backward");
+  for (const auto& tn : {std::pair<const Tensor*, const char*>{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}}) {
+    const char* name = tn.second;
+    const std::string r = tn.first->guards_and_written();
+    check(r.empty() || r.rfind("guards", 0) != 0, "guards", [&] { return std::string(name) + ": " + r; });
+    check(r.empty(), "unwritten", [&] { return std::string(name) + ": " + r; });
+  }
+  {
+    sdpa::set_num_threads(3 - c.threads);
+    Grads g2 = make_vgrads(LayoutSpec::plain());
+    expect_no_throw("attention_varlen_backward", [&] { call_bwd(g2); });
+    sdpa::set_num_threads(c.threads);
+    std::string why;
+    check(grads_bitwise(g, g2, why), "repeatable", [&] { return "two identical attention_varlen_backward calls (threads 1 and 2) differ: " + why; });
+  }
+  for (int b = 0; b < nseq; ++b) {
+    Seq& s = seqs[static_cast<size_t>(b)];
+    // With dropout only the draws are promised for b > 0 (the forward above checked them): a dense
+    // call with B = b + 1 may pick another backward plan (the plan follows the shape), so other bits.
+    if (!s.ran || s.at > 0) continue;
+    const int64_t q0 = cu_q[static_cast<size_t>(b)], q1 = cu_q[static_cast<size_t>(b) + 1], k0 = cu_k[static_cast<size_t>(b)];
+    const Tensor dout_b = dense_rows(dout, q0, q1, s.at);
+    Tensor dq(c.dtype, s.q.shape(), Role::kUnitLast, false, LayoutSpec::plain()), dk(c.kv, s.k.shape(), Role::kUnitLast, false, LayoutSpec::plain()),
+        dv(c.kv, s.v.shape(), Role::kUnitLast, false, LayoutSpec::plain());
+    sdpa::Inputs di;
+    di.q = s.q.view();
+    di.k = s.k.view();
+    di.v = s.v.view();
+    expect_no_throw("attention_backward (one sequence)", [&] {
+      sdpa::attention_backward(di, s.out.view(), s.lse->view(), dout_b.view(), {dq.view(), dk.view(), dv.view()}, o);
+    });
+    std::string r = rows_bitwise("dq", g.dq, q0, dq, s.at);
+    if (r.empty()) r = rows_bitwise("dk", g.dk, k0, dk, s.at);
+    if (r.empty()) r = rows_bitwise("dv", g.dv, k0, dv, s.at);
+    check(r.empty(), "varlen_dense", [&] { return "backward, sequence " + std::to_string(b) + ": " + r; });
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -2098,6 +2814,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     data += 3;
     size -= 3;
   }
+  g_seqlens = ext & kExtSeqlens;
+  g_varlen = ext & kExtVarlen;
+  g_sk = g_sk_seed = 0;
+  if (g_seqlens) {  // two more prefix bytes
+    if (size >= 1) g_sk = data[0];
+    if (size >= 2) g_sk_seed = data[1];
+    const size_t n = std::min<size_t>(size, 2);
+    data += n;
+    size -= n;
+  }
   g_storage = ext & 3;
   const int cap = (ext >> 2) & 3;
   g_path_cap = cap == 1 ? sdpa::KernelPath::kAvx512Bf16 : cap == 2 ? sdpa::KernelPath::kSimd : sdpa::KernelPath::kAmxBf16;
@@ -2110,7 +2836,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (avx2) hwy::DisableTargets(HWY_AVX2 - 1);  // as tests/test_util.cc's Avx2Only
 #endif
   try {
-    if (mode < 12) {
+    if (g_varlen) {
+      run_varlen(f);
+    } else if (mode < 12) {
       run_huge(f);
     } else {
       run_case(f);
