@@ -92,14 +92,31 @@ double allowed_pairs(const BenchCase& c) {
 
 }  // namespace
 
+int64_t keys_of(const BenchCase& c, int64_t b) {
+  if (c.page_size == 0 || c.B < 2) return c.Nk;
+  return std::llround(static_cast<double>(c.Nk) / 64 * std::pow(64.0, static_cast<double>(b) / (c.B - 1)));
+}
+
+namespace {
+double total_keys(const BenchCase& c) {
+  double n = 0;
+  for (int64_t b = 0; b < c.B; ++b) n += static_cast<double>(keys_of(c, b));
+  return n;
+}
+}  // namespace
+
 double flop_count(const BenchCase& c) {
+  if (c.page_size > 0) return 4.0 * c.Hq * c.Nq * c.D * total_keys(c);  // decode rows see every key
   const double per_pair = (c.backward ? 10.0 : 4.0) * c.B * c.Hq * c.D;
   if (has_window(c)) return per_pair * allowed_pairs(c);
   const double f = per_pair * c.Nq * c.Nk;
   return c.causal == Causal::kNone ? f : f / 2;
 }
 
-double kv_bytes(const BenchCase& c) { return 2.0 * c.B * c.Hkv * c.Nk * c.D * dtype_size(c.dtype); }
+double kv_bytes(const BenchCase& c) {
+  const double keys = c.page_size > 0 ? total_keys(c) : static_cast<double>(c.B) * c.Nk;
+  return 2.0 * c.Hkv * keys * c.D * dtype_size(c.dtype);
+}
 
 bool is_decode(const BenchCase& c) { return c.Nq * (c.Hq / std::max<int64_t>(c.Hkv, 1)) <= 16; }
 
@@ -108,6 +125,11 @@ namespace {
 std::vector<BenchCase> float32_cases() {
   const auto backward = [](BenchCase c) {
     c.backward = true;
+    return c;
+  };
+  const auto paged = [](BenchCase c, int64_t page_size, bool token_major = false) {
+    c.page_size = page_size;
+    c.token_major_pages = token_major;
     return c;
   };
   const auto windowed = [](BenchCase c) {
@@ -138,6 +160,10 @@ std::vector<BenchCase> float32_cases() {
       // A sliding window over a long sequence: time follows the 256 keys a row sees, not N.
       windowed(prefill("prefill d64 window 256", 8192, 64, Causal::kBottomRight)),
       backward(windowed(prefill("backward d64 window 256", 8192, 64, Causal::kBottomRight))),
+      // Continuous batching against a paged cache: 32 sequences of 512 ... 32768 keys.
+      paged(BenchCase{"paged decode 32 seqs page 16", 32, 32, 8, 1, 32768, 128}, 16),
+      paged(BenchCase{"paged decode 32 seqs page 128", 32, 32, 8, 1, 32768, 128}, 128),
+      paged(BenchCase{"paged decode 32 seqs page 16 token-major", 32, 32, 8, 1, 32768, 128}, 16, true),
   };
 }
 
@@ -159,7 +185,7 @@ std::vector<BenchCase> default_cases() {
   std::vector<BenchCase> cases = float32_cases();
   const std::vector<BenchCase> all = cases;
   for (const char* name : {"prefill d64", "prefill d128", "prefill d64 causal", "prefill d128 causal",
-                           "decode gqa 32:8 d128", "backward d64"}) {
+                           "decode gqa 32:8 d128", "backward d64", "paged decode 32 seqs page 16"}) {
     const auto c = std::find_if(all.begin(), all.end(), [&](const BenchCase& x) { return x.name == name; });
     if (c != all.end()) cases.push_back(in_dtype(*c, DType::kBFloat16));
   }
@@ -171,6 +197,21 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   const DType compute = compute_dtype(c.dtype);
   q_.resize(c.B * c.Hq * c.Nq * c.D * es);
   k_.resize(c.B * c.Hkv * c.Nk * c.D * es);
+  if (c.page_size > 0) {  // a pool of just the pages the sequences use, handed out shuffled
+    const int64_t max_pages = (c.Nk + c.page_size - 1) / c.page_size;
+    int64_t pages = 0;
+    for (int64_t b = 0; b < c.B; ++b) {
+      lengths_.push_back(keys_of(c, b));
+      pages += (lengths_.back() + c.page_size - 1) / c.page_size;
+    }
+    std::vector<int32_t> order(static_cast<size_t>(pages));
+    for (int64_t p = 0; p < pages; ++p) order[p] = static_cast<int32_t>(p);
+    std::shuffle(order.begin(), order.end(), std::minstd_rand(7));
+    table_.assign(static_cast<size_t>(c.B * max_pages), -1);
+    for (int64_t b = 0, next = 0; b < c.B; ++b)
+      for (int64_t p = 0; p * c.page_size < lengths_[b]; ++p) table_[b * max_pages + p] = order[next++];
+    k_.resize(pages * c.page_size * c.Hkv * c.D * es);
+  }
   v_.resize(k_.size());
   out_.resize(q_.size());
   std::minstd_rand rng(42);  // fast: gigabytes of inputs for the decode cases
@@ -234,6 +275,24 @@ void CaseData::run(Backend backend) {
   opt.backend = backend;
   Outputs outs;
   outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  if (c_.page_size > 0) {
+    const int64_t pages = static_cast<int64_t>(k_.size()) / (c_.page_size * c_.Hkv * c_.D * dtype_size(c_.dtype));
+    PagedInputs in;
+    in.q = TensorView::contiguous(q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+    in.k_pages = TensorView::contiguous(k_.data(), c_.dtype, {pages, c_.page_size, c_.Hkv, c_.D});
+    in.v_pages = TensorView::contiguous(v_.data(), c_.dtype, {pages, c_.page_size, c_.Hkv, c_.D});
+    if (!c_.token_major_pages) {  // memory (pages, Hkv, page_size, D): a head's rows of a page contiguous
+      for (TensorView* t : {&in.k_pages, &in.v_pages}) {
+        t->strides[1] = c_.D;
+        t->strides[2] = c_.page_size * c_.D;
+      }
+    }
+    in.block_table = TensorView::contiguous(table_.data(), DType::kInt32,
+                                            {c_.B, static_cast<int64_t>(table_.size()) / c_.B});
+    in.seqlens_k = TensorView::contiguous(lengths_.data(), DType::kInt64, {c_.B});
+    attention_paged(in, outs, opt);
+    return;
+  }
   if (!c_.backward) {
     attention(inputs(), outs, opt);
     return;

@@ -27,14 +27,23 @@ struct BenchCase {
                                  // lse has the compute type: float64 for float64, else float32
   bool backward = false;  // time attention_backward (given out and lse) instead of attention
   Window window = {};     // sliding window (left, right); -1 = unbounded
+  // > 0: attention_paged on a pool of pages of this many rows, the B sequences' lengths
+  // spread geometrically from Nk / 64 to Nk (continuous batching), pages shuffled.
+  int64_t page_size = 0;
+  // The pool's memory: head-major within a page, (pages, Hkv, page_size, D) (KVCache's), or
+  // token-major, C order (pages, page_size, Hkv, D).
+  bool token_major_pages = false;
 };
+
+// Keys of sequence b: Nk, or with page_size the geometric spread above.
+int64_t keys_of(const BenchCase& c, int64_t b);
 
 // Forward: 4·B·Hq·Nq·Nk·D (two products of 2·Nq·Nk·D flops per head). Backward:
 // 10·B·Hq·Nq·Nk·D (five products: q·kᵀ recomputed, dout·vᵀ, dv, dq, dk). Halved for causal.
 // With a window, Nq·Nk becomes the number of (i, j) pairs that causal and the window allow.
 double flop_count(const BenchCase& c);
 bool has_window(const BenchCase& c);
-// Bytes of K and V, which a decode step (small Nq) must stream from memory.
+// Bytes of K and V (of the sequences' keys), which a decode step (small Nq) must stream from memory.
 double kv_bytes(const BenchCase& c);
 bool is_decode(const BenchCase& c);  // Nq·(Hq/Hkv) small: bandwidth, not flops, is the measure
 
@@ -60,6 +69,8 @@ class CaseData {
   Inputs inputs() const;
   BenchCase c_;
   std::vector<char> q_, k_, v_, out_, mask_, lse_, dout_, dq_, dk_, dv_;
+  std::vector<int32_t> table_;    // paged: (B, max_pages)
+  std::vector<int64_t> lengths_;  // paged: (B,)
 };
 
 // Median wall time (seconds) of `reps` runs after one warm-up.

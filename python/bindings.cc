@@ -185,7 +185,8 @@ nb::ndarray<nb::numpy> pool_array(const sdpa::TensorView& t) {
   if (t.dtype == sdpa::DType::kFloat64) dt = nb::dtype<double>();
   if (t.dtype == sdpa::DType::kFloat16) dt = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
   if (t.dtype == sdpa::DType::kBFloat16) dt = nb::dtype<uint16_t>();
-  return nb::ndarray<nb::numpy>(t.data, 4, shape, nb::handle(), nullptr, dt);
+  const int64_t strides[4] = {t.strides[0], t.strides[1], t.strides[2], t.strides[3]};
+  return nb::ndarray<nb::numpy>(t.data, 4, shape, nb::handle(), strides, dt);
 }
 
 }  // namespace

@@ -99,10 +99,11 @@ void KVCache::append(int64_t seq, const TensorView& k, const TensorView& v) {
   const auto copy = [&](const TensorView& t, std::vector<std::byte>& pool, int64_t D) {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = w.length + i;
-      const int64_t row = w.pages[static_cast<size_t>(j / page_size_)] * page_size_ + j % page_size_;
-      for (int64_t h = 0; h < heads_; ++h) {
+      const int64_t page = w.pages[static_cast<size_t>(j / page_size_)], r = j % page_size_;
+      for (int64_t h = 0; h < heads_; ++h) {  // the pool is head-major within a page (see the header)
         const auto* src = static_cast<const std::byte*>(t.data) + (i * t.strides[0] + h * t.strides[1]) * bytes;
-        std::memcpy(pool.data() + ((row * heads_ + h) * D) * bytes, src, static_cast<size_t>(D * bytes));
+        std::memcpy(pool.data() + (((page * heads_ + h) * page_size_ + r) * D) * bytes, src,
+                    static_cast<size_t>(D * bytes));
       }
     }
   };
@@ -154,11 +155,19 @@ std::vector<int64_t> KVCache::sequences() const {
   return ids;
 }
 
-TensorView KVCache::k_pages() const {
-  return TensorView::contiguous(const_cast<std::byte*>(k_.data()), dtype_, {num_pages_, page_size_, heads_, dk_});
+namespace {
+// A pool stored (num_pages, H, page_size, D) as the (num_pages, page_size, H, D) view
+// attention_paged takes.
+TensorView head_major_pages(const std::vector<std::byte>& pool, DType dtype, int64_t pages, int64_t size, int64_t H,
+                            int64_t D) {
+  TensorView t = TensorView::contiguous(const_cast<std::byte*>(pool.data()), dtype, {pages, size, H, D});
+  t.strides[1] = D;
+  t.strides[2] = size * D;
+  return t;
 }
-TensorView KVCache::v_pages() const {
-  return TensorView::contiguous(const_cast<std::byte*>(v_.data()), dtype_, {num_pages_, page_size_, heads_, dv_});
-}
+}  // namespace
+
+TensorView KVCache::k_pages() const { return head_major_pages(k_, dtype_, num_pages_, page_size_, heads_, dk_); }
+TensorView KVCache::v_pages() const { return head_major_pages(v_, dtype_, num_pages_, page_size_, heads_, dv_); }
 
 }  // namespace sdpa

@@ -238,6 +238,9 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
 // Inputs::seqlens_k: causal and window align to each sequence's own length (a decode step's
 // query sees the whole cache), no mask. page_size may be any size >= 1 (16 to 256 in
 // practice); pages may be shared between sequences and appear in any order. Forward only.
+// Any strides (unit last): a head-major pool, memory (num_pages, Hkv, page_size, D) passed as
+// a view with strides (Hkv·page_size·D, D, page_size·D, 1), keeps one head's rows of a page
+// contiguous and decodes about twice as fast as the token-major C order (KVCache stores so).
 // Decode (few query rows per kv head) reads the pages in place, one tile per page when a
 // page is shorter than the kernels' 128-key tile; longer query blocks gather each tile of
 // rows. With page_size a multiple of 128, or for query blocks that gather, results are bit for

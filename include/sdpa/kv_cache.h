@@ -1,7 +1,11 @@
 // A paged KV cache that owns its pool and block tables: the layout attention_paged reads.
 //
-//   pool    k_pages (num_pages, page_size, Hkv, Dk), v_pages (num_pages, page_size, Hkv, Dv),
-//           C order, in the cache's dtype (float32, float64, bfloat16 or float16)
+//   pool    k_pages (num_pages, page_size, Hkv, Dk), v_pages (num_pages, page_size, Hkv, Dv)
+//           as attention_paged takes them, in the cache's dtype (float32, float64, bfloat16 or
+//           float16), stored head-major within a page: memory (num_pages, Hkv, page_size, D),
+//           so that one head's rows of a page are contiguous (decode streams them; the
+//           token-major layout strides Hkv·D between them, which measured ~2x slower:
+//           PERFORMANCE.md). k_pages() and v_pages() are views with those strides.
 //   seq s   a list of pages (its block-table row) and a length L: key j of s is row
 //           j % page_size of page pages[j / page_size], for j < L
 //
@@ -55,7 +59,7 @@ class KVCache {
   int64_t head_dim_k() const { return dk_; }
   int64_t head_dim_v() const { return dv_; }
   DType dtype() const { return dtype_; }
-  TensorView k_pages() const;  // the pool, (num_pages, page_size, Hkv, Dk)
+  TensorView k_pages() const;  // the pool, (num_pages, page_size, Hkv, Dk), head-major strides
   TensorView v_pages() const;
 
  private:

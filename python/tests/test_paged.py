@@ -138,3 +138,15 @@ def test_kv_cache_errors_and_page_reuse():
     assert cache.free_pages == 2 and cache.sequences() == []
     with pytest.raises(ValueError, match="sequence 0 is not in this KVCache"):
         cache.length(s)
+
+
+def test_head_major_pool_views_give_the_same_results():
+    # Memory (num_pages, Hkv, page_size, D) passed as a (num_pages, page_size, Hkv, D) view.
+    rng = np.random.default_rng(11)
+    k_pages, v_pages, table, _, _ = paged(rng, [70, 3, 33], 16, 2, 16, 8, np.float32)
+    k_hnd = np.ascontiguousarray(k_pages.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    v_hnd = np.ascontiguousarray(v_pages.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    assert not k_hnd.flags.c_contiguous
+    q = rng.standard_normal((3, 4, 1, 16)).astype(np.float32)
+    np.testing.assert_array_equal(sdpa.attention_paged(q, k_hnd, v_hnd, table, [70, 3, 33]),
+                                  sdpa.attention_paged(q, k_pages, v_pages, table, [70, 3, 33]))

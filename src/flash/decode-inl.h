@@ -67,26 +67,26 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
   const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
-  // Byte addresses of the key rows a tile ahead (kTileKeys keys on; in a paged pool the run of
-  // rows that follows this one, up to `ahead` of them) and of value row j0, advanced per key.
+  // Key rows a tile ahead (row j0 + kTileKeys + j while key j0 + j computes), followed from
+  // page to page in a paged pool (one address lookup per page), and value row j0 on.
   const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype), vs_bytes = p.v.strides[2] * storage_bytes(p.v.dtype);
   const char* v_row = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, j0, 0));
-  const char* k_ahead = nullptr;
-  int64_t ahead = 0;  // rows of k_ahead that exist (a pointer past the tensor would be undefined, even unread)
-  if (!p.k.paged()) {
-    ahead = std::min(n, p.Nk - (j0 + kTileKeys));
-    if (ahead > 0) k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + kTileKeys, 0));
-  } else if (j0 + n < p.keys_of(blk.b)) {
-    ahead = std::min({n, p.k.run_end(j0 + n), p.keys_of(blk.b)}) - (j0 + n);
-    k_ahead = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, j0 + n, 0));
-  }
+  // (A pointer past the tensor, or through a table entry past the sequence, would be undefined, even unread.)
+  const int64_t ahead_end = p.k.paged() ? p.keys_of(blk.b) : p.Nk;
+  const char* run = nullptr;  // the row run_first of the page being prefetched
+  int64_t run_first = 0, run_stop = 0;
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
     const S* kj = keys.row(j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
-    // a key row ahead now (in its storage dtype), so both arrive while this tile computes.
-    if (j < ahead) {
-      const char* next = k_ahead + j * ks_bytes;
+    // a key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
+    if (const int64_t r = j0 + kTileKeys + j; r < ahead_end) {
+      if (r >= run_stop) {
+        run = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, r, 0));
+        run_first = r;
+        run_stop = p.k.run_end(r);
+      }
+      const char* next = run + (r - run_first) * ks_bytes;
       for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
     }
     if (prefetch_values) {
