@@ -154,14 +154,14 @@ const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path";
 //                   dot-product path the forward's Scratch asked Highway for 0 bfloat16 pairs and
 //                   hwy::AllocateAligned aborted the process: findings/bf16_dk0_scratch_abort-1);
 //                   off by default since the fix (test KernelPaths.Bfloat16WithNoFeaturesRuns)
-//   varlen_empty_view  F12 (open): attention_varlen(_backward) with an empty packed tensor (a
+//   varlen_empty_view  F12 (fixed; off by default): attention_varlen(_backward) with an empty packed tensor (a
 //                   head count or D of 0) whose view has null data or huge strides: varlen.cc's
 //                   rows_of / cols_of compute data + r0 · stride on it, which UBSan reports
 //                   (offset applied to a null pointer; the product may overflow int64).
 //                   While listed, run_varlen gives empty tensors a 1-element buffer and stride 0
 //                   (findings/varlen_empty_null_offset-1)
 // SDPA_FUZZ_SKIP="a,b" sets the list; SDPA_FUZZ_STRICT=1 empties it.
-const char* const kSkipDefault = "varlen_empty_view";
+const char* const kSkipDefault = "";
 // ---------------------------------------------------------------------------------------------
 
 std::set<std::string> g_known, g_skip;

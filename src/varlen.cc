@@ -46,6 +46,12 @@ void check_rank3(const char* name, const TensorView& t, const char* shape) {
   if (t.rank != 3) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape);
 }
 
+bool holds_elements(const TensorView& t) {
+  for (int d = 0; d < t.rank; ++d)
+    if (t.shape[d] <= 0) return false;
+  return true;
+}
+
 // Rows [r0, r1) of a packed (total, H, D) tensor as a (H, r1 - r0, D) view.
 TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
   TensorView v = t;
@@ -53,7 +59,9 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
   v.shape[1] = r1 - r0;
   v.strides[0] = t.strides[1];
   v.strides[1] = t.strides[0];
-  if (r1 > r0) v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * dtype_size(t.dtype);
+  // A view without elements keeps t's pointer: it is never read, and its data may be null and
+  // its strides anything (the header allows both), so no arithmetic on them (F12).
+  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * dtype_size(t.dtype);
   return v;
 }
 
@@ -61,7 +69,7 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
 TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
   TensorView v = t;
   v.shape[1] = r1 - r0;
-  if (r1 > r0) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * dtype_size(t.dtype);
+  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * dtype_size(t.dtype);
   return v;
 }
 

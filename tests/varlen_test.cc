@@ -160,6 +160,25 @@ TEST(Varlen, DropoutDrawsPerSequence) {
   EXPECT_TRUE(rows_equal(out, 0, dense.out));
 }
 
+// Packed tensors without elements (no heads) may have null data and any strides: nothing is
+// computed from their pointers (F12: UBSan reported null + offset in the per-sequence views).
+TEST(Varlen, EmptyPackedTensorsWithNullData) {
+  int64_t cu[3] = {0, 2, 5};
+  const auto empty = [](std::initializer_list<int64_t> shape) {
+    sdpa::TensorView t = sdpa::TensorView::contiguous(nullptr, sdpa::DType::kFloat32, shape);
+    t.strides[0] = int64_t{1} << 40;  // huge strides: allowed on an empty view
+    return t;
+  };
+  sdpa::VarlenInputs in{empty({5, 0, 8}), empty({5, 0, 8}), empty({5, 0, 4}),
+                        sdpa::TensorView::contiguous(cu, sdpa::DType::kInt64, {3}),
+                        sdpa::TensorView::contiguous(cu, sdpa::DType::kInt64, {3})};
+  sdpa::VarlenOutputs outs{empty({5, 0, 4}), std::nullopt};
+  EXPECT_NO_THROW(sdpa::attention_varlen(in, outs));
+  const sdpa::Gradients g{empty({5, 0, 8}), empty({5, 0, 8}), empty({5, 0, 4})};
+  sdpa::TensorView lse = sdpa::TensorView::contiguous(nullptr, sdpa::DType::kFloat32, {0, 5});
+  EXPECT_NO_THROW(sdpa::attention_varlen_backward(in, outs.out, lse, empty({5, 0, 4}), g));
+}
+
 TEST(Varlen, BadOffsetsAreErrorsThatWriteNothing) {
   const Packed pk(kF32, 2, 1, 4, {3, 2}, {4, 4}, 1);
   GuardedTensor out(kF32, {5, 2, 4}), lse(kF32, {2, 5});

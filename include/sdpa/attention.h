@@ -241,12 +241,11 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
 // Any strides (unit last): a head-major pool, memory (num_pages, Hkv, page_size, D) passed as
 // a view with strides (Hkv·page_size·D, D, page_size·D, 1), keeps one head's rows of a page
 // contiguous and decodes about twice as fast as the token-major C order (KVCache stores so).
-// Decode (few query rows per kv head) reads the pages in place, one tile per page when a
-// page is shorter than the kernels' 128-key tile; longer query blocks gather each tile of
-// rows. With page_size a multiple of 128, or for query blocks that gather, results are bit for
-// bit those of attention() on the gathered keys capped at KernelPath::kSimd (a paged call does
-// not use the AVX512_BF16/AMX products, which read a tile's keys in place); otherwise tiles end
-// at page boundaries and the sums round differently (the same error bound).
+// Decode (few query rows per kv head) reads the pages in place (a 128-key tile through a row
+// pointer per key); longer query blocks gather each tile's rows. The tiles are those of a
+// dense call, so results are bit for bit those of attention() on the gathered keys capped at
+// KernelPath::kSimd (a paged call does not use the AVX512_BF16/AMX products, which read a
+// tile's keys in place with one stride).
 struct PagedInputs {
   TensorView q = {}, k_pages = {}, v_pages = {};
   TensorView block_table = {}, seqlens_k = {};

@@ -48,12 +48,6 @@ inline constexpr int64_t kVectorRegisters = 16;
 template <int64_t R>
 inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R + 1) * 2 <= kVectorRegisters ? 2 : 1;
 
-// The keys of the tile that starts at j0 (< end): to the next multiple of kTileKeys, and in a
-// paged pool to the end of j0's page, since K and V are read in place with one row stride.
-inline int64_t decode_tile_keys(const Problem& p, int64_t j0, int64_t end) {
-  return std::min({tile_start(j0) + kTileKeys, end, p.k.run_end(j0)}) - j0;
-}
-
 // s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
 // pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
 // vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
@@ -61,16 +55,15 @@ inline int64_t decode_tile_keys(const Problem& p, int64_t j0, int64_t end) {
 template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
 HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes,
                              const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n, const Rows<S>& keys,
-                             bool prefetch_values, T* HWY_RESTRICT st) {
+                             const Rows<S>* prefetch_values, T* HWY_RESTRICT st) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
   const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
   // Key rows a tile ahead (row j0 + kTileKeys + j while key j0 + j computes), followed from
-  // page to page in a paged pool (one address lookup per page), and value row j0 on.
-  const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype), vs_bytes = p.v.strides[2] * storage_bytes(p.v.dtype);
-  const char* v_row = static_cast<const char*>(p.v.ptr(blk.b, blk.kvh, j0, 0));
+  // page to page in a paged pool (one address lookup per page).
+  const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype);
   // (A pointer past the tensor, or through a table entry past the sequence, would be undefined, even unread.)
   const int64_t ahead_end = p.k.paged() ? p.keys_of(blk.b) : p.Nk;
   const char* run = nullptr;  // the row run_first of the page being prefetched
@@ -89,8 +82,8 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
       const char* next = run + (r - run_first) * ks_bytes;
       for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
     }
-    if (prefetch_values) {
-      const char* vj = v_row + j * vs_bytes;
+    if (prefetch_values != nullptr) {
+      const char* vj = reinterpret_cast<const char*>(prefetch_values->row(j));
       for (int64_t c = 0; c < v_bytes; c += 64) hwy::Prefetch(vj + c);
     }
     V acc[R];
@@ -118,7 +111,7 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 // chunk of a value row is loaded once for all R rows. A value row flagged in v_bad (NaN or
 // inf) adds only its finite entries, and nothing to rows that give its key weight 0.
 template <int64_t R, int64_t C, class D, typename S, typename T = hn::TFromD<D>>
-HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S* HWY_RESTRICT v, int64_t vs,
+HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const Rows<S>& values, int64_t e0,
                              const T* alpha, T* HWY_RESTRICT o, int64_t dvp, const uint8_t* v_bad) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   hn::Vec<D> acc[R][C];
@@ -128,7 +121,8 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const S
   }
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
-    for (int64_t c = 0; c < C; ++c) vv[c] = LoadWidened(d, v + j * vs + c * N);
+    const S* v = values.row(j) + e0;
+    for (int64_t c = 0; c < C; ++c) vv[c] = LoadWidened(d, v + c * N);
     const bool bad = v_bad != nullptr && v_bad[j];  // v_bad is null on the common path
     if (bad) {  // its non-finite entries go through `bad` scores (flash_plan.h), not the sums
       for (int64_t c = 0; c < C; ++c) vv[c] = hn::IfThenZeroElse(hn::IsNaN(hn::Mul(vv[c], hn::Zero(d))), vv[c]);
@@ -162,11 +156,14 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
   }
   std::fill(o, o + R * dvp, T(0));
 
-  for (int64_t j0 = span.begin, n = 0; j0 < span.end; j0 += n) {
-    n = decode_tile_keys(p, j0, span.end);
-    const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
-    const Rows<S> values{p.v.at<S>(blk.b, blk.kvh, j0), p.v.strides[2]};
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/true, st);
+  const S* key_ptrs[kTileKeys];  // a paged pool's rows of the tile (RowsInPlace)
+  const S* value_ptrs[kTileKeys];
+  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
+    const int64_t j0 = std::max(t, span.begin);
+    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
+    const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
@@ -211,9 +208,9 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       constexpr int64_t C = kDecodeChunk<R>;
       int64_t e0 = 0;
       for (; e0 + C * N <= dv_full; e0 += C * N) {
-        DecodeValues<R, C>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
+        DecodeValues<R, C>(d, st, n, values, e0, alpha, o + e0, dvp, bad);
       }
-      for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values.data + e0, values.stride, alpha, o + e0, dvp, bad);
+      for (; e0 < dv_full; e0 += N) DecodeValues<R, 1>(d, st, n, values, e0, alpha, o + e0, dvp, bad);
       for (int64_t r = 0; r < R; ++r) {  // feature tail (Dv % N)
         for (int64_t e = dv_full; e < p.Dv; ++e) {
           T acc = rescale(o[r * dvp + e], alpha[r]);
@@ -236,7 +233,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
         // The bad rows' scores (recomputed: st holds p now, and each score is a function of
         // (row, key) alone, so these are the same bits) go to `bad`.
         T scores[R * kTileKeys];
-        DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, scores);
+        DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), scores);
         for (int64_t j = 0; j < n; ++j) {
           if (!v_bad[j]) continue;
           for (int64_t r = 0; r < R; ++r) {
@@ -260,10 +257,12 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
   for (int64_t r = 0; r < R; ++r) {
     for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
   }
-  for (int64_t j0 = span.begin, n = 0; j0 < span.end; j0 += n) {
-    n = decode_tile_keys(p, j0, span.end);
-    const Rows<S> keys{p.k.at<S>(blk.b, blk.kvh, j0), p.k.strides[2]};
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/false, st);
+  const S* key_ptrs[kTileKeys];
+  for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
+    const int64_t j0 = std::max(t, span.begin);
+    const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
+    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), st);
     for (int64_t r = 0; r < R; ++r) {
       for (int64_t j = 0; j < n; ++j) {
         p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, weight(st[r * kTileKeys + j], m[r], l[r]));

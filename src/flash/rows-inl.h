@@ -24,13 +24,30 @@ HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
-// Rows of T: row r at data + r · stride (stride may be negative: a view's own row stride).
+// Rows of T: row r at data + r · stride (stride may be negative: a view's own row stride), or,
+// with `ptrs` (the decode kernel's tiles of a paged pool, rows in several pages), at ptrs[r].
+// Kernels that read data and stride directly never get ptrs (ReadRows gathers instead).
 template <typename T>
 struct Rows {
   const T* data = nullptr;
   int64_t stride = 0;
-  const T* row(int64_t r) const { return data + r * stride; }
+  const T* const* ptrs = nullptr;
+  const T* row(int64_t r) const { return ptrs != nullptr ? ptrs[r] : data + r * stride; }
 };
+
+// Rows [n0, n0 + n) of head (b, h) of v in place, as storage type S: evenly spaced, or for a
+// paged view through `ptrs` (n entries, one table lookup per page).
+template <typename S>
+Rows<S> RowsInPlace(const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n, const S** ptrs) {
+  if (!v.paged()) return {v.at<S>(b, h, n0), v.strides[2]};
+  for (int64_t r = 0; r < n;) {
+    const S* first = v.at<S>(b, h, n0 + r);
+    const int64_t stop = std::min(n, v.run_end(n0 + r) - n0);
+    for (int64_t x = r; x < stop; ++x) ptrs[x] = first + (x - r) * v.strides[2];
+    r = stop;
+  }
+  return {ptrs[0], v.strides[2], ptrs};
+}
 
 // dst[0, n) = src[0, n) of storage dtype `from`, widened to T.
 template <class D, typename T = hn::TFromD<D>>
