@@ -106,20 +106,28 @@ Tensors dense_problem(const PagedCase& c, std::mt19937& rng) {
   return out;
 }
 
-Outs run_paged(const Tensors& t, const Pool& pool, const PagedCase& c, const sdpa::Options& o) {
-  const int64_t Nk = c.max_pages * c.page_size;
-  Outs outs{GuardedTensor(c.dtype, {c.B, c.Hq, c.Nq, c.Dv}), std::nullopt, std::nullopt};
-  outs.weights.emplace(compute_dtype(c.dtype), std::vector<int64_t>{c.B, c.Hq, c.Nq, Nk}, Layout::kContiguous, false);
-  outs.lse.emplace(compute_dtype(c.dtype), std::vector<int64_t>{c.B, c.Hq, c.Nq}, Layout::kContiguous, false);
-  std::vector<int32_t> table = pool.table;
-  std::vector<int64_t> lengths = t.seqlens_k;
+// The call's inputs: t's queries and lengths, the pool and (a copy of) its table.
+sdpa::PagedInputs paged_inputs(const Tensors& t, const Pool& pool, const PagedCase& c, std::vector<int32_t>& table,
+                               std::vector<int64_t>& lengths) {
+  table = pool.table;
+  lengths = t.seqlens_k;
   sdpa::PagedInputs in;
   in.q = t.q.view();
   in.k_pages = pool.k.view();
   in.v_pages = pool.v.view();
   in.block_table = sdpa::TensorView::contiguous(table.data(), sdpa::DType::kInt32, {c.B, c.max_pages});
   in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), sdpa::DType::kInt64, {c.B});
-  sdpa::attention_paged(in, outs.outputs(), o);
+  return in;
+}
+
+Outs run_paged(const Tensors& t, const Pool& pool, const PagedCase& c, const sdpa::Options& o) {
+  const int64_t Nk = c.max_pages * c.page_size;
+  Outs outs{GuardedTensor(c.dtype, {c.B, c.Hq, c.Nq, c.Dv}), std::nullopt, std::nullopt};
+  outs.weights.emplace(compute_dtype(c.dtype), std::vector<int64_t>{c.B, c.Hq, c.Nq, Nk}, Layout::kContiguous, false);
+  outs.lse.emplace(compute_dtype(c.dtype), std::vector<int64_t>{c.B, c.Hq, c.Nq}, Layout::kContiguous, false);
+  std::vector<int32_t> table;
+  std::vector<int64_t> lengths;
+  sdpa::attention_paged(paged_inputs(t, pool, c, table, lengths), outs.outputs(), o);
   return outs;
 }
 
@@ -232,14 +240,9 @@ TEST(Paged, BadArgumentsAreErrorsThatWriteNothing) {
                         const char* message) {
     SCOPED_TRACE(message);
     GuardedTensor out(kF32, {c.B, c.Hq, c.Nq, c.Dv});
-    std::vector<int32_t> table = pool.table;
-    std::vector<int64_t> lengths = t.seqlens_k;
-    sdpa::PagedInputs in;
-    in.q = t.q.view();
-    in.k_pages = pool.k.view();
-    in.v_pages = pool.v.view();
-    in.block_table = sdpa::TensorView::contiguous(table.data(), sdpa::DType::kInt32, {c.B, c.max_pages});
-    in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), sdpa::DType::kInt64, {c.B});
+    std::vector<int32_t> table;
+    std::vector<int64_t> lengths;
+    sdpa::PagedInputs in = paged_inputs(t, pool, c, table, lengths);
     edit(in, table, lengths);
     sdpa::Outputs o;
     o.out = out.view();

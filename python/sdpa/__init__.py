@@ -306,7 +306,7 @@ def _parsed_dropout(dropout_p, seed):
     return p, int(seed)
 
 
-def _prepared_indices(name, a, meaning):
+def _prepared_indices(name, a, meaning, ndim=1):
     """An index array (seqlens_k, cu_seqlens) as the 1-dim int64 array _core reads; _core checks
     its length and values, so that its messages name the batch and the sizes. `meaning` says
     what it holds, for the messages here."""
@@ -315,8 +315,8 @@ def _prepared_indices(name, a, meaning):
     a = _asarray(name, a)
     if a.dtype == np.bool_ or a.dtype.kind not in "iu":
         raise TypeError(f"{name} has dtype {a.dtype}, but must hold integers ({meaning})")
-    if a.ndim != 1:
-        raise ValueError(f"{name} has shape {a.shape}, but must have 1 dim: {meaning}")
+    if a.ndim != ndim:
+        raise ValueError(f"{name} has shape {a.shape}, but must have {ndim} dim{'s' * (ndim > 1)}: {meaning}")
     if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"{name} holds {int(a.max())}, more than any number of rows")
     return np.ascontiguousarray(a, dtype=np.int64)
@@ -658,14 +658,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, causal=False
     """
     k_pages, v_pages = _pool_array("k_pages", k_pages), _pool_array("v_pages", v_pages)
     q = _paged_query(q, k_pages.dtype)
-    table = _asarray("block_table", block_table)
-    if table.dtype == np.bool_ or table.dtype.kind not in "iu":
-        raise TypeError(f"block_table has dtype {table.dtype}, but must hold integers (page indices)")
-    if table.ndim != 2:
-        raise ValueError(f"block_table has shape {table.shape}, but must be (B, max_pages)")
-    if table.dtype == np.uint64 and table.size and int(table.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"block_table holds {int(table.max())}, more than any number of pages")
-    table = np.ascontiguousarray(table, dtype=np.int64)
+    table = _prepared_indices("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     seqlens = _prepared_seqlens(seqlens_k)
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
