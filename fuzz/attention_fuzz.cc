@@ -1490,7 +1490,9 @@ void decode_seqlens(Case& c) {
   if (bad == BadSeqlens::kNone) c.seqlens = L;
 }
 
-bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
+// A call's first byte: dtypes, backward, threads, tame; the caps from the ext prefix. Returns
+// the `fancy` bit (layouts and masks beyond the plain ones). Shared by decode and run_varlen.
+bool decode_flags(FuzzedDataProvider& f, Case& c) {
   const uint8_t flags = f.ConsumeIntegral<uint8_t>();
   // The ext byte's storage: 16-bit k and v are float16 where the bit that picks float64 is set,
   // else bfloat16; q shares their dtype or (storage 2) is float32.
@@ -1504,8 +1506,12 @@ bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
   c.threads = flags & 4 ? 2 : 1;
   c.avx2 = g_avx2;
   c.path_cap = g_path_cap;
-  const bool fancy = flags & 16;
   c.tame = !(flags & 32);
+  return flags & 16;
+}
+
+bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
+  const bool fancy = decode_flags(f, c);
   const uint8_t inv = f.ConsumeIntegral<uint8_t>();
   invalid = inv < 200 ? Invalid::kNone : static_cast<Invalid>(1 + inv % (static_cast<int>(Invalid::kCount) - 1));
   c.rank = f.ConsumeIntegralInRange<int>(2, 4);
@@ -2467,19 +2473,7 @@ static_assert(sizeof(kVarBadNames) / sizeof(kVarBadNames[0]) == static_cast<size
 
 void run_varlen(FuzzedDataProvider& f) {
   Case c;  // c.q, c.k, c.v: the packed (total, H, D) tensors; c.d: B sequences, Nq / Nk the totals
-  const uint8_t flags = f.ConsumeIntegral<uint8_t>();
-  if (g_storage != 0) {
-    c.kv = flags & 1 ? DType::kFloat16 : DType::kBFloat16;
-    c.dtype = g_storage == 2 ? DType::kFloat32 : c.kv;
-  } else {
-    c.dtype = c.kv = flags & 1 ? DType::kFloat64 : DType::kFloat32;
-  }
-  c.backward = flags & 2;
-  c.threads = flags & 4 ? 2 : 1;
-  c.avx2 = g_avx2;
-  c.path_cap = g_path_cap;
-  const bool fancy = flags & 16;
-  c.tame = !(flags & 32);
+  const bool fancy = decode_flags(f, c);
   c.rank = 3;
   const uint8_t inv = f.ConsumeIntegral<uint8_t>();
   VarBad bad = inv < 190 ? VarBad::kNone : static_cast<VarBad>(1 + inv % (static_cast<int>(VarBad::kCount) - 1));
