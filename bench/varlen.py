@@ -14,23 +14,13 @@ pairs of sequence b) * D. Prints the CPU flags that matter.
 """
 
 import argparse
-import re
 import statistics
 import time
 
 import numpy as np
 
 import sdpa
-
-
-def cpu_flags():
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return "?"
-    model = re.search(r"model name\s*:\s*(.*)", text)
-    flags = sorted(set(re.findall(r"\b(avx512\w*|avx2|amx\w*)\b", text)))
-    return f"{model.group(1) if model else '?'}; {' '.join(flags)}"
+from cpu import cpu_flags  # bench/cpu.py (the script's folder is on sys.path)
 
 
 def median_time(fn, reps):

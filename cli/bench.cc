@@ -143,7 +143,7 @@ void bench_command(const BenchOptions& options) {
               "Hkv", "Nq", "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw", "path");
   for (const auto& r : rows) {
     const bool decode = sdpa::bench::is_decode(r.c);
-    std::printf("%-32s %-4s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.3f %8.1f %5.1f%% ", r.c.name.c_str(),
+    std::printf("%-32s %-4s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.4f %8.1f %5.1f%% ", r.c.name.c_str(),
                 sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
                 (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
                 r.seconds * 1e3, r.gflops, 100 * r.gflops / peak);

@@ -156,11 +156,12 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
 }
 
 void attention_paged(const ConstArray& q, const ConstArray& k_pages, const ConstArray& v_pages, const ConstArray& table,
-                     const ConstArray& seqlens_k, const Array& out, const std::optional<Array>& lse,
-                     std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
-                     const std::string& backend) {
-  const sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
-                             to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k")};
+                     const ConstArray& seqlens_k, const std::optional<ConstArray>& cu_seqlens_q, const Array& out,
+                     const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
+                     int64_t window_left, int64_t window_right, const std::string& backend) {
+  sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
+                       to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt};
+  if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
   const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt);
@@ -211,7 +212,8 @@ NB_MODULE(_core, m) {
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none());
   m.def("attention_paged", &attention_paged, nb::arg("q"), nb::arg("k_pages"), nb::arg("v_pages"),
-        nb::arg("block_table"), nb::arg("seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(),
+        nb::arg("block_table"), nb::arg("seqlens_k"), nb::arg("cu_seqlens_q").none(), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",

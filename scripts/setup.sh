@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds everything and runs `sdpa demo`. Safe to run again.
 #   scripts/setup.sh            set up, build, demo
-#   scripts/setup.sh --no-demo  set up and build only (what scripts/test.sh uses)
+#   scripts/setup.sh --no-demo  set up and build only
+#   scripts/setup.sh --torch    also install torch (python/requirements-test.txt) before the
+#                               package, so that sdpa.torch's operators are built with it
+#                               (scripts/test.sh uses --no-demo --torch)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+demo=1; torch=0
+for arg in "$@"; do
+  case "$arg" in
+    --no-demo) demo=0 ;;
+    --torch) torch=1 ;;
+    *) echo "setup: unknown option $arg (--no-demo, --torch)" >&2; exit 2 ;;
+  esac
+done
 
 # 1. Debian packages: compilers (clang + LLVM OpenMP for the ThreadSanitizer build), CMake, Highway
 #    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP.
@@ -24,12 +35,17 @@ fi
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-dev.txt
+if [ "$torch" = 1 ]; then
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt
+fi
+# --no-build-isolation: the build sees .venv's packages (nanobind, and torch when installed,
+# for the torch operators of sdpa.torch: python/CMakeLists.txt).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .
 
 # 3. The C++ build: library, CLI, tests, benchmarks.
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build
 
-if [ "${1:-}" != "--no-demo" ]; then
+if [ "$demo" = 1 ]; then
   .venv/bin/sdpa demo
 fi

@@ -3,10 +3,11 @@
 # on the threaded tests), the fuzzers for a few minutes (fuzz/run.sh), the installed-package
 # example, and Python (installing torch into .venv first, python/requirements-test.txt, so that
 # the torch front door is tested too).
-# Sets up and builds first (scripts/setup.sh --no-demo), so it works on a fresh clone.
+# Sets up and builds first (scripts/setup.sh --no-demo --torch: torch before the package, so
+# that sdpa.torch's operators are built and tested), so it works on a fresh clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh --no-demo
+scripts/setup.sh --no-demo --torch
 jobs=$(nproc)
 
 echo "== C++ tests (Release)"
@@ -40,7 +41,6 @@ cmake -S examples/basic -B build/example -G Ninja -DCMAKE_PREFIX_PATH="$PWD/buil
 cmake --build build/example
 build/example/basic
 
-echo "== Python tests (with torch from python/requirements-test.txt, for python/tests/test_torch.py)"
-.venv/bin/pip install -q -r python/requirements-test.txt
+echo "== Python tests (with torch from python/requirements-test.txt, installed by setup.sh --torch)"
 # CI set: test_torch.py fails instead of skipping if torch cannot be imported after all.
 CI="${CI:-1}" .venv/bin/python -m pytest -q python/tests

@@ -1,5 +1,6 @@
 // The entry point: validate once, then hand the Problem to the chosen kernel.
 #include <string>
+#include <vector>
 
 #include "flash/flash.h"
 #include "kernel_path.h"
@@ -50,6 +51,21 @@ void run_forward(const Problem& p, Backend backend) {
     return;
   }
   run_backend(p, backend);
+}
+
+void run_forward_many(const std::vector<Problem>& problems, Backend backend) {
+  std::vector<const Problem*> fused[2];  // by compute type: float32, float64
+  for (const Problem& p : problems) {
+    const bool fuse = (backend == Backend::kAuto || backend == Backend::kFlash) && !p.writes_nothing() &&
+                      !p.scores_are_biases_only();
+    if (fuse) {
+      fused[computes_in_f64(p.compute)].push_back(&p);
+    } else {
+      run_forward(p, backend);
+    }
+  }
+  for (const std::vector<const Problem*>& batch : fused)
+    if (!batch.empty()) internal::flash_attention_many(batch);
 }
 
 void run_backward(const BackwardProblem& bp, Backend backend) {

@@ -1,10 +1,14 @@
 // attention_paged: keys and values in a pool of pages (block_table). The call is validated as
 // attention() on a (B, Hkv, max_pages · page_size, D) view of the pool with stride 0 over the
 // batch, then the view is made paged (problem.h's View4::page_table): every row read goes
-// through the table, and the kernels keep their evenly spaced runs inside a page.
+// through the table, and the kernels keep their evenly spaced runs inside a page. Packed
+// queries (cu_seqlens_q) make one such problem per sequence, all run in one parallel region.
 #include <limits>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "packed.h"
 #include "problem.h"
 #include "storage.h"
 
@@ -41,16 +45,14 @@ void make_paged(View4& v, const TensorView& pool, const TensorView& table) {
   v.page_stride = pool.strides[0];
 }
 
-}  // namespace
-}  // namespace internal
-
-void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
-  using internal::fail;
+// The validated, paged problem of q (B, Hq, Nq, Dk). Messages name sequence b as
+// first_sequence + b (a packed call passes one sequence at a time).
+Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options& options, int64_t first_sequence) {
   const TensorView &kp = in.k_pages, &vp = in.v_pages, &table = in.block_table;
-  internal::check_rank("q", in.q, 4, "(B, Hq, Nq, Dk)");
-  internal::check_rank("k_pages", kp, 4, "(num_pages, page_size, Hkv, Dk)");
-  internal::check_rank("v_pages", vp, 4, "(num_pages, page_size, Hkv, Dv)");
-  internal::check_rank("block_table", table, 2, "(B, max_pages)");
+  check_rank("q", in.q, 4, "(B, Hq, Nq, Dk)");
+  check_rank("k_pages", kp, 4, "(num_pages, page_size, Hkv, Dk)");
+  check_rank("v_pages", vp, 4, "(num_pages, page_size, Hkv, Dv)");
+  check_rank("block_table", table, 2, "(B, max_pages)");
   const int64_t B = in.q.shape[0], num_pages = kp.shape[0], page_size = kp.shape[1];
   if (page_size < 1) fail("k_pages has shape " + kp.shape_string() + ": page_size (dim 1) must be at least 1");
   if (vp.shape[0] != num_pages || vp.shape[1] != page_size) {
@@ -87,10 +89,10 @@ void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& 
   }
   Inputs dense;
   dense.q = in.q;
-  dense.k = internal::as_rows(kp, B, max_pages);
-  dense.v = internal::as_rows(vp, B, max_pages);
+  dense.k = as_rows(kp, B, max_pages);
+  dense.v = as_rows(vp, B, max_pages);
   dense.seqlens_k = in.seqlens_k;
-  internal::Problem p = internal::make_problem(dense, outs, options);
+  Problem p = make_problem(dense, outs, options);
   // The pages each sequence reads exist.
   if (B > 0 && max_pages > 0 && table.data == nullptr) fail("block_table has no data but shape " + table.shape_string());
   for (int64_t b = 0; b < B; ++b) {
@@ -98,18 +100,90 @@ void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& 
     for (int64_t j = 0; j < used; ++j) {
       TensorView entry = table;
       entry.strides[0] = 1;
-      const int64_t page = internal::index_at(entry, b * table.strides[0] + j);
+      const int64_t page = index_at(entry, b * table.strides[0] + j);
       if (page < 0 || page >= num_pages) {
-        fail("block_table[" + std::to_string(b) + "][" + std::to_string(j) + "] = " + std::to_string(page) +
-             " is not a page of k_pages (num_pages = " + std::to_string(num_pages) + "); sequence " +
-             std::to_string(b) + " has " + std::to_string(p.keys_of(b)) + " keys in pages of " +
-             std::to_string(page_size));
+        const std::string seq = std::to_string(first_sequence + b);
+        fail("block_table[" + seq + "][" + std::to_string(j) + "] = " + std::to_string(page) +
+             " is not a page of k_pages (num_pages = " + std::to_string(num_pages) + "); sequence " + seq + " has " +
+             std::to_string(p.keys_of(b)) + " keys in pages of " + std::to_string(page_size));
       }
     }
   }
-  internal::make_paged(p.k, kp, table);
-  internal::make_paged(p.v, vp, table);
-  internal::run_forward(p, options.backend);
+  make_paged(p.k, kp, table);
+  make_paged(p.v, vp, table);
+  return p;
+}
+
+// A (H, n, D) view as (1, H, n, D); a (H, n) one as (1, H, n).
+TensorView with_batch_of_one(TensorView t) {
+  for (int d = t.rank; d > 0; --d) {
+    t.shape[d] = t.shape[d - 1];
+    t.strides[d] = t.strides[d - 1];
+  }
+  t.shape[0] = 1;
+  t.strides[0] = 0;
+  ++t.rank;
+  return t;
+}
+
+// Entry b of a (B, ...) tensor as a (1, ...) view.
+TensorView entry_of(TensorView t, int64_t b) {
+  if (t.shape[0] > 0 && t.data != nullptr) t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+  t.shape[0] = 1;
+  return t;
+}
+
+// Packed queries: q (total_q, Hq, Dk) cut by cu_seqlens_q, sequence b against table row b.
+std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs, const Options& options) {
+  check_rank3("q", in.q, "(total_q, Hq, Dk) with cu_seqlens_q");
+  check_rank3("out", outs.out, "(total_q, Hq, Dv) with cu_seqlens_q");
+  if (outs.weights) fail("weights are not available with cu_seqlens_q (packed queries)");
+  if (outs.lse && outs.lse->rank != 2) fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q)");
+  const std::vector<int64_t> cu = read_offsets("cu_seqlens_q", *in.cu_seqlens_q, in.q.shape[0], "q");
+  const int64_t B = static_cast<int64_t>(cu.size()) - 1;
+  check_rank("block_table", in.block_table, 2, "(B, max_pages)");
+  if (in.block_table.shape[0] != B) {
+    fail("block_table has shape " + in.block_table.shape_string() + " but cu_seqlens_q holds " + std::to_string(B) +
+         " sequences");
+  }
+  if (in.seqlens_k.rank != 1 || in.seqlens_k.shape[0] != B) {
+    fail("seqlens_k has shape " + in.seqlens_k.shape_string() + " but must be (B,) = (" + std::to_string(B) +
+         ",): cu_seqlens_q holds " + std::to_string(B) + " sequences");
+  }
+  if (outs.out.shape[0] != in.q.shape[0] || outs.out.shape[1] != in.q.shape[1]) {
+    fail("out has shape " + outs.out.shape_string() + " but q has " + in.q.shape_string() +
+         ": out is (total_q, Hq, Dv)");
+  }
+  if (outs.lse && (outs.lse->shape[0] != in.q.shape[1] || outs.lse->shape[1] != in.q.shape[0])) {
+    fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q) = (" +
+         std::to_string(in.q.shape[1]) + ", " + std::to_string(in.q.shape[0]) + ")");
+  }
+  std::vector<Problem> problems;
+  problems.reserve(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {  // every sequence valid before any is computed
+    PagedInputs s = in;
+    s.cu_seqlens_q.reset();
+    s.q = with_batch_of_one(rows_of(in.q, cu[b], cu[b + 1]));
+    s.block_table = entry_of(in.block_table, b);
+    s.seqlens_k = entry_of(in.seqlens_k, b);
+    Outputs o;
+    o.out = with_batch_of_one(rows_of(outs.out, cu[b], cu[b + 1]));
+    if (outs.lse) o.lse = with_batch_of_one(cols_of(*outs.lse, cu[b], cu[b + 1]));
+    problems.push_back(paged_problem(s, o, options, b));
+    problems.back().dropout.batch_offset = b;
+  }
+  return problems;
+}
+
+}  // namespace
+}  // namespace internal
+
+void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
+  if (in.cu_seqlens_q) {
+    internal::run_forward_many(internal::packed_problems(in, outs, options), options.backend);
+  } else {
+    internal::run_forward(internal::paged_problem(in, outs, options, 0), options.backend);
+  }
 }
 
 }  // namespace sdpa

@@ -202,5 +202,8 @@ BackwardProblem make_backward_problem(const Inputs& inputs, const TensorView& ou
 // attention_backward() do after make_problem, and what attention_varlen does per sequence.
 void run_forward(const Problem& p, Backend backend);
 void run_backward(const BackwardProblem& bp, Backend backend);
+// run_forward of each problem, the fused kernel's ones in one parallel region
+// (flash_attention_many): attention_varlen's sequences.
+void run_forward_many(const std::vector<Problem>& problems, Backend backend);
 
 }  // namespace sdpa::internal

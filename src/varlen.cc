@@ -7,14 +7,15 @@
 #include <vector>
 
 #include "kernel_path.h"
+#include "packed.h"
 #include "problem.h"
 #include "storage.h"
 
 namespace sdpa {
 namespace internal {
 namespace {
-
 [[noreturn]] void fail(const std::string& message) { throw Error(message); }
+}  // namespace
 
 // cu_seqlens: (B + 1,) int32 or int64, starting at 0, non-decreasing, ending at `total` (the
 // packed rows of `of`). Read once, into int64.
@@ -72,6 +73,8 @@ TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
   if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * dtype_size(t.dtype);
   return v;
 }
+
+namespace {
 
 struct Packed {
   std::vector<int64_t> cu_q, cu_k;
@@ -134,7 +137,7 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
     problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, options));
     problems.back().dropout.batch_offset = b;
   }
-  for (const internal::Problem& p : problems) internal::run_forward(p, options.backend);
+  internal::run_forward_many(problems, options.backend);
 }
 
 void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,

@@ -190,6 +190,80 @@ INSTANTIATE_TEST_SUITE_P(Cases, PagedSweep, testing::Range<size_t>(0, paged_case
                                   (c.causal == Causal::kTopLeft ? "_causalTL" : "");
                          });
 
+// Packed queries (cu_seqlens_q): sequence b's first n_b query rows (n_b cycling through Nq, 0,
+// 1 and Nq - 1), packed (total_q, Hq, Dk), give bit for bit the call with q = those rows as
+// (1, Hq, n_b, Dk) against table row b alone; lse (Hq, total_q) likewise.
+TEST_P(PagedSweep, PackedQueriesAreEachSequenceAlone) {
+  const PagedCase c = paged_cases()[GetParam()];
+  std::mt19937 rng(static_cast<uint32_t>(GetParam() + 100));
+  const Tensors t = dense_problem(c, rng);
+  const Pool pool = scatter(t, c, rng);
+  sdpa::Options o;
+  o.causal = c.causal;
+  o.window = c.window;
+  std::vector<int64_t> cu = {0};
+  for (int64_t b = 0; b < c.B; ++b) {
+    const int64_t counts[] = {c.Nq, 0, 1, std::max<int64_t>(0, c.Nq - 1)};
+    cu.push_back(cu.back() + counts[b % 4]);
+  }
+  const int64_t total = cu.back();
+  GuardedTensor q(c.dtype, {total, c.Hq, c.Dk}), out(c.dtype, {total, c.Hq, c.Dv});
+  GuardedTensor lse(compute_dtype(c.dtype), {c.Hq, total});
+  for (int64_t b = 0; b < c.B; ++b)
+    for (int64_t r = 0; r < cu[b + 1] - cu[b]; ++r)
+      for (int64_t h = 0; h < c.Hq; ++h)
+        for (int64_t e = 0; e < c.Dk; ++e)
+          q.set(((cu[b] + r) * c.Hq + h) * c.Dk + e, t.q.get(((b * c.Hq + h) * c.Nq + r) * c.Dk + e));
+  std::vector<int32_t> table;
+  std::vector<int64_t> lengths;
+  sdpa::PagedInputs in = paged_inputs(t, pool, c, table, lengths);
+  in.q = q.view();
+  in.cu_seqlens_q = sdpa::TensorView::contiguous(cu.data(), sdpa::DType::kInt64, {c.B + 1});
+  sdpa::attention_paged(in, {out.view(), std::nullopt, lse.view()}, o);
+  EXPECT_TRUE(out.guards_intact() && lse.guards_intact());
+  for (int64_t b = 0; b < c.B; ++b) {
+    SCOPED_TRACE("sequence " + std::to_string(b));
+    const int64_t n = cu[b + 1] - cu[b];
+    GuardedTensor qb(c.dtype, {1, c.Hq, n, c.Dk}), ob(c.dtype, {1, c.Hq, n, c.Dv});
+    GuardedTensor lb(compute_dtype(c.dtype), {1, c.Hq, n});
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t e = 0; e < c.Dk; ++e) qb.set((h * n + r) * c.Dk + e, q.get(((cu[b] + r) * c.Hq + h) * c.Dk + e));
+    sdpa::PagedInputs alone = in;
+    alone.cu_seqlens_q.reset();
+    alone.q = qb.view();
+    alone.block_table = sdpa::TensorView::contiguous(table.data() + b * c.max_pages, sdpa::DType::kInt32, {1, c.max_pages});
+    alone.seqlens_k = sdpa::TensorView::contiguous(lengths.data() + b, sdpa::DType::kInt64, {1});
+    sdpa::attention_paged(alone, {ob.view(), std::nullopt, lb.view()}, o);
+    for (int64_t h = 0; h < c.Hq; ++h)
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t e = 0; e < c.Dv; ++e) {
+          const double got = out.get(((cu[b] + r) * c.Hq + h) * c.Dv + e), want = ob.get((h * n + r) * c.Dv + e);
+          ASSERT_TRUE(got == want || (std::isnan(got) && std::isnan(want))) << "h " << h << " row " << r << " col " << e;
+        }
+        ASSERT_EQ(lse.get(h * total + cu[b] + r), lb.get(h * n + r)) << "lse h " << h << " row " << r;
+      }
+  }
+}
+
+TEST(Paged, PackedQueryErrorsNameTheSequence) {
+  std::vector<float> pool(4 * 16 * 1 * 8, 0.5f), q(5 * 2 * 8, 0.25f), out(5 * 2 * 8, -7.0f);
+  std::vector<int32_t> table = {0, 1, 2, 9};
+  std::vector<int64_t> lengths = {20, 20}, cu = {0, 2, 5};
+  sdpa::PagedInputs in;
+  in.q = sdpa::TensorView::contiguous(q.data(), sdpa::DType::kFloat32, {5, 2, 8});
+  in.k_pages = in.v_pages = sdpa::TensorView::contiguous(pool.data(), sdpa::DType::kFloat32, {4, 16, 1, 8});
+  in.block_table = sdpa::TensorView::contiguous(table.data(), sdpa::DType::kInt32, {2, 2});
+  in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), sdpa::DType::kInt64, {2});
+  in.cu_seqlens_q = sdpa::TensorView::contiguous(cu.data(), sdpa::DType::kInt64, {3});
+  const sdpa::Outputs outs{sdpa::TensorView::contiguous(out.data(), sdpa::DType::kFloat32, {5, 2, 8})};
+  expect_sdpa_error([&] { sdpa::attention_paged(in, outs); },
+                    {"block_table[1][1] = 9", "not a page of k_pages", "sequence 1 has 20 keys"});
+  cu = {0, 2, 4};
+  expect_sdpa_error([&] { sdpa::attention_paged(in, outs); }, {"cu_seqlens_q[2] = 4", "q has 5 rows"});
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));  // nothing written
+}
+
 // The header's picture: page_size 4, block_table[b] = {7, 2, 5}, 10 keys: keys 0-3 in page 7,
 // 4-7 in page 2, 8-9 in rows 0-1 of page 5. One query with q = 0 weighs the 10 keys equally, so
 // out is the mean of the value rows it reads: each row holds its (page, row) code.

@@ -2,8 +2,8 @@
 // way the fused kernel cuts work: many-row blocks, few-row (decode) blocks, key chunks merged
 // by lse (decode and prefill), blocks grouped over long K/V, GQA, causal, windows, bool,
 // additive and key-padding masks, weights, dropout; and of the backward's gradients (its
-// key-block and query-block passes), with and without dropout. Also the program the
-// ThreadSanitizer build runs.
+// key-block and query-block passes), with and without dropout; and of attention_varlen, whose
+// sequences share one parallel region. Also the program the ThreadSanitizer build runs.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "sdpa/attention.h"
@@ -152,14 +153,14 @@ INSTANTIATE_TEST_SUITE_P(
                     Shape{"prefill_causal_mask_weights", 1, 2, 1, 70, 260, 16, sdpa::Causal::kBottomRight, true, true},
                     Shape{"decode_split_keys", 1, 2, 1, 1, 5000, 64, sdpa::Causal::kNone, false, false},
                     Shape{"decode_split_keys_mask_weights", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft, true, true},
-                    Shape{"many_heads", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false},
+                    Shape{"many_heads", 3, 6, 3, 9, 120, 8, sdpa::Causal::kNone, true, false},
                     Shape{"prefill_dropout", 2, 4, 2, 97, 300, 32, sdpa::Causal::kNone, false, false, 0.3},
                     Shape{"prefill_causal_mask_weights_dropout_f64", 1, 2, 1, 70, 260, 16, sdpa::Causal::kBottomRight,
                           true, true, 0.5, true},
                     Shape{"decode_split_keys_dropout", 1, 2, 1, 1, 5000, 64, sdpa::Causal::kNone, false, false, 0.2},
                     Shape{"decode_split_keys_mask_weights_dropout_f64", 1, 4, 2, 2, 4500, 24, sdpa::Causal::kTopLeft,
                           true, true, 0.4, true},
-                    Shape{"many_heads_dropout", 3, 6, 3, 9, 40, 8, sdpa::Causal::kNone, true, false, 0.7},
+                    Shape{"many_heads_dropout", 3, 6, 3, 9, 120, 8, sdpa::Causal::kNone, true, false, 0.7},
                     // K and V of a head over 512 KiB (1100 keys · (64 + 64) · 4 bytes): blocks are
                     // swept in groups of up to 4, fewer when there are few blocks per thread (with
                     // 32-row blocks, the 12 blocks of the second are grouped by 4 for one thread and
@@ -287,5 +288,47 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(info.param).name) + (std::get<1>(info.param) ? "_f64" : "_f32") +
              (std::get<2>(info.param) > 0 ? "_dropout" : "");
     });
+
+// ---- Varlen: the sequences' units in one parallel region ----
+
+// A packed batch of sequences of very different lengths: decode rows against long keys (split
+// into chunks, merged), prefill blocks, an empty sequence; dropout on or off.
+TEST(VarlenThreads, OutputsAreBitwiseIdenticalForAnyThreadCount) {
+  const std::vector<int64_t> cu_q = {0, 1, 98, 98, 100, 160}, cu_k = {0, 4500, 4800, 4810, 9000, 9060};
+  const int64_t Hq = 4, Hkv = 2, D = 16, tq = cu_q.back(), tk = cu_k.back();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(tq * Hq * D), k(tk * Hkv * D), v(tk * Hkv * D);
+  for (auto* x : {&q, &k, &v})
+    for (float& e : *x) e = normal(rng);
+  for (double dropout : {0.0, 0.25}) {
+    const auto run = [&](int threads) {
+      sdpa::set_num_threads(threads);
+      std::vector<float> out(tq * Hq * D), lse(Hq * tq);
+      sdpa::VarlenInputs in{sdpa::TensorView::contiguous(q.data(), sdpa::DType::kFloat32, {tq, Hq, D}),
+                            sdpa::TensorView::contiguous(k.data(), sdpa::DType::kFloat32, {tk, Hkv, D}),
+                            sdpa::TensorView::contiguous(v.data(), sdpa::DType::kFloat32, {tk, Hkv, D}),
+                            sdpa::TensorView::contiguous(const_cast<int64_t*>(cu_q.data()), sdpa::DType::kInt64,
+                                                         {static_cast<int64_t>(cu_q.size())}),
+                            sdpa::TensorView::contiguous(const_cast<int64_t*>(cu_k.data()), sdpa::DType::kInt64,
+                                                         {static_cast<int64_t>(cu_k.size())})};
+      sdpa::Options o;
+      o.causal = sdpa::Causal::kBottomRight;
+      o.dropout_p = dropout;
+      o.seed = kSeed;
+      sdpa::attention_varlen(in, {sdpa::TensorView::contiguous(out.data(), sdpa::DType::kFloat32, {tq, Hq, D}),
+                                  sdpa::TensorView::contiguous(lse.data(), sdpa::DType::kFloat32, {Hq, tq})},
+                             o);
+      sdpa::set_num_threads(0);
+      return std::make_pair(bytes(out), bytes(lse));
+    };
+    const auto one = run(1);
+    for (int threads : {2, 3}) {
+      const auto other = run(threads);
+      EXPECT_TRUE(one.first == other.first) << "out differs with " << threads << " threads, dropout " << dropout;
+      EXPECT_TRUE(one.second == other.second) << "lse differs with " << threads << " threads, dropout " << dropout;
+    }
+  }
+}
 
 }  // namespace

@@ -203,7 +203,9 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
 // and i, j the positions inside it. Nothing crosses a sequence's boundary. dtypes as attention().
 // Without dropout each sequence's results are bit for bit those of attention() on its rows (with
 // dropout, sequence b draws as batch entry b of a dense call would); bitwise identical for any
-// thread count. Each sequence runs as its own call of the kernels (no copy): see PERFORMANCE.md.
+// thread count. The forward runs every sequence's blocks (and key chunks) in one parallel region,
+// largest first, so that threads stay busy when lengths differ 100x; the backward runs one
+// sequence after another (each on all threads). No copies: see PERFORMANCE.md.
 struct VarlenInputs {
   TensorView q = {}, k = {}, v = {};
   TensorView cu_seqlens_q = {}, cu_seqlens_k = {};
@@ -246,9 +248,16 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
 // dense call, so results are bit for bit those of attention() on the gathered keys capped at
 // KernelPath::kSimd (a paged call does not use the AVX512_BF16/AMX products, which read a
 // tile's keys in place with one stride).
+//
+// Packed queries (chunked prefill of several sequences, as attention_varlen packs them): with
+// cu_seqlens_q (B + 1,) int32/int64 offsets, q is (total_q, Hq, Dk), sequence b's queries
+// rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1, attending to the keys of block_table row b;
+// out is (total_q, Hq, Dv), lse (Hq, total_q); no weights. Each sequence is bit for bit the
+// call with q = its rows as (1, Hq, n_b, Dk); all of them share one parallel region.
 struct PagedInputs {
   TensorView q = {}, k_pages = {}, v_pages = {};
   TensorView block_table = {}, seqlens_k = {};
+  std::optional<TensorView> cu_seqlens_q = std::nullopt;
 };
 void attention_paged(const PagedInputs& inputs, const Outputs& outputs, const Options& options = {});
 

@@ -248,6 +248,19 @@ def _prepared_inputs(q, k, v, mask):
     return _compute_dtype(q_dtype), q, k, v, mask
 
 
+def _scale_value(scale):
+    """A scale (a real number, not a bool) as a finite float; TypeError or ValueError naming it."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
+    try:
+        value = float(scale)
+    except OverflowError:  # an int or Fraction beyond float64
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {_describe(scale)}")
+    return value
+
+
 def _parsed_options(causal, scale, window, backend, dtype):
     """(causal code, scale or None, window left, window right) for _core, validated; `dtype` is
     the compute dtype, which must hold the scale."""
@@ -261,14 +274,7 @@ def _parsed_options(causal, scale, window, backend, dtype):
     if isinstance(scale, np.ndarray) and scale.ndim == 0:
         scale = scale[()]  # a 0-d array is a number
     if scale is not None:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a real number, got {scale!r}")
-        try:
-            value = float(scale)
-        except OverflowError:  # an int or Fraction beyond float64
-            value = math.inf
-        if not math.isfinite(value):
-            raise ValueError(f"scale must be finite, got {_describe(scale)}")
+        value = _scale_value(scale)
         # The kernels multiply in the compute dtype, where the scale must not round to inf (for
         # float32, a magnitude past its max by half an ulp or more) nor, when not 0, to 0 (for
         # float32, 2**-150, half its smallest subnormal, or less): the same rule as _core's,
@@ -613,25 +619,26 @@ def _pool_array(name, a):
     return a
 
 
-def _paged_query(q, pool_dtype, nq_name="q"):
+def _paged_query(q, pool_dtype, nq_name="q", packed=False):
     """q as the kernels take it against a pool of `pool_dtype`: the pool's dtype, or float32 over
-    a 16-bit pool."""
+    a 16-bit pool. packed: (total_q, Hq, Dk) rows cut by cu_seqlens_q, else (B, Hq, Nq, Dk)."""
     q = _asarray(nq_name, q)
     _check_real(nq_name, q)
-    if q.ndim != 4:
-        raise ValueError(f"{nq_name} has shape {q.shape}, but must be (B, Hq, Nq, Dk)")
+    if q.ndim != (3 if packed else 4):
+        raise ValueError(f"{nq_name} has shape {q.shape}, but must be "
+                         f"{'(total_q, Hq, Dk) with cu_seqlens_q' if packed else '(B, Hq, Nq, Dk)'}")
     dtype = _FLOAT32 if pool_dtype in _LOW and _narrow_float(q) == _FLOAT32 else pool_dtype
     return _prepared(nq_name, q, dtype)
 
 
-def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, causal=False, scale=None, window=None,
-                    return_lse=False, backend="auto"):
+def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
+                    window=None, return_lse=False, backend="auto"):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
     Shapes::
 
-        q            (B, Hq, Nq, Dk)
+        q            (B, Hq, Nq, Dk)                   or (total_q, Hq, Dk) with cu_seqlens_q (below)
         k_pages      (num_pages, page_size, Hkv, Dk)   float32, float64, float16 or bfloat16,
         v_pages      (num_pages, page_size, Hkv, Dv)   read in place (never copied)
         block_table  (B, max_pages) integers: the pages sequence b uses, in order; entries past
@@ -655,17 +662,30 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, causal=False
     ``causal=True`` a query block appended last sees the whole cache up to itself). q is
     converted to the pools' dtype, except float32 q over 16-bit pools, which is kept. Pages
     may be shared between sequences and appear in any order. Forward only; no mask.
+
+    Packed queries (chunked prefill of sequences with different numbers of new tokens, packed
+    as ``attention_varlen`` packs them): with ``cu_seqlens_q`` ((B + 1,) offsets), q is
+    (total_q, Hq, Dk), sequence b's queries rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1,
+    attending to block_table row b; out is (total_q, Hq, Dv) and lse (Hq, total_q)::
+
+        cu_seqlens_q = [0, 3, 4]     q rows | 0 1 2 | 3 |     seqlens_k = [9, 5]
+                                             seq 0   seq 1   (causal: seq 0's rows see keys
+                                                              up to 6, 7, 8; seq 1's row all 5)
+
+    Each sequence's rows are bit for bit the call with q = its rows as (1, Hq, n_b, Dk).
     """
     k_pages, v_pages = _pool_array("k_pages", k_pages), _pool_array("v_pages", v_pages)
-    q = _paged_query(q, k_pages.dtype)
+    q = _paged_query(q, k_pages.dtype, packed=cu_seqlens_q is not None)
     table = _prepared_indices("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     seqlens = _prepared_seqlens(seqlens_k)
+    cu_q = _prepared_indices("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets into q's rows")
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
-    lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
-    _core.attention_paged(*map(_core_view, (q, k_pages, v_pages, table, seqlens, out, lse)), scale, causal_code, left,
-                          right, backend)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
+    lse = _empty("lse", lse_shape, dtype) if return_lse else None
+    _core.attention_paged(*map(_core_view, (q, k_pages, v_pages, table, seqlens, cu_q, out, lse)), scale, causal_code,
+                          left, right, backend)
     return (out, lse) if return_lse else out
 
 

@@ -40,65 +40,114 @@ PyTorch's semantics, with these limits:
 - First derivatives only: the backward is marked ``once_differentiable``, so asking for a
   second derivative (double backward) raises RuntimeError.
 
+- Also ``attention_varlen`` (packed sequences, with autograd) and ``attention_paged`` (a paged
+  KV cache, forward only), sdpa's functions of those names on tensors.
+
+The functions call sdpa's torch operators (``torch.ops.sdpa.attention`` and its kin, in C++,
+registered with autograd and with fake-tensor kernels), so a call costs about what a torch
+operator costs, and models using them compile with ``torch.compile`` without graph breaks.
+The operators live in ``sdpa/_torch_ops.so``, built with the package when torch is importable
+at build time (``pip install --no-build-isolation .`` after installing torch;
+``scripts/setup.sh --torch``); importing this module without them raises ImportError saying so.
+
 torch is an optional dependency: importing ``sdpa`` never imports it; this module does.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
-import ml_dtypes
-import numpy as np
 import torch
 
-from . import _parsed_dropout, attention, attention_backward, attention_varlen_backward
-from . import attention_varlen as _numpy_attention_varlen
+from . import _CAUSAL, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
 
-__all__ = ["scaled_dot_product_attention", "attention_varlen"]
+__all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged"]
 
-
-def _numpy(t):
-    """A NumPy view of a CPU tensor (no copy when its last dim is contiguous); a bfloat16 tensor
-    becomes an ml_dtypes.bfloat16 array over the same memory (NumPy has no bfloat16 of its own)."""
-    t = t.detach()
-    if t.dim() and t.size(-1) > 1 and t.stride(-1) != 1:
-        t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
+_REBUILD = ("install torch first, then build sdpa with `pip install --no-build-isolation .` "
+            "(scripts/setup.sh --torch does both)")
 
 
-def _torch(a):
-    """A tensor over the memory of a NumPy array from sdpa (ml_dtypes.bfloat16 as torch.bfloat16)."""
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+def _load_operators():
+    if not hasattr(torch.ops.sdpa, "attention"):
+        if not os.path.exists(_LIBRARY):
+            raise ImportError(f"sdpa.torch needs sdpa's torch operators ({_LIBRARY}), which are built only when "
+                              f"torch can be imported while sdpa builds: {_REBUILD}")
+        try:
+            torch.ops.load_library(_LIBRARY)
+        except OSError as e:
+            raise ImportError(f"sdpa's torch operators ({_LIBRARY}) do not load with torch {torch.__version__} "
+                              f"({e}): {_REBUILD}") from None
+    built = torch.ops.sdpa.torch_version()
+    if built != torch.__version__:
+        raise ImportError(f"sdpa's torch operators were built against torch {built}, but torch {torch.__version__} "
+                          f"is imported: {_REBUILD}")
 
 
-class _Attention(torch.autograd.Function):
-    """sdpa on 4-D (B, H, N, D) tensors; scaled_dot_product_attention maps other shapes to it."""
+_load_operators()
+_ops = torch.ops.sdpa
+_attention = _ops.attention.default
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_Tensor = torch.Tensor
 
-    @staticmethod
-    def forward(ctx, query, key, value, mask, causal, scale, dropout_p, seed):
-        m = None if mask is None else _numpy(mask)
-        out, lse = attention(_numpy(query), _numpy(key), _numpy(value), m, causal=causal, scale=scale,
-                             dropout_p=dropout_p, seed=seed, return_lse=True)
-        out = _torch(out)
-        # Saved through autograd (not as ctx attributes) so that an in-place change of the
-        # returned output, or of an input, makes backward raise instead of using stale data.
-        ctx.save_for_backward(query, key, value, mask, out, _torch(lse))
-        ctx.causal, ctx.scale, ctx.dropout_p, ctx.seed = causal, scale, dropout_p, seed
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable  # sdpa's backward is not itself differentiable
-    def backward(ctx, dout):
-        query, key, value, mask, out, lse = ctx.saved_tensors
-        m = None if mask is None else _numpy(mask)
-        dq, dk, dv = attention_backward(_numpy(dout), _numpy(query), _numpy(key), _numpy(value), _numpy(out),
-                                        _numpy(lse), m, causal=ctx.causal, scale=ctx.scale,
-                                        dropout_p=ctx.dropout_p, seed=ctx.seed)
-        return _torch(dq), _torch(dk), _torch(dv), None, None, None, None, None
+# ---------------------------------------------------------------- fake kernels (torch.compile)
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("sdpa::attention")
+def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
+
+
+@torch.library.register_fake("sdpa::attention_backward")
+def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("sdpa::attention_varlen")
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_compute_dtype(q.dtype))
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
+
+
+@torch.library.register_fake("sdpa::attention_varlen_backward")
+def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window_left, window_right, dropout_p,
+      seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("sdpa::attention_paged")
+def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
+    return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
+
+
+# ---------------------------------------------------------------- torch.nn.functional's function
+
+
+def _check_tensors(names, tensors):
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise TypeError(f"{name} must be a CPU torch.Tensor")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32, float64, bfloat16 or float16")
+
+
+def _options(dropout_p, scale):
+    """(dropout_p, scale, seed) checked: TypeError / ValueError naming the argument. The seed is
+    drawn from torch's global generator when dropout_p > 0 (torch.manual_seed reproduces it), as
+    a tensor so that torch.compile traces it."""
+    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+        dropout_p, _ = _parsed_dropout(dropout_p, 0)  # a real number in [0, 1), else an error naming it
+    if scale is not None and type(scale) is not float:
+        scale = _scale_value(scale)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
+    return dropout_p, scale, seed
 
 
 def _heads(t):
@@ -148,76 +197,94 @@ def _as_4d(t, batch, heads):
     return t.reshape(math.prod(batch), heads, t.size(-2), t.size(-1))
 
 
+def _checked_mask(attn_mask, query, is_causal, scores):
+    """attn_mask checked against PyTorch's rules for scores of shape `scores`."""
+    if is_causal:
+        raise RuntimeError("attn_mask and is_causal cannot both be set (PyTorch raises RuntimeError too)")
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError("attn_mask must be a torch.Tensor")
+    if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+        raise RuntimeError(f"attn_mask has dtype {attn_mask.dtype}, but must be bool, float32 or query's "
+                           f"dtype {query.dtype} (as in PyTorch)")
+    try:
+        fits = tuple(torch.broadcast_shapes(attn_mask.shape, scores)) == scores
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
+                           f"scores' {scores}")
+    if attn_mask.requires_grad and torch.is_grad_enabled():
+        # Silently returning no gradient would be worse than refusing.
+        raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
+                         "matrix they need); pass attn_mask.detach() if the mask is a constant")
+
+
+def _direct(query, key, value, attn_mask, enable_gqa):
+    """Whether the tensors are already sdpa's (B, H, N, D) call, as a model's decode step passes
+    them: 4-D, one batch size, kv heads that are query's (or divide them, with enable_gqa), a
+    mask absent or 4-D. Then the views of _layout and _as_4d would be the tensors themselves."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or (attn_mask is not None and attn_mask.dim() != 4):
+        return False
+    (b, hq, _, _), (bk, hk, _, _), (bv, hv, _, _) = query.shape, key.shape, value.shape
+    return b == bk == bv and hk == hv and hk > 0 and (hk == hq or (enable_gqa and hq % hk == 0))
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
     doc for the limits). The mask gets no gradient: a float ``attn_mask`` that requires grad
     raises ValueError (use ``attn_mask.detach()``); ``dropout_p`` must be in [0, 1)."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a CPU torch.Tensor")
-        if t.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32, float64, bfloat16 or float16")
+    # The checks are written for speed (a decode step of a small model costs a few µs in all):
+    # the common case passes them in a few attribute reads, anything else goes to the checks
+    # that name the argument.
+    if not (isinstance(query, _Tensor) and isinstance(key, _Tensor) and isinstance(value, _Tensor)
+            and query.is_cpu and key.is_cpu and value.is_cpu and query.dtype in _FLOATS):
+        _check_tensors(("query", "key", "value"), (query, key, value))
     if not (query.dtype == key.dtype == value.dtype):
         raise RuntimeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if dropout_p == 0.0 and type(dropout_p) is float and (scale is None or type(scale) is float):
+        seed = None
+    else:
+        dropout_p, scale, seed = _options(dropout_p, scale)
+    causal = "top_left" if is_causal else "none"
+    if _direct(query, key, value, attn_mask, enable_gqa):
+        if attn_mask is not None:
+            _checked_mask(attn_mask, query, is_causal, query.shape[:-1] + key.shape[-2:-1])
+        return _attention(query, key, value, attn_mask, causal, scale, -1, -1, dropout_p, seed)[0]
     if min(query.dim(), key.dim(), value.dim()) < 2:
         raise _shape_error("query, key and value must have at least 2 dims, (..., L, E)", query, key, value)
     batch, heads, kv_heads, out_shape = _layout(query, key, value, enable_gqa)
     if attn_mask is not None:
-        if is_causal:
-            raise RuntimeError("attn_mask and is_causal cannot both be set (PyTorch raises RuntimeError too)")
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError("attn_mask must be a torch.Tensor")
-        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
-            raise RuntimeError(f"attn_mask has dtype {attn_mask.dtype}, but must be bool, float32 or query's "
-                               f"dtype {query.dtype} (as in PyTorch)")
-        scores = out_shape[:-1] + (key.size(-2),)
-        try:
-            fits = tuple(torch.broadcast_shapes(attn_mask.shape, scores)) == scores
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
-                               f"scores' {scores}")
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            # Silently returning no gradient would be worse than refusing.
-            raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
-                             "matrix they need); pass attn_mask.detach() if the mask is a constant")
+        _checked_mask(attn_mask, query, is_causal, out_shape[:-1] + (key.size(-2),))
         # A float mask goes to sdpa as it is (float32 or the query's dtype, as sdpa takes it):
         # sdpa widens it exactly, and never rounds a float32 bias to a 16-bit query's dtype.
         if attn_mask.dim() > 3:  # else sdpa broadcasts it against (B, H, L, S) as it is
             attn_mask = _as_4d(attn_mask, batch, attn_mask.size(-3))
-    # A real number in [0, 1), else TypeError / ValueError naming dropout_p (seed 0: no seed check).
-    dropout_p, _ = _parsed_dropout(dropout_p, 0)
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
-    causal = "top_left" if is_causal else False
-    # Autograd sees the expand/reshape views around _Attention, and sums the gradients of
+    # Autograd sees the expand/reshape views around the operator, and sums the gradients of
     # broadcast dims back into the shapes of query, key and value.
-    out = _Attention.apply(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
-                           attn_mask, causal, scale, dropout_p, seed)
+    out, _ = _attention(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
+                        attn_mask, causal, scale, -1, -1, dropout_p, seed)
     return out.reshape(out_shape)
 
 
-class _Varlen(torch.autograd.Function):
-    """sdpa.attention_varlen on packed (total, H, D) tensors, with its backward."""
+# ---------------------------------------------------------------- packed sequences, paged KV cache
 
-    @staticmethod
-    def forward(ctx, query, key, value, cu_q, cu_k, causal, scale, window, dropout_p, seed):
-        out, lse = _numpy_attention_varlen(_numpy(query), _numpy(key), _numpy(value), cu_q, cu_k, causal=causal,
-                                           scale=scale, window=window, dropout_p=dropout_p, seed=seed, return_lse=True)
-        out = _torch(out)
-        ctx.save_for_backward(query, key, value, out, _torch(lse))
-        ctx.cu, ctx.options = (cu_q, cu_k), dict(causal=causal, scale=scale, window=window, dropout_p=dropout_p,
-                                                 seed=seed)
-        return out
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        query, key, value, out, lse = ctx.saved_tensors
-        dq, dk, dv = attention_varlen_backward(_numpy(dout), _numpy(query), _numpy(key), _numpy(value), _numpy(out),
-                                               _numpy(lse), *ctx.cu, **ctx.options)
-        return _torch(dq), _torch(dk), _torch(dv), None, None, None, None, None, None, None
+def _causal_name(causal):
+    key = bool(causal) if isinstance(causal, bool) or causal is None else causal
+    if not isinstance(key, (bool, str)) or key not in _CAUSAL:
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
+    return _CAUSAL[key]
+
+
+def _index_tensor(name, t, meaning, ndim=1):
+    """An index tensor (cu_seqlens, seqlens_k, block_table) as int32 or int64 on the CPU; a
+    sequence or array is converted as ``sdpa`` converts it."""
+    if isinstance(t, torch.Tensor):
+        if t.dtype in (torch.int32, torch.int64) and t.device.type == "cpu" and t.dim() == ndim:
+            return t
+        t = t.detach().cpu().numpy()
+    return torch.from_numpy(_prepared_indices(name, t, meaning, ndim))
 
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
@@ -229,10 +296,31 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     (FlashAttention's alignment, per sequence) or "top_left"; window and scale as in
     ``sdpa.attention``. With dropout_p > 0 the seed is drawn from torch's global generator
     (``torch.manual_seed`` reproduces it) and reused by the backward."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-            raise TypeError(f"{name} must be a CPU torch.Tensor")
-    cu = [np.asarray(c.detach().cpu().numpy() if isinstance(c, torch.Tensor) else c) for c in (cu_seqlens_q, cu_seqlens_k)]
-    dropout_p, _ = _parsed_dropout(dropout_p, 0)
-    seed = int(torch.randint(0, 2**62, (1,)).item()) if dropout_p > 0 else None
-    return _Varlen.apply(query, key, value, cu[0], cu[1], causal, scale, window, dropout_p, seed)
+    _check_tensors(("query", "key", "value"), (query, key, value))
+    cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
+    cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,) offsets")
+    dropout_p, scale, seed = _options(dropout_p, scale)
+    left, right = _window_bounds(window)
+    out, _ = _ops.attention_varlen(query, key, value, cu_q, cu_k, _causal_name(causal), scale, left, right, dropout_p,
+                                   seed)
+    return out
+
+
+def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
+                    window=None, return_lse=False):
+    """``sdpa.attention_paged`` on CPU tensors (forward only: the result carries no gradient):
+    query (B, Hq, Nq, Dk) against a paged KV cache, k_pages (num_pages, page_size, Hkv, Dk) and
+    v_pages (num_pages, page_size, Hkv, Dv) (any strides with a contiguous last dim), block_table
+    (B, max_pages) and seqlens_k (B,) integer tensors; returns out (B, Hq, Nq, Dv) in the query's
+    dtype, and lse (B, Hq, Nq) with return_lse. With cu_seqlens_q ((B + 1,) offsets) the query
+    is packed, (total_q, Hq, Dk), out (total_q, Hq, Dv) and lse (Hq, total_q). causal, window
+    and scale as in ``sdpa.attention_paged``."""
+    _check_tensors(("query", "k_pages", "v_pages"), (query, k_pages, v_pages))
+    table = _index_tensor("block_table", block_table, "(B, max_pages) page indices", ndim=2)
+    lengths = _index_tensor("seqlens_k", seqlens_k, "(B,) key lengths")
+    cu_q = None if cu_seqlens_q is None else _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
+    _, scale, _ = _options(0.0, scale)
+    left, right = _window_bounds(window)
+    out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
+                                    right)
+    return (out, lse) if return_lse else out

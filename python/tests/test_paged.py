@@ -150,3 +150,44 @@ def test_head_major_pool_views_give_the_same_results():
     q = rng.standard_normal((3, 4, 1, 16)).astype(np.float32)
     np.testing.assert_array_equal(sdpa.attention_paged(q, k_hnd, v_hnd, table, [70, 3, 33]),
                                   sdpa.attention_paged(q, k_pages, v_pages, table, [70, 3, 33]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
+@pytest.mark.parametrize("causal", [True, False, "top_left"])
+def test_packed_queries_are_each_sequence_alone(dtype, causal):
+    # Chunked prefill: sequences with different numbers of new tokens (0, 1, a tile's worth)
+    # packed as attention_varlen packs them, each against its own pages.
+    rng = np.random.default_rng(40)
+    lengths = [70, 5, 33, 16, 200]
+    new = [6, 0, 1, 16, 130]
+    k_pages, v_pages, table, k, v = paged(rng, lengths, 16, 2, 16, 8, dtype)
+    cu = np.concatenate([[0], np.cumsum(new)])
+    q = rng.standard_normal((cu[-1], 4, 16)).astype(dtype)
+    out, lse = sdpa.attention_paged(q, k_pages, v_pages, table, lengths, cu_seqlens_q=cu, causal=causal,
+                                    return_lse=True)
+    assert out.shape == (cu[-1], 4, 8) and lse.shape == (4, cu[-1])
+    for b in range(len(lengths)):
+        rows = q[cu[b]:cu[b + 1]].transpose(1, 0, 2)[None]
+        alone, alone_lse = sdpa.attention_paged(rows, k_pages, v_pages, table[b:b + 1], lengths[b:b + 1],
+                                                causal=causal, return_lse=True)
+        np.testing.assert_array_equal(out[cu[b]:cu[b + 1]], alone[0].transpose(1, 0, 2))  # bit for bit
+        np.testing.assert_array_equal(lse[:, cu[b]:cu[b + 1]], alone_lse[0])
+        want = sdpa.attention(rows, k[b:b + 1], v[b:b + 1], seqlens_k=lengths[b:b + 1], causal=causal,
+                              backend="reference")
+        np.testing.assert_allclose(alone.astype(np.float64), want.astype(np.float64), atol=tolerance(dtype), rtol=0)
+
+
+def test_packed_query_errors_name_the_argument_and_the_sequence():
+    rng = np.random.default_rng(41)
+    k_pages, v_pages, table, _, _ = paged(rng, [20, 20], 16, 1, 8, 8, np.float32)
+    q = rng.standard_normal((5, 2, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[2\] = 4 but q has 5 rows"):
+        sdpa.attention_paged(q, k_pages, v_pages, table, [20, 20], cu_seqlens_q=[0, 2, 4])
+    with pytest.raises(ValueError, match=r"block_table has shape \(2, 2\) but cu_seqlens_q holds 3 sequences"):
+        sdpa.attention_paged(q, k_pages, v_pages, table, [20, 20], cu_seqlens_q=[0, 2, 4, 5])
+    bad = table.copy()
+    bad[1, 1] = 99
+    with pytest.raises(ValueError, match=r"block_table\[1\]\[1\] = 99 is not a page .*sequence 1 has 20 keys"):
+        sdpa.attention_paged(q, k_pages, v_pages, bad, [20, 20], cu_seqlens_q=[0, 2, 5])
+    with pytest.raises(ValueError, match=r"q has shape \(1, 5, 2, 8\), but must be \(total_q, Hq, Dk\) with cu_seqlens_q"):
+        sdpa.attention_paged(q[None], k_pages, v_pages, table, [20, 20], cu_seqlens_q=[0, 2, 5])

@@ -174,36 +174,37 @@ def test_scale_that_does_not_fit_names_it(scale, dtype):
         scaled_dot_product_attention(q, k, v, scale=scale)
 
 
-def test_no_copy_for_contiguous_inputs():
-    q = torch.randn(2, 3, 4)
-    from sdpa.torch import _numpy
-    assert np.shares_memory(_numpy(q), q.numpy())
-
-
 # ---------------------------------------------------------------- layouts, without copies
 
 
-def _spy_on_core(monkeypatch):
-    """Records the NumPy arrays sdpa hands to its C++ kernels (name -> data pointer)."""
-    import sdpa._core as core
+@pytest.fixture
+def spy():
+    """The tensors sdpa.torch hands to sdpa's operators during the test, as a list of (operator,
+    {argument name: data pointer}), seen at torch's Python dispatch key. The operators pass each
+    tensor's memory to the kernels as it is unless its last dim is not contiguous
+    (python/torch_ops.cc), so these are the kernels' pointers."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     calls = []
-    for fn, names in (("attention", ("q", "k", "v", "mask", "seqlens_k")),
-                      ("attention_backward", ("q", "k", "v", "mask", "seqlens_k", "out", "lse", "dout"))):
-        original = getattr(core, fn)
 
-        def spy(*args, _original=original, _names=names, _fn=fn):
-            calls.append((_fn, {n: (None if a is None else a.ctypes.data) for n, a in zip(_names, args)}))
-            return _original(*args)
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name.startswith("sdpa::"):
+                names = [a.name for a in func._schema.arguments]
+                calls.append((name[len("sdpa::"):], {n: (a.data_ptr() if isinstance(a, torch.Tensor) else a)
+                                                     for n, a in zip(names, args)}))
+            return func(*args, **(kwargs or {}))
 
-        monkeypatch.setattr(core, fn, spy)
-    return calls
+    with Spy():
+        yield calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_blhe_transposed_inputs_reach_the_kernel_without_copies(monkeypatch, dtype):
+def test_blhe_transposed_inputs_reach_the_kernel_without_copies(spy, dtype):
     # (B, L, H, E) tensors, as a projection produces them, transposed to (B, H, L, E): only the
     # last dim is contiguous, which is all sdpa needs, so forward and backward read them in place.
-    calls = _spy_on_core(monkeypatch)
+    calls = spy
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, n, 4, 8, generator=g, dtype=dtype).transpose(1, 2).requires_grad_()
                for n in (9, 12, 12))
@@ -225,8 +226,8 @@ def test_blhe_transposed_inputs_reach_the_kernel_without_copies(monkeypatch, dty
         torch.testing.assert_close(a.grad, b.grad, rtol=tol, atol=tol)
 
 
-def test_leading_dims_are_flattened_without_copies(monkeypatch):
-    calls = _spy_on_core(monkeypatch)
+def test_leading_dims_are_flattened_without_copies(spy):
+    calls = spy
     q = torch.randn(2, 3, 4, 9, 8)
     k = torch.randn(2, 3, 4, 12, 8)
     mask = torch.zeros(9, 12)
@@ -471,8 +472,8 @@ def test_lowp_equals_the_numpy_front_door_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", LOWP)
-def test_lowp_blhe_transposed_inputs_reach_the_kernel_without_copies(monkeypatch, dtype):
-    calls = _spy_on_core(monkeypatch)
+def test_lowp_blhe_transposed_inputs_reach_the_kernel_without_copies(spy, dtype):
+    calls = spy
     g = torch.Generator().manual_seed(15)
     q, k, v = (torch.randn(2, n, 4, 8, generator=g).to(dtype).transpose(1, 2).requires_grad_() for n in (9, 12, 12))
     mask = torch.randn(9, 12, generator=g).to(dtype)
@@ -548,3 +549,123 @@ def test_varlen_lowp_gradients_have_the_inputs_dtype(dtype):
     out.float().sum().backward()
     assert out.dtype == dtype and (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (dtype,) * 3
     assert torch.isfinite(out.float()).all() and torch.isfinite(q.grad.float()).all()
+
+
+# ---------------------------------------------------------------- the operators, torch.compile
+
+
+def _op_samples():
+    """(operator, args) for every sdpa operator: torch.library.opcheck's samples."""
+    g = torch.Generator().manual_seed(30)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6)))
+    mask = torch.rand(5, 7, generator=g) > 0.3
+    out, lse = torch.ops.sdpa.attention(q, k, v, mask, "none", None, -1, -1, 0.0, None)
+    seed = torch.tensor([7])
+    qp, kp, vp = (torch.randn(s, generator=g, dtype=torch.float32, requires_grad=True)
+                  for s in ((5, 4, 8), (9, 2, 8), (9, 2, 6)))
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9])
+    outp, lsep = torch.ops.sdpa.attention_varlen(qp, kp, vp, cu_q, cu_k, "bottom_right", None, -1, -1, 0.0, None)
+    pages = torch.randn(6, 16, 2, 8, generator=g)
+    table = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32)
+    return [
+        (torch.ops.sdpa.attention.default, (q, k, v, mask, "top_left", None, -1, -1, 0.0, None)),
+        (torch.ops.sdpa.attention.default, (q, k, v, None, "none", 0.5, 2, 1, 0.25, seed)),
+        (torch.ops.sdpa.attention_backward.default,
+         (torch.randn(out.shape, dtype=out.dtype), q.detach(), k.detach(), v.detach(), out.detach(), lse, mask, "none",
+          None, -1, -1, 0.0, None)),
+        (torch.ops.sdpa.attention_varlen.default, (qp, kp, vp, cu_q, cu_k, "bottom_right", None, -1, -1, 0.0, None)),
+        (torch.ops.sdpa.attention_varlen_backward.default,
+         (torch.randn(outp.shape), qp.detach(), kp.detach(), vp.detach(), cu_q, cu_k, outp.detach(), lsep,
+          "bottom_right", None, -1, -1, 0.0, None)),
+        (torch.ops.sdpa.attention_paged.default,
+         (torch.randn(2, 4, 3, 8, generator=g), pages, pages, table, torch.tensor([20, 9]), None, "bottom_right", None,
+          -1, -1)),
+        (torch.ops.sdpa.attention_paged.default,
+         (torch.randn(5, 4, 8, generator=g), pages, pages, table, torch.tensor([20, 9]), torch.tensor([0, 3, 5]),
+          "bottom_right", None, -1, -1)),
+    ]
+
+
+@pytest.mark.parametrize("sample", range(7))
+def test_operators_pass_opcheck(sample):
+    # torch's own checks of a custom operator: its schema, its autograd registration, its fake
+    # kernel against the real one (shapes, strides, dtypes) and tracing with AOTAutograd.
+    op, args = _op_samples()[sample]
+    torch.library.opcheck(op, args)
+
+
+def test_compiles_without_graph_breaks_forward_and_backward():
+    # fullgraph=True makes any graph break an error; aot_eager traces the operators through
+    # their fake kernels and autograd registration, as inductor does, without compiling C++.
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 8, 9, 16), (2, 2, 12, 16), (2, 2, 12, 16)))
+    mask = torch.randn(2, 1, 9, 12, generator=g, dtype=torch.float64)
+
+    def model(q, k, v, mask):
+        return (scaled_dot_product_attention(q * 2, k, v, attn_mask=mask, enable_gqa=True).tanh() ** 2).sum()
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    want = model(q, k, v, mask)
+    want_grads = torch.autograd.grad(want, (q, k, v))
+    got = compiled(q, k, v, mask)
+    got_grads = torch.autograd.grad(got, (q, k, v))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_varlen_and_dropout_compile_without_graph_breaks():
+    from sdpa.torch import attention_varlen
+    torch._dynamo.reset()
+    q, k, v, cu_q, cu_k = _packed_torch(torch.float32)
+    compiled = torch.compile(lambda *a: attention_varlen(*a, causal=True), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v, cu_q, cu_k), attention_varlen(q, k, v, cu_q, cu_k, causal=True),
+                               rtol=0, atol=0)
+    dropped = torch.compile(lambda a, b, c: scaled_dot_product_attention(a, b, c, dropout_p=0.5), fullgraph=True,
+                            backend="aot_eager")
+    a, b, c = tensors(((2, 3, 6, 8), (2, 3, 7, 8), (2, 3, 7, 8)), torch.float32)
+    out = dropped(a, b, c)
+    out.sum().backward()
+    assert torch.isfinite(a.grad).all() and not torch.equal(out, scaled_dot_product_attention(a, b, c))
+
+
+def test_inductor_compiles_a_block_using_it():
+    # The default backend, as a user calls it: inductor generates C++ for the ops around sdpa's.
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(2, 10, 32, generator=g)
+    proj = torch.nn.Linear(32, 96)
+
+    def block(x):
+        q, k, v = proj(x).view(2, 10, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        return scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 10, 32)
+
+    with torch.no_grad():
+        want = block(x)
+        got = torch.compile(block, fullgraph=True)(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_paged_matches_the_numpy_front_door_dense_and_packed():
+    import sdpa
+    from sdpa.torch import attention_paged
+    g = torch.Generator().manual_seed(33)
+    k_pages, v_pages = torch.randn(7, 16, 2, 8, generator=g), torch.randn(7, 16, 2, 6, generator=g)
+    table = torch.tensor([[4, 0, 6], [2, 5, -1]], dtype=torch.int32)
+    lengths = torch.tensor([40, 17])
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    out, lse = attention_paged(q, k_pages, v_pages, table, lengths, causal=True, return_lse=True)
+    want, want_lse = sdpa.attention_paged(q.numpy(), k_pages.numpy(), v_pages.numpy(), table.numpy(), lengths.numpy(),
+                                          causal=True, return_lse=True)
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    packed, cu = torch.randn(5, 4, 8, generator=g), torch.tensor([0, 4, 5])
+    out = attention_paged(packed, k_pages, v_pages, table, lengths, cu_seqlens_q=cu, causal=True)
+    for b in range(2):  # each sequence's rows: the dense call on them alone
+        rows = packed[cu[b]:cu[b + 1]].transpose(0, 1)[None]
+        alone = attention_paged(rows, k_pages, v_pages, table[b:b + 1], lengths[b:b + 1], causal=True)
+        torch.testing.assert_close(out[cu[b]:cu[b + 1]], alone[0].transpose(0, 1), rtol=0, atol=0)
+    assert not out.requires_grad

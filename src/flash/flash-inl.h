@@ -22,7 +22,9 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
+#include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "flash/bf16_dot.h"
@@ -80,30 +82,56 @@ KernelPath Bf16DotPath(std::initializer_list<DType> operands) {
   return KernelPath::kSimd;
 }
 
+// A piece of Scratch's one allocation (get() as the unique pointers it replaced).
+template <typename U>
+struct ScratchPart {
+  U* ptr = nullptr;
+  U* get() const { return ptr; }
+};
+
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
-// O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N.
+// O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N. One aligned allocation cut
+// into parts (a decode step of a small model is shorter than a dozen mallocs).
 template <typename T>
 struct Scratch {
   Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot)
       : mq(mq),
         Dk(static_cast<size_t>(p.Dk)),
         Dv(static_cast<size_t>(p.Dv)),
-        qt(hwy::AllocateAligned<T>(std::max<size_t>(1, group * Dk * mq))),
-        st(hwy::AllocateAligned<T>(kTileKeys * mq)),
-        mask_rows(hwy::AllocateAligned<T>(kTileKeys * mq)),
-        ot(hwy::AllocateAligned<T>(std::max<size_t>(1, group * Dv * mq))),
-        m(hwy::AllocateAligned<T>(group * mq)),
-        l(hwy::AllocateAligned<T>(group * mq)),
-        decode_q(hwy::AllocateAligned<T>(kDecodeMaxRows * (p.Dk + lanes_per_vector))),
-        decode_o(hwy::AllocateAligned<T>(2 * kDecodeMaxRows * (p.Dv + lanes_per_vector))),
-        ktile(hwy::AllocateAligned<T>(needs_row_scratch<T>(p.k) ? kTileKeys * std::max<int64_t>(1, p.Dk) : 1)),
-        vtile(hwy::AllocateAligned<T>(needs_row_scratch<T>(p.v) ? kTileKeys * std::max<int64_t>(1, p.Dv) : 1)),
-        bad(hwy::AllocateAligned<T>(std::max<size_t>(1, group * kBadClasses * Dv * mq))),
-        qp(hwy::AllocateAligned<uint32_t>(dot != KernelPath::kSimd ? std::max<size_t>(1, group * ((Dk + 1) / 2) * mq) : 1)),  // Dk = 0: not 0 bytes (Highway aborts)
         bf16_dot(dot != KernelPath::kSimd),
         amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
-        lanes(group * mq) {}
+        lanes(group * mq) {
+    // Sizes in elements (at least 1: a part is never empty), each part 64-byte aligned.
+    const size_t kt = static_cast<size_t>(kTileKeys), L = lanes_per_vector, R = static_cast<size_t>(kDecodeMaxRows);
+    const auto at_least_1 = [](size_t n) { return std::max<size_t>(1, n); };
+    const size_t sizes[] = {
+        at_least_1(group * Dk * mq),                                                  // qt
+        kt * mq,                                                                      // st
+        kt * mq,                                                                      // mask_rows
+        at_least_1(group * Dv * mq),                                                  // ot
+        group * mq,                                                                   // m
+        group * mq,                                                                   // l
+        R * (Dk + L),                                                                 // decode_q
+        2 * R * (Dv + L),                                                             // decode_o
+        needs_row_scratch<T>(p.k) ? kt * at_least_1(Dk) : 1,                          // ktile
+        needs_row_scratch<T>(p.v) ? kt * at_least_1(Dv) : 1,                         // vtile
+        at_least_1(group * kBadClasses * Dv * mq),                                    // bad
+    };
+    const size_t qp_size = bf16_dot ? at_least_1(group * ((Dk + 1) / 2) * mq) : 1;   // uint32_t
+    const auto rounded = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
+    size_t total = rounded(qp_size * sizeof(uint32_t));
+    for (size_t n : sizes) total += rounded(n * sizeof(T));
+    storage = hwy::AllocateAligned<uint8_t>(total);
+    uint8_t* at = storage.get();
+    qp.ptr = reinterpret_cast<uint32_t*>(at);
+    at += rounded(qp_size * sizeof(uint32_t));
+    ScratchPart<T>* parts[] = {&qt, &st, &mask_rows, &ot, &m, &l, &decode_q, &decode_o, &ktile, &vtile, &bad};
+    for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
+      parts[i]->ptr = reinterpret_cast<T*>(at);
+      at += rounded(sizes[i] * sizeof(T));
+    }
+  }
   BlockState<T> block(size_t g) {
     return {BlockRows{},           LaneSpan{},
             qt.get() + g * Dk * mq, ot.get() + g * Dv * mq,
@@ -113,11 +141,12 @@ struct Scratch {
             amx};
   }
   size_t mq, Dk, Dv;
-  hwy::AlignedFreeUniquePtr<T[]> qt, st, mask_rows, ot, m, l;
-  hwy::AlignedFreeUniquePtr<T[]> decode_q, decode_o;  // DecodeBlock's rows of q, and of o (twice)
-  hwy::AlignedFreeUniquePtr<T[]> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
-  hwy::AlignedFreeUniquePtr<T[]> bad;                 // BlockState::bad of each block
-  hwy::AlignedFreeUniquePtr<uint32_t[]> qp;           // BlockState::qp of each block, when bf16_dot
+  hwy::AlignedFreeUniquePtr<uint8_t[]> storage;       // every part below
+  ScratchPart<T> qt, st, mask_rows, ot, m, l;
+  ScratchPart<T> decode_q, decode_o;  // DecodeBlock's rows of q, and of o (twice)
+  ScratchPart<T> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
+  ScratchPart<T> bad;                 // BlockState::bad of each block
+  ScratchPart<uint32_t> qp;           // BlockState::qp of each block, when bf16_dot
   bool bf16_dot, amx;  // the bfloat16 products (qp), with AMX
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
@@ -492,92 +521,179 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, keys_in_range, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
       for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st[j * mq + lane], m[lane], l[lane]));
+        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st.get()[j * mq + lane], m[lane], l[lane]));
       }
     }
   }
 }
 
-// Runs the whole problem: groups of blocks (and key chunks) in parallel, each output row
+// One problem of a FlashMany call: its plan, its instruction path, and the (ot, m, l, bad)
+// of each block and key chunk when its keys are split (merged after all chunks ran).
+template <typename T>
+struct Job {
+  const Problem* p = nullptr;
+  Plan plan;
+  KernelPath dot = KernelPath::kSimd;
+  size_t mq = 0, partial_size = 0;
+  std::vector<T> partial;
+  int64_t first_unit = 0, first_merge = 0;  // this job's units and merged blocks in the call's numbering
+  // What a thread's Scratch depends on: jobs that agree share one (a varlen batch: all do).
+  bool same_scratch(const Job& o) const {
+    return p->Dk == o.p->Dk && p->Dv == o.p->Dv && p->k.dtype == o.p->k.dtype && p->v.dtype == o.p->v.dtype &&
+           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot;
+  }
+};
+
+// Normalises block g of the scratch and writes its rows (and weights, when asked for).
+template <typename T, class D>
+void FinishBlock(D d, const Job<T>& job, Scratch<T>& s, size_t g, const BlockRows& blk) {
+  const Problem& p = *job.p;
+  const size_t mq = job.mq;
+  const BlockState<T> bs = s.block(g);
+  finish_block<T>(p, blk, bs.ot, bs.m, bs.l, bs.bad, mq, bs.lanes);
+  if (!p.weights) return;
+  // The weights pass reuses the scratch, so it reads m and l from copies.
+  std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
+  if (job.plan.decode) {
+    DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+                s.ot.get(), m.data(), l.data(), s.bad.get(), s.lanes.data(), s.vtile.get());
+  } else if (job.plan.qv == 1) {
+    WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
+  } else {
+    WriteWeights<2>(d, p, blk, m.data(), l.data(), s);
+  }
+}
+
+// Runs every block of job j's unit u (a group of blocks and a key chunk) and finishes its rows,
+// or keeps its chunk's partial results for the merge.
+template <typename T, class D>
+void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
+  const Problem& p = *job.p;
+  const Plan& plan = job.plan;
+  const size_t mq = job.mq;
+  BlockRows blks[kMaxGroupBlocks];
+  const int64_t group = u / plan.chunks, c = u % plan.chunks;
+  const size_t count = plan.group(group, blks);
+  const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
+  if (plan.decode) {  // one block per group: decode has few rows per kv head
+    DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+                s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get());
+  } else if (plan.qv == 1) {
+    RunBlocks<1>(d, p, blks, count, k0, k1, s);
+  } else {
+    RunBlocks<2>(d, p, blks, count, k0, k1, s);
+  }
+  for (size_t g = 0; g < count; ++g) {
+    if (!plan.needs_merge()) {
+      FinishBlock(d, job, s, g, blks[g]);
+      continue;
+    }
+    // Keep (ot, m, l, bad) of this block and chunk for the merge.
+    const BlockState<T> bs = s.block(g);
+    T* dst = job.partial.data() + (plan.block_index(blks[g]) * plan.chunks + c) * job.partial_size;
+    std::copy(bs.ot, bs.ot + p.Dv * mq, dst);
+    std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
+    std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
+    std::copy(bs.bad, bs.bad + kBadClasses * p.Dv * mq, dst + (p.Dv + 2) * mq);
+  }
+}
+
+// Runs n problems (each validated; of compute type T) as one parallel region: the units of all
+// of them (groups of blocks and key chunks) share the threads, so a batch of sequences of very
+// different lengths (attention_varlen) keeps every thread busy, and pays one region start. Each
+// problem's arithmetic is what Flash of it alone does (its plan depends on it alone), so the
+// output is bitwise identical for any thread count and any batch it runs in. Each output row is
 // written exactly once.
 template <typename T>
-void Flash(const Problem& p) {
+void FlashMany(const Problem* const* problems, size_t n) {
   const hn::ScalableTag<T> d;
   const size_t N = hn::Lanes(d);
-  const Plan plan = make_plan(p, N);
-  const size_t mq = plan.qv * N;
-  // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and present.
-  // (Not from a paged pool: the instruction reads a tile's keys in place, evenly spaced.)
-  const KernelPath dot = plan.decode || !bf16_dot_scale_ok(p.scale) || p.k.paged()
-                             ? KernelPath::kSimd
-                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
-  note_kernel_path(dot);
-  const size_t partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * mq;  // (ot, m, l, bad) of one block and chunk
-  std::vector<T> partial(plan.needs_merge() ? plan.blocks * plan.chunks * partial_size : 0);
-
-  auto run = [&](Scratch<T>& s, const BlockRows* blks, size_t count, int64_t k0, int64_t k1) {
-    if (plan.decode) {  // one block per group: decode has few rows per kv head
-      DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get());
-    } else if (plan.qv == 1) {
-      RunBlocks<1>(d, p, blks, count, k0, k1, s);
-    } else {
-      RunBlocks<2>(d, p, blks, count, k0, k1, s);
-    }
-  };
-  // Normalises block g of the scratch and writes its rows (and weights, when asked for).
-  auto finish = [&](Scratch<T>& s, size_t g, const BlockRows& blk) {
-    const BlockState<T> bs = s.block(g);
-    finish_block<T>(p, blk, bs.ot, bs.m, bs.l, bs.bad, mq, bs.lanes);
-    if (!p.weights) return;
-    // The weights pass reuses the scratch, so it reads m and l from copies.
-    std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
-    if (plan.decode) {
-      DecodeBlock(d, p, blk, 0, p.Nk, mq, /*weights=*/true, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                  s.ot.get(), m.data(), l.data(), s.bad.get(), s.lanes.data(), s.vtile.get());
-    } else if (plan.qv == 1) {
-      WriteWeights<1>(d, p, blk, m.data(), l.data(), s);
-    } else {
-      WriteWeights<2>(d, p, blk, m.data(), l.data(), s);
-    }
-  };
-
-#pragma omp parallel num_threads(plan.threads)
-  {
-    Scratch<T> s(p, mq, N, plan.group_blocks, dot);
-    BlockRows blks[kMaxGroupBlocks];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < plan.units(); ++u) {
-      const int64_t group = u / plan.chunks, c = u % plan.chunks;
-      const size_t count = plan.group(group, blks);
-      const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
-      run(s, blks, count, k0, k1);
-      for (size_t g = 0; g < count; ++g) {
-        if (!plan.needs_merge()) {
-          finish(s, g, blks[g]);
-          continue;
-        }
-        // Keep (ot, m, l) of this block and chunk for the merge below.
-        const BlockState<T> bs = s.block(g);
-        T* dst = partial.data() + (plan.block_index(blks[g]) * plan.chunks + c) * partial_size;
-        std::copy(bs.ot, bs.ot + p.Dv * mq, dst);
-        std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
-        std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
-        std::copy(bs.bad, bs.bad + kBadClasses * p.Dv * mq, dst + (p.Dv + 2) * mq);
-      }
-    }
-    if (plan.needs_merge()) {
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t bi = 0; bi < plan.blocks; ++bi) {
-        const BlockRows blk = plan.block(bi);
-        const BlockState<T> bs = s.block(0);
-        describe_lanes(p, blk, 0, p.Nk, bs.lanes);
-        merge_chunks<T>(partial.data() + bi * plan.chunks * partial_size, plan.chunks, p.Dv, mq, bs.ot, bs.m, bs.l,
-                        bs.bad);
-        finish(s, 0, blk);
-      }
-    }
+  std::vector<Job<T>> jobs(n);
+  int64_t units = 0, merges = 0;
+  double work = 0;
+  KernelPath noted = KernelPath::kSimd;
+  for (size_t j = 0; j < n; ++j) {
+    Job<T>& job = jobs[j];
+    const Problem& p = *problems[j];
+    job.p = &p;
+    job.plan = make_plan(p, N);
+    job.mq = job.plan.qv * N;
+    // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and
+    // present. (Not from a paged pool: the instruction reads a tile's keys in place, evenly spaced.)
+    job.dot = job.plan.decode || !bf16_dot_scale_ok(p.scale) || p.k.paged() ? KernelPath::kSimd
+                                                                            : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
+    noted = std::max(noted, job.dot);
+    job.partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * job.mq;  // (ot, m, l, bad) of one block and chunk
+    if (job.plan.needs_merge()) job.partial.resize(job.plan.blocks * job.plan.chunks * job.partial_size);
   }
+  note_kernel_path(noted);
+  // The largest units first (sequences of lengths that differ 100x): the threads then finish
+  // together. The order changes no arithmetic.
+  const auto per_unit = [](const Job<T>& job) { return job.plan.work / std::max<int64_t>(1, job.plan.units()); };
+  std::stable_sort(jobs.begin(), jobs.end(), [&](const Job<T>& a, const Job<T>& b) { return per_unit(a) > per_unit(b); });
+  for (Job<T>& job : jobs) {
+    job.first_unit = units;
+    job.first_merge = merges;
+    units += job.plan.units();
+    if (job.plan.needs_merge()) merges += job.plan.blocks;
+    work += job.plan.work;
+  }
+  // The job of unit (or merged block) x: the last whose first is <= x (the firsts do not
+  // decrease; a job without units shares its first with the next one).
+  const auto job_of = [&](int64_t x, int64_t Job<T>::*first) {
+    size_t lo = 0, hi = n;
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      (jobs[mid].*first <= x ? lo : hi) = mid;
+    }
+    return lo;
+  };
+  const int threads = threads_for(units, work);
+
+  // One thread's part: `each(n, f)` calls f(i) for the i in [0, n) this thread takes (all of
+  // them without a team; an orphaned `omp for`, ending in a barrier, within one).
+  const auto thread_part = [&](const auto& each) {
+    // This thread's scratch, one per kind of job it meets (a varlen batch has one kind).
+    std::vector<std::pair<const Job<T>*, std::unique_ptr<Scratch<T>>>> scratches;
+    const auto scratch = [&](const Job<T>& job) -> Scratch<T>& {
+      for (auto& [owner, sc] : scratches)
+        if (owner->same_scratch(job)) return *sc;
+      scratches.emplace_back(&job, std::make_unique<Scratch<T>>(*job.p, job.mq, N, job.plan.group_blocks, job.dot));
+      return *scratches.back().second;
+    };
+    each(units, [&](int64_t u) {
+      Job<T>& job = jobs[job_of(u, &Job<T>::first_unit)];
+      RunUnit(d, job, u - job.first_unit, scratch(job));
+    });
+    each(merges, [&](int64_t x) {
+      const Job<T>& job = jobs[job_of(x, &Job<T>::first_merge)];
+      const int64_t bi = x - job.first_merge;
+      Scratch<T>& s = scratch(job);
+      const BlockRows blk = job.plan.block(bi);
+      const BlockState<T> bs = s.block(0);
+      describe_lanes(*job.p, blk, 0, job.p->Nk, bs.lanes);
+      merge_chunks<T>(job.partial.data() + bi * job.plan.chunks * job.partial_size, job.plan.chunks, job.p->Dv, job.mq,
+                      bs.ot, bs.m, bs.l, bs.bad);
+      FinishBlock(d, job, s, 0, blk);
+    });
+  };
+  if (threads == 1) {  // no team: a decode step of a small model is shorter than starting one
+    thread_part([](int64_t n, const auto& f) {
+      for (int64_t i = 0; i < n; ++i) f(i);
+    });
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  thread_part([](int64_t n, const auto& f) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) f(i);
+  });
+}
+
+template <typename T>
+void Flash(const Problem& p) {
+  const Problem* one = &p;
+  FlashMany<T>(&one, 1);
 }
 
 }  // namespace sdpa::internal::HWY_NAMESPACE

@@ -14,6 +14,8 @@ HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 void FlashF32(const Problem& p) { Flash<float>(p); }
 void FlashF64(const Problem& p) { Flash<double>(p); }
+void FlashManyF32(const std::vector<const Problem*>& ps) { FlashMany<float>(ps.data(), ps.size()); }
+void FlashManyF64(const std::vector<const Problem*>& ps) { FlashMany<double>(ps.data(), ps.size()); }
 void FlashBackwardF32(const BackwardProblem& bp) { FlashBackward<float>(bp); }
 void FlashBackwardF64(const BackwardProblem& bp) { FlashBackward<double>(bp); }
 }  // namespace sdpa::internal::HWY_NAMESPACE
@@ -23,6 +25,8 @@ HWY_AFTER_NAMESPACE();
 namespace sdpa::internal {
 HWY_EXPORT(FlashF32);
 HWY_EXPORT(FlashF64);
+HWY_EXPORT(FlashManyF32);
+HWY_EXPORT(FlashManyF64);
 HWY_EXPORT(FlashBackwardF32);
 HWY_EXPORT(FlashBackwardF64);
 
@@ -32,6 +36,13 @@ void flash_attention(const Problem& p) {
     HWY_DYNAMIC_DISPATCH(FlashF64)(p);
   } else {
     HWY_DYNAMIC_DISPATCH(FlashF32)(p);
+  }
+}
+void flash_attention_many(const std::vector<const Problem*>& problems) {
+  if (problems.front()->compute == DType::kFloat64) {
+    HWY_DYNAMIC_DISPATCH(FlashManyF64)(problems);
+  } else {
+    HWY_DYNAMIC_DISPATCH(FlashManyF32)(problems);
   }
 }
 void flash_backward(const BackwardProblem& bp) {

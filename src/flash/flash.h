@@ -2,12 +2,17 @@
 // to the best SIMD target of this CPU (Highway), then runs flash-inl.h's code for it.
 #pragma once
 
+#include <vector>
+
 #include "problem.h"
 
 namespace sdpa::internal {
 
 // Writes out (and lse, weights when requested) for a validated problem, in p.dtype.
 void flash_attention(const Problem& p);
+// flash_attention of each problem (all of one compute type), in one parallel region whose
+// threads share the problems' work: bitwise what flash_attention of each gives.
+void flash_attention_many(const std::vector<const Problem*>& problems);
 
 // The FlashAttention-2 backward: dq, dk, dv from tiles recomputed with the saved lse.
 void flash_backward(const BackwardProblem& bp);

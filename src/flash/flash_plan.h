@@ -5,9 +5,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "problem.h"
@@ -29,6 +31,10 @@ inline constexpr int64_t kMaxGroupBlocks = 4;
 inline constexpr int64_t kGroupAboveBytes = int64_t{1} << 19;
 // Blocks of at most this many rows use the few-rows (decode) kernel, lanes along features.
 inline constexpr int64_t kDecodeMaxRows = 8;
+// A thread joins only with at least this many multiply-adds to do (about 5 µs of one core):
+// waking one costs microseconds, and a decode step of a small model has less work than that
+// (B 1, H 4, 16 keys, D 32: 4096). The thread count changes no arithmetic.
+inline constexpr double kMinWorkPerThread = 1 << 16;
 
 inline int64_t tile_start(int64_t j) { return j / kTileKeys * kTileKeys; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -107,6 +113,7 @@ struct Plan {
   int64_t heads = 0;        // B · Hkv
   int64_t chunks = 1, chunk_keys = 1;  // keys split into `chunks` pieces of chunk_keys
   int64_t group_blocks = 1, groups_per_head = 0;  // blocks of one kv head swept together
+  double work = 0;           // multiply-adds, at most B·Hq·Nq·Nk·(Dk + Dv) (masks not counted)
   int threads = 1;
 
   // A unit of parallel work: one group of blocks and one key chunk.
@@ -126,6 +133,13 @@ struct Plan {
     return static_cast<size_t>(count);
   }
 };
+
+// Threads for `units` units of parallel work holding `work` multiply-adds in all: at most the
+// configured count, one per unit, and one per kMinWorkPerThread. Changes no arithmetic.
+inline int threads_for(int64_t units, double work) {
+  const int64_t worth = static_cast<int64_t>(std::min(work / kMinWorkPerThread, 1e6));
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({int64_t{num_threads()}, units, worth})));
+}
 
 inline Plan make_plan(const Problem& p, int64_t lanes) {
   Plan plan;
@@ -150,7 +164,8 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   if (!plan.decode && plan.chunks == 1 && kv_bytes > kGroupAboveBytes) plan.group_blocks = kMaxGroupBlocks;
   while (plan.group_blocks > 1 && plan.blocks / plan.group_blocks < 2 * threads) plan.group_blocks /= 2;
   plan.groups_per_head = ceil_div(plan.blocks_per_head, plan.group_blocks);
-  plan.threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, plan.units())));
+  plan.work = static_cast<double>(p.B * p.Hq * p.Nq) * static_cast<double>(p.Nk) * static_cast<double>(p.Dk + p.Dv);
+  plan.threads = threads_for(plan.units(), plan.work);
   return plan;
 }
 
@@ -229,9 +244,21 @@ T weight(T s, T m, T l) {
 // allocate.
 // Then each column gets the non-finite entries (bad, above) of keys that have weight: +inf,
 // -inf (both: NaN) or NaN.
+// Whether every one of x[0, n) is -inf, as bits (a loop without branches that compilers
+// vectorise: the usual answer for a block's `bad`, checked once instead of per column).
+template <typename T>
+bool all_negative_infinity(const T* x, int64_t n) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+  const Bits neg_inf = std::bit_cast<Bits>(-std::numeric_limits<T>::infinity());
+  Bits differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ |= std::bit_cast<Bits>(x[i]) ^ neg_inf;
+  return differ == 0;
+}
+
 template <typename T>
 void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* m, const T* l, const T* bad,
                   int64_t mq, const LaneRow* lanes) {
+  const bool any_bad = !all_negative_infinity(bad, kBadClasses * p.Dv * mq);
   // Rows are formed in T, in place when out holds T, else in `row` and rounded once by write_row.
   const bool in_place = p.out.dtype == dtype_of<T>();
   std::vector<T> row(in_place ? 0 : static_cast<size_t>(p.Dv));
@@ -264,7 +291,7 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
         if (column_finite) out[e] = exact[e];
       }
     }
-    for (int64_t e = 0; any && e < p.Dv; ++e) {
+    for (int64_t e = 0; any && any_bad && e < p.Dv; ++e) {
       const auto has = [&](int64_t c) {
         const T s = bad[(c * p.Dv + e) * mq + lane];
         return s > -std::numeric_limits<T>::infinity() && shifted_exp(s, m[lane]) > 0;

@@ -1,0 +1,399 @@
+// sdpa's torch operators: the library "sdpa" in torch's dispatcher (torch.ops.sdpa.*), loaded
+// by sdpa/torch.py (torch.ops.load_library). Written against torch's C++ API so that a call
+// costs what a torch operator costs: the Python path before it (autograd.Function, NumPy views)
+// spent ~80 µs per call, twenty times the kernel on a decode-sized problem.
+//
+//   attention(q, k, v, mask?, causal, scale?, window_left, window_right, dropout_p, seed?)
+//       -> (out, lse)                      q (B, Hq, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv)
+//   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv)
+//   attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, ...) -> (out, lse)
+//                                           q (total_q, Hq, Dk), k, v (total_k, Hkv, D)
+//   attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, ...)
+//   attention_paged(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q?, causal, scale?,
+//       window_left, window_right) -> (out, lse)   forward only; q packed with cu_seqlens_q
+//
+// The arguments mean what they mean in sdpa/attention.h (causal: "none", "bottom_right" or
+// "top_left"; a window bound < 0 is unbounded; seed: a one-element int64 tensor, present when
+// dropout_p > 0 — a tensor, so that torch.compile can trace drawing it). Each kernel checks
+// nothing sdpa::attention does not: its Errors become ValueError, as from sdpa._core. lse is
+// in the compute dtype (float64 for float64 q, else float32) and gets no gradient.
+//
+// Autograd: attention and attention_varlen have kernels at the Autograd key (a
+// torch::autograd::Function whose backward calls the *_backward operator); the backward
+// operators' own autograd kernels refuse a second derivative; attention_paged's outputs carry
+// no gradient. Fake (meta) kernels, for torch.compile, are registered in sdpa/torch.py.
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "sdpa/attention.h"
+
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+sdpa::DType dtype_of(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return sdpa::DType::kFloat32;
+    case at::kDouble: return sdpa::DType::kFloat64;
+    case at::kBFloat16: return sdpa::DType::kBFloat16;
+    case at::kHalf: return sdpa::DType::kFloat16;
+    case at::kBool: return sdpa::DType::kBool;
+    case at::kInt: return sdpa::DType::kInt32;
+    case at::kLong: return sdpa::DType::kInt64;
+    default: TORCH_CHECK_TYPE(false, name, " has dtype ", t.scalar_type(), ", which sdpa does not take");
+  }
+}
+
+// A view of t for sdpa (no copy). t must live on the CPU and have at most 4 dims.
+sdpa::TensorView view(const Tensor& t, const char* name) {
+  TORCH_CHECK_TYPE(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK_VALUE(t.dim() <= 4, name, " has ", t.dim(), " dims, but sdpa takes at most 4");
+  sdpa::TensorView v;
+  v.data = t.data_ptr();
+  v.dtype = dtype_of(t, name);
+  v.rank = static_cast<int>(t.dim());
+  for (int d = 0; d < v.rank; ++d) {
+    v.shape[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  return v;
+}
+
+// t, or a copy of it with a contiguous last dim: the kernels load rows of q, k, v, out and
+// dout with SIMD. (Gradients from autograd often arrive expanded, with stride 0 everywhere.)
+Tensor unit_last(const Tensor& t) {
+  return t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
+}
+
+sdpa::Causal parse_causal(c10::string_view name) {
+  if (name == "none") return sdpa::Causal::kNone;
+  if (name == "bottom_right") return sdpa::Causal::kBottomRight;
+  if (name == "top_left") return sdpa::Causal::kTopLeft;
+  TORCH_CHECK_VALUE(false, "causal must be 'none', 'bottom_right' or 'top_left', got '", name, "'");
+}
+
+sdpa::Options options(c10::string_view causal, std::optional<double> scale, int64_t window_left, int64_t window_right,
+                      double dropout_p, const std::optional<Tensor>& seed) {
+  sdpa::Options opt;
+  opt.scale = scale;
+  opt.causal = parse_causal(causal);
+  opt.window = {window_left, window_right};
+  opt.dropout_p = dropout_p;
+  if (seed) {
+    TORCH_CHECK_VALUE(seed->numel() == 1 && seed->scalar_type() == at::kLong,
+                      "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " ", seed->sizes());
+    opt.seed = static_cast<uint64_t>(seed->item<int64_t>());
+  }
+  return opt;
+}
+
+// Runs an sdpa call, its Errors (invalid arguments, nothing written) raised as ValueError.
+template <class F>
+void run(F&& f) {
+  try {
+    f();
+  } catch (const sdpa::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+}
+
+at::ScalarType compute_type(const Tensor& q) { return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// (..., Dk) queries -> out (..., Dv) in q's dtype and lse (...) in the compute dtype.
+std::tuple<Tensor, Tensor> empty_outputs(const Tensor& q, const Tensor& v) {
+  auto shape = q.sizes().vec();
+  shape.back() = v.size(-1);
+  Tensor out = at::empty(shape, q.options());
+  shape.pop_back();
+  return {out, at::empty(shape, q.options().dtype(compute_type(q)))};
+}
+
+// ---------------------------------------------------------------- CPU kernels
+
+std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
+                                         const std::optional<Tensor>& mask, c10::string_view causal,
+                                         std::optional<double> scale, int64_t window_left, int64_t window_right,
+                                         double dropout_p, const std::optional<Tensor>& seed) {
+  const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  auto [out, lse] = empty_outputs(q, v);
+  sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
+  if (mask) in.mask = view(*mask, "mask");
+  const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  run([&] { sdpa::attention(in, outs, opt); });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
+    const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
+    const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed) {
+  const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+         dv = at::empty(v.sizes(), v.options());
+  sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
+  if (mask) in.mask = view(*mask, "mask");
+  const sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
+  return {dq, dk, dv};
+}
+
+sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                                 const Tensor& cu_k) {
+  return {view(q, "q"), view(k, "k"), view(v, "v"), view(cu_q, "cu_seqlens_q"), view(cu_k, "cu_seqlens_k")};
+}
+
+std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
+                                                const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
+                                                std::optional<double> scale, int64_t window_left, int64_t window_right,
+                                                double dropout_p, const std::optional<Tensor>& seed) {
+  const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk)");
+  auto shape = q.sizes().vec();
+  shape.back() = v.size(-1);
+  const Tensor out = at::empty(shape, q.options());
+  const Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(compute_type(q)));  // (Hq, total_q)
+  const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
+  const sdpa::VarlenOutputs outs{view(out, "out"), view(lse, "lse")};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  run([&] { sdpa::attention_varlen(in, outs, opt); });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
+    const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& cu_q, const Tensor& cu_k,
+    const Tensor& out_, const Tensor& lse, c10::string_view causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed) {
+  const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+         dv = at::empty(v.sizes(), v.options());
+  const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
+  const sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  run([&] { sdpa::attention_varlen_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
+  return {dq, dk, dv};
+}
+
+std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k_pages, const Tensor& v_pages,
+                                               const Tensor& block_table, const Tensor& seqlens_k,
+                                               const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
+                                               std::optional<double> scale, int64_t window_left, int64_t window_right) {
+  const Tensor q = unit_last(q_);
+  auto [out, lse] = empty_outputs(q, v_pages);
+  if (cu_seqlens_q) {  // packed queries (total_q, Hq, Dk): lse (Hq, total_q)
+    TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk) with cu_seqlens_q");
+    lse = at::empty({q.size(1), q.size(0)}, lse.options());
+  }
+  sdpa::PagedInputs in{view(q, "q"), view(k_pages, "k_pages"), view(v_pages, "v_pages"),
+                       view(block_table, "block_table"), view(seqlens_k, "seqlens_k"), std::nullopt};
+  if (cu_seqlens_q) in.cu_seqlens_q = view(*cu_seqlens_q, "cu_seqlens_q");
+  const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt);
+  run([&] { sdpa::attention_paged(in, outs, opt); });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------- autograd
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// The saved options of a forward call, for its backward.
+void save_options(AutogradContext* ctx, c10::string_view causal, std::optional<double> scale, int64_t window_left,
+                  int64_t window_right, double dropout_p) {
+  ctx->saved_data["causal"] = std::string(causal);
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["window_left"] = window_left;
+  ctx->saved_data["window_right"] = window_right;
+  ctx->saved_data["dropout_p"] = dropout_p;
+}
+struct SavedOptions {
+  std::string causal;
+  std::optional<double> scale;
+  int64_t window_left, window_right;
+  double dropout_p;
+};
+SavedOptions saved_options(AutogradContext* ctx) {
+  const auto& s = ctx->saved_data;
+  return {s.at("causal").toStringRef(), s.at("scale").toOptional<double>(), s.at("window_left").toInt(),
+          s.at("window_right").toInt(), s.at("dropout_p").toDouble()};
+}
+std::optional<Tensor> optional(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale,
+                               int64_t window_left, int64_t window_right, double dropout_p,
+                               const std::optional<Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
+    auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+    // Saved through autograd, so that an in-place change of an input or of the returned out
+    // makes backward raise instead of using stale data.
+    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor())});
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p);
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const SavedOptions o = saved_options(ctx);
+    static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
+    Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
+    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
+                                 o.window_left, o.window_right, o.dropout_p, optional(s[6]));
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// Whether autograd records a call on these inputs (else the autograd kernels call the kernel
+// below them directly: a Function's node and saved state cost more than a decode step).
+bool records(std::initializer_list<const Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const Tensor* t : inputs)
+    if (t->requires_grad()) return true;
+  return false;
+}
+
+std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const std::optional<Tensor>& mask, c10::string_view causal,
+                                              std::optional<double> scale, int64_t window_left, int64_t window_right,
+                                              double dropout_p, const std::optional<Tensor>& seed) {
+  if (!records({&q, &k, &v})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
+    return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+  }
+  const variable_list r =
+      AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+  return {r[0], r[1]};
+}
+
+struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
+                               std::optional<double> scale, int64_t window_left, int64_t window_right,
+                               double dropout_p, const std::optional<Tensor>& seed) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
+    auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
+    ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor())});
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p);
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    const SavedOptions o = saved_options(ctx);
+    static const auto bwd = op("sdpa::attention_varlen_backward").typed<decltype(attention_varlen_backward_cpu)>();
+    Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
+    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale, o.window_left,
+                                 o.window_right, o.dropout_p, optional(s[7]));
+    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                     const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
+                                                     std::optional<double> scale, int64_t window_left,
+                                                     int64_t window_right, double dropout_p,
+                                                     const std::optional<Tensor>& seed) {
+  if (!records({&q, &k, &v})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
+    return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
+  }
+  const variable_list r =
+      VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
+  return {r[0], r[1]};
+}
+
+// The backward operators compute first derivatives only (sdpa's backward is not itself
+// differentiated): their results carry a node that raises if a second derivative reaches it.
+// Op names the operator and its kernel's type (a tag: kName, Kernel).
+template <class Op, class Kernel = typename Op::Kernel>
+struct OnceDifferentiable;
+template <class Op, class... Args>
+struct OnceDifferentiable<Op, std::tuple<Tensor, Tensor, Tensor>(Args...)>
+    : public torch::autograd::Function<OnceDifferentiable<Op>> {
+  static variable_list forward(AutogradContext*, Args... args) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto below = op(Op::kName).template typed<typename Op::Kernel>();
+    auto [a, b, c] = below.call(args...);
+    return {a, b, c};
+  }
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false, "sdpa's attention is once_differentiable: its backward has no derivative of its own, so a "
+                       "second derivative (double backward) is not supported");
+  }
+  static std::tuple<Tensor, Tensor, Tensor> apply_tuple(Args... args) {
+    const variable_list r = OnceDifferentiable::apply(args...);
+    return {r[0], r[1], r[2]};
+  }
+};
+struct BackwardOp {
+  static constexpr const char* kName = "sdpa::attention_backward";
+  using Kernel = decltype(attention_backward_cpu);
+};
+struct VarlenBackwardOp {
+  static constexpr const char* kName = "sdpa::attention_varlen_backward";
+  using Kernel = decltype(attention_varlen_backward_cpu);
+};
+using AttentionBackwardAutograd = OnceDifferentiable<BackwardOp>;
+using VarlenBackwardAutograd = OnceDifferentiable<VarlenBackwardOp>;
+
+// attention_paged: forward only; its outputs are not connected to the inputs' graphs.
+std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
+                                                    const Tensor& block_table, const Tensor& seqlens_k,
+                                                    const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
+                                                    std::optional<double> scale, int64_t window_left,
+                                                    int64_t window_right) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static const auto fwd = op("sdpa::attention_paged").typed<decltype(attention_paged_cpu)>();
+  return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sdpa, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
+        "int window_right, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
+        "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
+        "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+  m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+        "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
+        "float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+  m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
+        "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right) -> (Tensor, Tensor)");
+  m.def("torch_version() -> str", [] { return std::string(SDPA_TORCH_VERSION); });
+}
+
+TORCH_LIBRARY_IMPL(sdpa, CPU, m) {
+  m.impl("attention", &attention_cpu);
+  m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("attention_varlen", &attention_varlen_cpu);
+  m.impl("attention_varlen_backward", &attention_varlen_backward_cpu);
+  m.impl("attention_paged", &attention_paged_cpu);
+}
+
+TORCH_LIBRARY_IMPL(sdpa, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("attention_backward", &AttentionBackwardAutograd::apply_tuple);
+  m.impl("attention_varlen", &attention_varlen_autograd);
+  m.impl("attention_varlen_backward", &VarlenBackwardAutograd::apply_tuple);
+  m.impl("attention_paged", &attention_paged_autograd);
+}
