@@ -81,6 +81,30 @@ def main():
     times = {name: median_time(fn, args.reps) for name, fn in runs.items()}
     for name, t in times.items():
         print(f"{name:20s} {t * 1e3:9.2f} ms  {flops / t / 1e9:7.1f} GFLOP/s  {t / times['varlen']:5.2f}x varlen")
+    decode_batch(args, rng, H, D)
+
+
+def decode_batch(args, rng, H, D):
+    """A continuous batch of 64 decode steps (one new query each) against 64 ... 8192 keys,
+    packed, against one dense call per sequence: what one parallel region for all sequences
+    saves."""
+    nk = np.geomspace(64, 8192, 64).astype(int)
+    cu_q, cu_k = np.arange(65), np.concatenate([[0], np.cumsum(nk)])
+    q = rng.standard_normal((64, H, D)).astype(np.float32)
+    k = rng.standard_normal((cu_k[-1], H, D)).astype(np.float32)
+    v = rng.standard_normal((cu_k[-1], H, D)).astype(np.float32)
+    views = [tuple(x[c[b]:c[b + 1]].transpose(1, 0, 2) for x, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+             for b in range(64)]
+    runs = {"varlen decode": lambda: sdpa.attention_varlen(q, k, v, cu_q, cu_k, causal=True),
+            "dense views (sum)": lambda: [sdpa.attention(*s, causal=True) for s in views]}
+    packed = runs["varlen decode"]()
+    for b, s in enumerate(views):  # check what is timed
+        assert np.array_equal(packed[b:b + 1].transpose(1, 0, 2), sdpa.attention(*s, causal=True)), b
+    kv_bytes = 2 * cu_k[-1] * H * D * 4
+    print(f"\ndecode batch: 64 sequences, 1 query each, keys 64 ... 8192 geometric ({cu_k[-1]} in all)")
+    times = {name: median_time(fn, args.reps) for name, fn in runs.items()}
+    for name, t in times.items():
+        print(f"{name:20s} {t * 1e3:9.3f} ms  {kv_bytes / t / 1e9:7.1f} KV GB/s  {t / times['varlen decode']:5.2f}x varlen")
 
 
 if __name__ == "__main__":
