@@ -42,7 +42,31 @@ void make_paged(View4& v, const TensorView& pool, const TensorView& table) {
   v.page_table_64 = table.dtype == DType::kInt64;
   v.page_table_stride = table.strides[0];
   v.page_rows = pool.shape[1];
-  v.page_stride = pool.strides[0];
+  // A pool without elements (D = 0) may have null data: no offsets into it (F15), as
+  // to_view4 gives any empty view stride 0.
+  v.page_stride = pool.numel() == 0 ? 0 : pool.strides[0];
+}
+
+// With a pool of no pages, every sequence must have no key: else an Error naming the table
+// entry its first key would be read through. (Only what can be read is read here; make_problem
+// checks seqlens_k's shape and dtype afterwards.)
+void check_no_keys(const PagedInputs& in, int64_t B, int64_t page_size, int64_t first_sequence) {
+  const TensorView &lengths = in.seqlens_k, &table = in.block_table;
+  const bool readable = lengths.rank == 1 && lengths.shape[0] == B && lengths.data != nullptr &&
+                        (lengths.dtype == DType::kInt32 || lengths.dtype == DType::kInt64);
+  for (int64_t b = 0; readable && b < B; ++b) {
+    const int64_t L = index_at(lengths, b);
+    if (L <= 0) continue;
+    const std::string seq = std::to_string(first_sequence + b);
+    std::string entry = "block_table[" + seq + "][0]";
+    if (table.shape[1] > 0 && table.data != nullptr) {
+      TensorView row = table;
+      row.strides[0] = 1;
+      entry += " = " + std::to_string(index_at(row, b * table.strides[0]));
+    }
+    fail(entry + " is not a page of k_pages (num_pages = 0); sequence " + seq + " has " + std::to_string(L) +
+         " keys in pages of " + std::to_string(page_size));
+  }
 }
 
 // The validated, paged problem of q (B, Hq, Nq, Dk). Messages name sequence b as
@@ -92,7 +116,25 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
   dense.k = as_rows(kp, B, max_pages);
   dense.v = as_rows(vp, B, max_pages);
   dense.seqlens_k = in.seqlens_k;
-  Problem p = make_problem(dense, outs, options);
+  Outputs checked = outs;
+  if (num_pages == 0) {
+    // No pages (a pool not allocated yet, F14): valid while no sequence has a key, and then no
+    // row is read; the rows views hold none either, so that their data may be null. The
+    // weights, all 0, are validated as (B, Hq, Nq, 0) here and written by attention_paged.
+    check_no_keys(in, B, page_size, first_sequence);
+    dense.k.shape[2] = dense.v.shape[2] = 0;
+    if (outs.weights) {
+      const int64_t want[4] = {B, in.q.shape[1], in.q.shape[2], max_pages * page_size};
+      for (int d = 0; d < 4; ++d)
+        if (outs.weights->rank != 4 || outs.weights->shape[d] != want[d]) {
+          fail("weights has shape " + outs.weights->shape_string() +
+               " but must be (B, Hq, Nq, max_pages · page_size) = (" + std::to_string(want[0]) + ", " +
+               std::to_string(want[1]) + ", " + std::to_string(want[2]) + ", " + std::to_string(want[3]) + ")");
+        }
+      checked.weights->shape[3] = 0;
+    }
+  }
+  Problem p = make_problem(dense, checked, options);
   // The pages each sequence reads exist.
   if (B > 0 && max_pages > 0 && table.data == nullptr) fail("block_table has no data but shape " + table.shape_string());
   for (int64_t b = 0; b < B; ++b) {
@@ -181,8 +223,19 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
 void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
   if (in.cu_seqlens_q) {
     internal::run_forward_many(internal::packed_problems(in, outs, options), options.backend);
-  } else {
-    internal::run_forward(internal::paged_problem(in, outs, options, 0), options.backend);
+    return;
+  }
+  internal::run_forward(internal::paged_problem(in, outs, options, 0), options.backend);
+  if (in.k_pages.shape[0] == 0 && outs.weights) {  // no pages: every weight is 0 (see paged_problem)
+    const TensorView& w = *outs.weights;
+    for (int64_t i = 0; i < w.numel(); ++i) {
+      int64_t at = 0, rest = i;
+      for (int d = w.rank - 1; d >= 0; --d) {
+        at += rest % w.shape[d] * w.strides[d];
+        rest /= w.shape[d];
+      }
+      internal::store_as(w.dtype, static_cast<char*>(w.data) + at * dtype_size(w.dtype), 0.0);
+    }
   }
 }
 

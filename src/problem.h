@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -34,7 +35,16 @@ struct View4 {
   bool paged() const { return page_table != nullptr; }
   int64_t page_of(int64_t b, int64_t n) const {
     const int64_t at = b * page_table_stride + n / page_rows;
-    return page_table_64 ? static_cast<const int64_t*>(page_table)[at] : static_cast<const int32_t*>(page_table)[at];
+    // memcpy: the table may lie at any address, as seqlens_k and cu_seqlens may (F13).
+    const char* entry = static_cast<const char*>(page_table) + at * (page_table_64 ? 8 : 4);
+    if (page_table_64) {
+      int64_t page;
+      std::memcpy(&page, entry, sizeof page);
+      return page;
+    }
+    int32_t page;
+    std::memcpy(&page, entry, sizeof page);
+    return page;
   }
   // One past the last row of the evenly spaced run that holds row n.
   int64_t run_end(int64_t n) const {

@@ -15,6 +15,7 @@ namespace {
 std::atomic<int> g_threads{0};  // 0 = OpenMP's default
 std::atomic<KernelPath> g_max_path{KernelPath::kAmxBf16};
 thread_local KernelPath t_last_path = KernelPath::kSimd;
+thread_local int t_threads = 0;  // > 0: this thread's calls use this many (ScopedThreadCount)
 }  // namespace
 
 void set_max_kernel_path(KernelPath max) {
@@ -28,6 +29,8 @@ KernelPath last_kernel_path() { return t_last_path; }
 
 namespace internal {
 void note_kernel_path(KernelPath path) { t_last_path = path; }
+ScopedThreadCount::ScopedThreadCount(int n) : before_(t_threads) { t_threads = n; }
+ScopedThreadCount::~ScopedThreadCount() { t_threads = before_; }
 }  // namespace internal
 
 void set_num_threads(int n) {
@@ -36,6 +39,7 @@ void set_num_threads(int n) {
 }
 
 int num_threads() {
+  if (t_threads > 0) return t_threads;
   const int n = g_threads.load();
   if (n > 0) return n;
 #ifdef _OPENMP

@@ -2,6 +2,7 @@
 // sequence is an ordinary attention() problem on strided views of its rows (no copy): the
 // packed (total, H, D) rows of sequence b are the (H, n_b, D) view with the first two strides
 // swapped. Every sequence is validated before any is computed, so an Error writes nothing.
+#include <algorithm>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -119,6 +120,39 @@ Packed read_packed(const VarlenInputs& in, const TensorView& out, const std::opt
   return p;
 }
 
+// The sequences' backward passes. Each pass's results do not depend on its thread count, so
+// the sequences with at most a thread's share of the work run side by side, one thread each,
+// largest first; the larger ones then run one after another on all threads. A long sequence
+// beside 100x shorter ones thus gets every thread, and many short ones keep every thread busy.
+void run_backward_sequences(const std::vector<BackwardProblem>& problems, Backend backend) {
+  const auto work = [](const BackwardProblem& bp) {
+    const Problem& p = bp.fwd;
+    return static_cast<double>(p.B * p.Hq * p.Nq) * static_cast<double>(p.Nk) * static_cast<double>(p.Dk + p.Dv);
+  };
+  double total = 0;
+  for (const BackwardProblem& bp : problems) total += work(bp);
+  const int threads = num_threads();
+  std::vector<const BackwardProblem*> small, large;
+  for (const BackwardProblem& bp : problems) (threads > 1 && work(bp) * threads <= total ? small : large).push_back(&bp);
+  if (small.size() == 1) large.insert(large.begin(), small.front()), small.clear();  // nothing to run beside it
+  std::stable_sort(small.begin(), small.end(),
+                   [&](const BackwardProblem* a, const BackwardProblem* b) { return work(*a) > work(*b); });
+  KernelPath path = KernelPath::kSimd;  // the best path any pass took, for last_kernel_path()
+  const int64_t n = static_cast<int64_t>(small.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const ScopedThreadCount one(1);
+    run_backward(*small[static_cast<size_t>(i)], backend);
+#pragma omp critical(sdpa_varlen_path)
+    path = std::max(path, last_kernel_path());
+  }
+  for (const BackwardProblem* bp : large) {
+    run_backward(*bp, backend);
+    path = std::max(path, last_kernel_path());
+  }
+  note_kernel_path(path);
+}
+
 }  // namespace
 }  // namespace internal
 
@@ -174,7 +208,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                                        options));
     problems.back().fwd.dropout.batch_offset = b;
   }
-  for (const internal::BackwardProblem& bp : problems) internal::run_backward(bp, options.backend);
+  internal::run_backward_sequences(problems, options.backend);
 }
 
 }  // namespace sdpa

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -262,6 +263,66 @@ TEST(Paged, PackedQueryErrorsNameTheSequence) {
   cu = {0, 2, 4};
   expect_sdpa_error([&] { sdpa::attention_paged(in, outs); }, {"cu_seqlens_q[2] = 4", "q has 5 rows"});
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -7.0f; }));  // nothing written
+}
+
+// Fuzz findings F13-F15: a table at an unaligned address is read as well as an aligned one; a
+// pool of no pages is valid while no sequence has a key (out 0, lse -inf, weights 0) and an
+// Error naming the table entry otherwise; a pool whose rows hold no element (Dk = 0, null data)
+// is never offset into.
+TEST(Paged, UnalignedTableEmptyPoolAndEmptyRows) {
+  std::vector<float> pool(3 * 4 * 1 * 2), q = {0.5f, -1.0f};
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<float>(i % 7) - 3.0f;
+  std::vector<int64_t> lengths = {10};
+  const auto call = [&](const sdpa::TensorView& table, float* out, float* lse) {
+    sdpa::PagedInputs in;
+    in.q = sdpa::TensorView::contiguous(q.data(), sdpa::DType::kFloat32, {1, 1, 1, 2});
+    in.k_pages = in.v_pages = sdpa::TensorView::contiguous(pool.data(), sdpa::DType::kFloat32, {3, 4, 1, 2});
+    in.block_table = table;
+    in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), sdpa::DType::kInt64, {1});
+    sdpa::attention_paged(in, {sdpa::TensorView::contiguous(out, sdpa::DType::kFloat32, {1, 1, 1, 2}), std::nullopt,
+                               sdpa::TensorView::contiguous(lse, sdpa::DType::kFloat32, {1, 1, 1})});
+  };
+  const int32_t pages[3] = {2, 0, 1};
+  float out[2], lse[1], out_u[2], lse_u[1];
+  call(sdpa::TensorView::contiguous(const_cast<int32_t*>(pages), sdpa::DType::kInt32, {1, 3}), out, lse);
+  alignas(8) unsigned char bytes[2 + sizeof pages];  // the same entries 2 bytes past an int32 boundary
+  std::memcpy(bytes + 2, pages, sizeof pages);
+  call(sdpa::TensorView::contiguous(bytes + 2, sdpa::DType::kInt32, {1, 3}), out_u, lse_u);
+  EXPECT_EQ(std::memcmp(out, out_u, sizeof out), 0);
+  EXPECT_EQ(lse[0], lse_u[0]);
+
+  // No pages, no keys: valid; with keys: an Error naming the entry its first key would use.
+  sdpa::PagedInputs in;
+  std::vector<float> q1(2, 1.0f), o(2, 9.0f), l(1, 9.0f), w(1 * 1 * 1 * 4, 9.0f);
+  int32_t table[1] = {-1};
+  std::vector<int64_t> none = {0};
+  in.q = sdpa::TensorView::contiguous(q1.data(), sdpa::DType::kFloat32, {1, 1, 1, 2});
+  in.k_pages = in.v_pages = sdpa::TensorView::contiguous(nullptr, sdpa::DType::kFloat32, {0, 4, 1, 2});
+  in.block_table = sdpa::TensorView::contiguous(table, sdpa::DType::kInt32, {1, 1});
+  in.seqlens_k = sdpa::TensorView::contiguous(none.data(), sdpa::DType::kInt64, {1});
+  sdpa::attention_paged(in, {sdpa::TensorView::contiguous(o.data(), sdpa::DType::kFloat32, {1, 1, 1, 2}),
+                             sdpa::TensorView::contiguous(w.data(), sdpa::DType::kFloat32, {1, 1, 1, 4}),
+                             sdpa::TensorView::contiguous(l.data(), sdpa::DType::kFloat32, {1, 1, 1})});
+  EXPECT_EQ(o, std::vector<float>(2, 0.0f));
+  EXPECT_EQ(w, std::vector<float>(4, 0.0f));
+  EXPECT_TRUE(std::isinf(l[0]) && l[0] < 0);
+  none[0] = 3;
+  expect_sdpa_error([&] { sdpa::attention_paged(in, {sdpa::TensorView::contiguous(o.data(), sdpa::DType::kFloat32, {1, 1, 1, 2})}); },
+                    {"block_table[0][0] = -1", "num_pages = 0", "sequence 0 has 3 keys"});
+
+  // Rows of no element (Dk = 0, null data): every score is 0, so out is the mean of the values.
+  std::vector<float> v(2 * 4 * 1 * 1), o1(1, 9.0f);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+  int32_t two[2] = {1, 0};
+  std::vector<int64_t> six = {6};
+  sdpa::PagedInputs e;
+  e.q = sdpa::TensorView::contiguous(nullptr, sdpa::DType::kFloat32, {1, 1, 1, 0});
+  e.k_pages = sdpa::TensorView::contiguous(nullptr, sdpa::DType::kFloat32, {2, 4, 1, 0});
+  e.v_pages = sdpa::TensorView::contiguous(v.data(), sdpa::DType::kFloat32, {2, 4, 1, 1});
+  e.block_table = sdpa::TensorView::contiguous(two, sdpa::DType::kInt32, {1, 2});
+  e.seqlens_k = sdpa::TensorView::contiguous(six.data(), sdpa::DType::kInt64, {1});
+  sdpa::attention_paged(e, {sdpa::TensorView::contiguous(o1.data(), sdpa::DType::kFloat32, {1, 1, 1, 1})});
+  EXPECT_FLOAT_EQ(o1[0], (4 + 5 + 6 + 7 + 0 + 1) / 6.0f);  // page 1's rows 0-3, page 0's rows 0-1
 }
 
 // The header's picture: page_size 4, block_table[b] = {7, 2, 5}, 10 keys: keys 0-3 in page 7,

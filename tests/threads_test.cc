@@ -292,7 +292,8 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- Varlen: the sequences' units in one parallel region ----
 
 // A packed batch of sequences of very different lengths: decode rows against long keys (split
-// into chunks, merged), prefill blocks, an empty sequence; dropout on or off.
+// into chunks, merged), prefill blocks, an empty sequence; dropout on or off; forward and
+// backward (whose short sequences run side by side, a thread each).
 TEST(VarlenThreads, OutputsAreBitwiseIdenticalForAnyThreadCount) {
   const std::vector<int64_t> cu_q = {0, 1, 98, 98, 100, 160}, cu_k = {0, 4500, 4800, 4810, 9000, 9060};
   const int64_t Hq = 4, Hkv = 2, D = 16, tq = cu_q.back(), tk = cu_k.back();
@@ -316,17 +317,25 @@ TEST(VarlenThreads, OutputsAreBitwiseIdenticalForAnyThreadCount) {
       o.causal = sdpa::Causal::kBottomRight;
       o.dropout_p = dropout;
       o.seed = kSeed;
-      sdpa::attention_varlen(in, {sdpa::TensorView::contiguous(out.data(), sdpa::DType::kFloat32, {tq, Hq, D}),
-                                  sdpa::TensorView::contiguous(lse.data(), sdpa::DType::kFloat32, {Hq, tq})},
-                             o);
+      const sdpa::TensorView out_v = sdpa::TensorView::contiguous(out.data(), sdpa::DType::kFloat32, {tq, Hq, D});
+      const sdpa::TensorView lse_v = sdpa::TensorView::contiguous(lse.data(), sdpa::DType::kFloat32, {Hq, tq});
+      sdpa::attention_varlen(in, {out_v, lse_v}, o);
+      // The backward: the short sequences side by side, the long one on all threads.
+      std::vector<float> dq(q.size()), dk(k.size()), dv(v.size());
+      sdpa::attention_varlen_backward(in, out_v, lse_v, out_v,
+                                      {sdpa::TensorView::contiguous(dq.data(), sdpa::DType::kFloat32, {tq, Hq, D}),
+                                       sdpa::TensorView::contiguous(dk.data(), sdpa::DType::kFloat32, {tk, Hkv, D}),
+                                       sdpa::TensorView::contiguous(dv.data(), sdpa::DType::kFloat32, {tk, Hkv, D})},
+                                      o);
       sdpa::set_num_threads(0);
-      return std::make_pair(bytes(out), bytes(lse));
+      return std::vector<std::vector<uint8_t>>{bytes(out), bytes(lse), bytes(dq), bytes(dk), bytes(dv)};
     };
     const auto one = run(1);
     for (int threads : {2, 3}) {
       const auto other = run(threads);
-      EXPECT_TRUE(one.first == other.first) << "out differs with " << threads << " threads, dropout " << dropout;
-      EXPECT_TRUE(one.second == other.second) << "lse differs with " << threads << " threads, dropout " << dropout;
+      const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+      for (size_t x = 0; x < one.size(); ++x)
+        EXPECT_TRUE(one[x] == other[x]) << names[x] << " differs with " << threads << " threads, dropout " << dropout;
     }
   }
 }

@@ -204,8 +204,9 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
 // Without dropout each sequence's results are bit for bit those of attention() on its rows (with
 // dropout, sequence b draws as batch entry b of a dense call would); bitwise identical for any
 // thread count. The forward runs every sequence's blocks (and key chunks) in one parallel region,
-// largest first, so that threads stay busy when lengths differ 100x; the backward runs one
-// sequence after another (each on all threads). No copies: see PERFORMANCE.md.
+// largest first, so that threads stay busy when lengths differ 100x; the backward runs the
+// sequences with at most a thread's share of the work side by side, a thread each, and the
+// larger ones on all threads. No copies: see PERFORMANCE.md.
 struct VarlenInputs {
   TensorView q = {}, k = {}, v = {};
   TensorView cu_seqlens_q = {}, cu_seqlens_k = {};
