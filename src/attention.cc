@@ -69,7 +69,10 @@ void run_forward_many(const std::vector<Problem>& problems, Backend backend) {
 }
 
 void run_backward(const BackwardProblem& bp, Backend backend) {
-  if (bp.writes_nothing()) return;
+  if (bp.writes_nothing()) {
+    if (bp.dsinks) internal::sink_gradients(bp);
+    return;
+  }
   const bool f64 = computes_in_f64(bp.fwd.compute);
   switch (backend) {
     case Backend::kAuto:

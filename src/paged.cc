@@ -211,7 +211,7 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     Outputs o;
     o.out = with_batch_of_one(rows_of(outs.out, cu[b], cu[b + 1]));
     if (outs.lse) o.lse = with_batch_of_one(cols_of(*outs.lse, cu[b], cu[b + 1]));
-    problems.push_back(paged_problem(s, o, options, b));
+    problems.push_back(paged_problem(s, o, sequence_options(options, b, B), b));
     problems.back().dropout.batch_offset = b;
   }
   return problems;

@@ -240,6 +240,62 @@ std::string number_string(double x) {
   return text;
 }
 
+// Options::alibi_slopes or sinks: a small float32/float64 tensor of the given shapes, every
+// value finite (and held by float32 when that is the compute type), read once into doubles in
+// C order. `shapes` lists what it may be, e.g. "(Hq,) or (B, Hq)".
+std::vector<double> read_small_floats(const char* name, const TensorView& t, const char* shapes, DType compute) {
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be float32 or float64");
+  }
+  const int64_t rows = t.rank == 2 ? t.shape[0] : 1, cols = t.shape[t.rank - 1];
+  std::vector<double> values(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t offset = (t.rank == 2 ? r * t.strides[0] : 0) + c * t.strides[t.rank - 1];
+      const double x = load_as<double>(t.dtype, static_cast<const char*>(t.data) + offset * storage_bytes(t.dtype));
+      const bool held = compute != DType::kFloat32 || std::isfinite(static_cast<float>(x));
+      if (!std::isfinite(x) || !held) {
+        const std::string index = t.rank == 2 ? std::to_string(r) + ", " + std::to_string(c) : std::to_string(c);
+        fail(std::string(name) + "[" + index + "] = " + number_string(x) + " but must be finite" +
+             (held ? "" : " in float32, the compute type") + " (" + name + " is " + shapes + ")");
+      }
+      values[static_cast<size_t>(r * cols + c)] = x;
+    }
+  return values;
+}
+
+// The score modifiers of Options into p (after q's shapes are known).
+void read_modifiers(const Options& opt, Problem& p) {
+  const std::string hq = std::to_string(p.Hq), b = std::to_string(p.B);
+  if (!(opt.softcap >= 0) || !std::isfinite(opt.softcap) ||
+      (p.compute == DType::kFloat32 && opt.softcap != 0 && !std::isnormal(static_cast<float>(opt.softcap)))) {
+    fail("softcap=" + number_string(opt.softcap) +
+         " must be 0 (off) or a positive finite number held by the compute type (a normal float32 for float32 inputs)");
+  }
+  if (opt.softcap_order != Options::SoftcapOrder::kBeforeBias && opt.softcap_order != Options::SoftcapOrder::kAfterBias) {
+    fail("softcap_order has an unknown value " + std::to_string(static_cast<int>(opt.softcap_order)));
+  }
+  p.softcap = opt.softcap;
+  p.cap_after_bias = opt.softcap_order == Options::SoftcapOrder::kAfterBias;
+  if (opt.alibi_slopes) {
+    const TensorView& t = *opt.alibi_slopes;
+    const std::string want = "(Hq,) = (" + hq + ",) or (B, Hq) = (" + b + ", " + hq + ")";
+    check_basic("alibi_slopes", t, 1, 2);
+    if (t.shape[t.rank - 1] != p.Hq || (t.rank == 2 && t.shape[0] != p.B && t.shape[0] != 1)) {
+      fail("alibi_slopes has shape " + t.shape_string() + " but must be " + want + ": one slope per query head");
+    }
+    p.alibi_slopes = read_small_floats("alibi_slopes", t, want.c_str(), p.compute);
+    if (t.rank == 2 && t.shape[0] == 1) p.alibi_slopes.resize(static_cast<size_t>(p.Hq));  // broadcast
+  }
+  if (opt.sinks) {
+    const TensorView& t = *opt.sinks;
+    const std::string want = "(Hq,) = (" + hq + ",)";
+    check_basic("sinks", t, 1, 1);
+    if (t.shape[0] != p.Hq) fail("sinks has shape " + t.shape_string() + " but must be " + want + ": one logit per query head");
+    p.sinks = read_small_floats("sinks", t, want.c_str(), p.compute);
+  }
+}
+
 // The checks of q, k, v, the mask and the options: everything but the outputs.
 Problem make_input_problem(const Inputs& in, const Options& opt) {
   const TensorView &q = in.q, &k = in.k, &v = in.v;
@@ -352,6 +408,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   }
   p.causal = opt.causal;
   p.window = opt.window;
+  read_modifiers(opt, p);
   p.dropout = make_dropout(opt.dropout_p, opt.seed.value_or(0));
   if (opt.dropout_p > 0 && !opt.seed) {
     fail("dropout_p=" + number_string(opt.dropout_p) +
@@ -409,7 +466,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   Outputs outs;
   outs.out = out;
   outs.lse = lse;
-  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}};
+  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}, std::nullopt};
   // Each gradient has the shape, dtype and layout needs of its forward twin.
   const std::pair<const char*, const TensorView*> pairs[] = {
       {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
@@ -424,6 +481,18 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     check_shape(name, t, like.shape, like.rank, meaning.c_str());
     check_unit_last_stride(name, t);
     if (g > 0) check_no_zero_stride(name, t);  // dout is read; dq, dk and dv are written
+  }
+  if (grads.dsinks) {
+    const TensorView& t = *grads.dsinks;
+    if (!opt.sinks) fail("dsinks is given but Options::sinks is not: dsinks is the gradient of the sinks");
+    check_basic("dsinks", t, 1, 1);
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) {
+      fail(std::string("dsinks has dtype ") + dtype_name(t.dtype) + " but must be float32 or float64");
+    }
+    const int64_t hq[1] = {bp.fwd.Hq};
+    check_shape("dsinks", t, hq, 1, "(Hq,), the shape of sinks");
+    check_no_zero_stride("dsinks", t);
+    bp.dsinks = to_view4(t);
   }
   bp.dout = to_view4(dout);
   bp.dq = to_view4(grads.dq);

@@ -136,6 +136,14 @@ struct Problem {
   Window window;
   Dropout dropout;
 
+  // Score modifiers (Options::softcap, alibi_slopes, sinks), validated: the tanh cap (0: none)
+  // and where it goes, and the slopes ((1 or B) × Hq, row-major; empty: none) and sinks (Hq;
+  // empty: none) as doubles, read once.
+  double softcap = 0.0;
+  bool cap_after_bias = false;  // SoftcapOrder::kAfterBias
+  std::vector<double> alibi_slopes;
+  std::vector<double> sinks;
+
   View4 q, k, v, out;
   std::optional<View4> mask;     // broadcast to (B, Hq, Nq, Nk)
   std::optional<View4> weights;  // (B, Hq, Nq, Nk)
@@ -183,6 +191,55 @@ struct Problem {
     }
     return mask->load<T>(b, h, i, j);
   }
+
+  bool has_alibi() const { return !alibi_slopes.empty(); }
+  bool has_sinks() const { return !sinks.empty(); }
+  // Whether scores are more than the dot product plus the mask (the kernels' modifier steps).
+  bool modifies_scores() const { return softcap != 0 || has_alibi(); }
+  // ALiBi's slope for (b, h) as T (the slopes broadcast over the batch when given per head).
+  template <typename T>
+  T alibi_slope(int64_t b, int64_t h) const {
+    const size_t row = alibi_slopes.size() == static_cast<size_t>(Hq) ? 0 : static_cast<size_t>(b);
+    return static_cast<T>(alibi_slopes[row * static_cast<size_t>(Hq) + static_cast<size_t>(h)]);
+  }
+  // Query row i aligned bottom-right to batch b's keys: i' = i + (L - Nq), ALiBi's (and causal's) i'.
+  int64_t aligned_row(int64_t b, int64_t i) const { return i + (keys_of(b) - Nq); }
+  // -slope · |i' - j|: the distance is an integer, exact in T (below 2^24 for float32).
+  template <typename T>
+  T alibi_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const int64_t distance = aligned_row(b, i) - j;
+    return -alibi_slope<T>(b, h) * static_cast<T>(distance < 0 ? -distance : distance);
+  }
+  template <typename T>
+  T sink(int64_t h) const {
+    return static_cast<T>(sinks[static_cast<size_t>(h)]);
+  }
+
+  // The score of (b, h, i, j) from its scaled dot product x, in T: the header's formula, the
+  // softcap, ALiBi and the mask in their order (Options::softcap_order). A blocked key (bias
+  // -inf) is -inf in either order. The scalar statement of what MaskScores (score_tile-inl.h)
+  // does to a tile; the references use it. (Causal, window and length are the caller's.)
+  template <typename T>
+  T score(T x, int64_t b, int64_t h, int64_t i, int64_t j) const {
+    const T cap = static_cast<T>(softcap);
+    if (softcap != 0 && !cap_after_bias) x = cap * std::tanh(x / cap);
+    if (has_alibi()) x += alibi_bias<T>(b, h, i, j);
+    x = with_bias(x, mask_bias<T>(b, h, i, j));
+    if (softcap != 0 && cap_after_bias && x != -std::numeric_limits<T>::infinity()) x = cap * std::tanh(x / cap);
+    return x;
+  }
+  // ∂score/∂x for softcap: 1 - tanh² of the capped argument (1 without a cap), from the same x.
+  template <typename T>
+  T score_slope(T x, int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (softcap == 0) return T(1);
+    const T cap = static_cast<T>(softcap);
+    if (cap_after_bias) {
+      if (has_alibi()) x += alibi_bias<T>(b, h, i, j);
+      x = with_bias(x, mask_bias<T>(b, h, i, j));
+    }
+    const T t = std::tanh(x / cap);
+    return T(1) - t * t;
+  }
 };
 
 // Checks dropout_p (in [0, 1)) and builds the keep/drop rule.
@@ -197,6 +254,7 @@ struct BackwardProblem {
   Problem fwd;
   View4 dout;        // (B, Hq, Nq, Dv)
   View4 dq, dk, dv;  // shaped like q, k, v
+  std::optional<View4> dsinks;  // (Hq,) in the last slot: (1, 1, 1, Hq)
   // True when dq, dk and dv all have a zero extent (see Problem::writes_nothing).
   bool writes_nothing() const {
     const Problem& p = fwd;

@@ -33,7 +33,7 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
       for (int64_t d = 0; d < p.Dk; ++d) {
         dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
       }
-      s = in_range(with_bias(dot, p.mask_bias<Acc>(b, h, i, j)));
+      s = in_range(p.score(dot, b, h, i, j));  // softcap, ALiBi and the mask's bias
     }
     prob[j] = s;
     row_max = std::max(row_max, s);
@@ -42,11 +42,17 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   // 2. Stable softmax: subtract the row max (shifted_exp: a max of +inf shares the weight among
   //    the +inf keys). A row with no allowed key stays all zero. A NaN score makes the row NaN:
   //    its sum and lse, and its weights at every key it does not block (blocked keys stay 0).
+  //    A sink is one more term of the sum, with no value row: the max and the sum include it.
+  const Acc sink = p.has_sinks() ? in_range(p.sink<Acc>(h)) : neg_inf;
   if (row_max == neg_inf && !nan) {
     std::fill(prob, prob + p.Nk, Acc(0));
-    return neg_inf;
+    return sink;  // -inf without a sink
   }
   Acc sum = 0;
+  if (p.has_sinks() && !nan) {
+    row_max = std::max(row_max, sink);
+    sum = shifted_exp(sink, row_max);
+  }
   for (int64_t j = 0; j < p.Nk; ++j) {
     prob[j] = prob[j] == neg_inf ? Acc(0) : nan ? std::numeric_limits<Acc>::quiet_NaN() : shifted_exp(prob[j], row_max);
     sum += prob[j];
@@ -94,23 +100,29 @@ void materialized_attention(const Problem& p) {
 }
 
 void lse_of_biases(const Problem& p) {
+  const double neg_inf = -std::numeric_limits<double>::infinity();
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.Hq; ++h) {
       for (int64_t i = 0; i < p.Nq; ++i) {
         const KeyRange range = p.key_range(b, i);
-        double lse = -std::numeric_limits<double>::infinity();
-        if (!range.empty() && p.mask && p.mask->strides[3] != 0) {
-          // The mask varies along the keys: its row exists in memory, so walk it.
+        double lse = neg_inf;
+        if (!range.empty() && ((p.mask && p.mask->strides[3] != 0) || p.has_alibi())) {
+          // The scores vary along the keys (the mask's row exists in memory; ALiBi's distances):
+          // walk them.
           double row_max = lse, sum = 0;
-          for (int64_t j = range.begin; j < range.end; ++j) row_max = std::max(row_max, p.mask_bias<double>(b, h, i, j));
+          for (int64_t j = range.begin; j < range.end; ++j) row_max = std::max(row_max, p.score(0.0, b, h, i, j));
           for (int64_t j = range.begin; j < range.end && row_max > lse; ++j) {
-            sum += shifted_exp(p.mask_bias<double>(b, h, i, j), row_max);
+            sum += shifted_exp(p.score(0.0, b, h, i, j), row_max);
           }
           if (row_max > lse) lse = row_max + std::log(sum);
         } else if (!range.empty()) {
-          // One bias for every key of the row: lse = bias + log(number of keys).
-          const double bias = p.mask_bias<double>(b, h, i, range.begin);
-          if (bias != lse) lse = bias + std::log(static_cast<double>(range.end - range.begin));
+          // One score for every key of the row: lse = score + log(number of keys).
+          const double s = p.score(0.0, b, h, i, range.begin);
+          if (s != lse) lse = s + std::log(static_cast<double>(range.end - range.begin));
+        }
+        if (p.has_sinks()) {  // log(exp(lse) + exp(sink))
+          const double sink = p.sink<double>(h), m = std::max(lse, sink);
+          lse = m + std::log(shifted_exp(lse, m) + shifted_exp(sink, m));
         }
         p.lse->store(b, h, i, 0, lse);
       }

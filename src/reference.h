@@ -35,8 +35,13 @@ void materialized_backward(const BackwardProblem& bp);
 
 // One query row of it: dq (Dk entries) of row (b, h, i), and its contributions added to dk
 // (Nk × Dk) and dv (Nk × Dv) of the row's kv head unless they are null; prob is Nk scratch.
-// Keys of weight 0 (and the value rows of dropped keys) add nothing.
+// Keys of weight 0 (and the value rows of dropped keys) add nothing. Returns the row's term of
+// dsinks[h] (0 without sinks).
 template <typename Acc>
-void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv);
+Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv);
+
+// dsinks from the given lse, out and dout (BackwardProblem::dsinks; the header's formula), in
+// float64: for calls whose kernels have nothing else to write.
+void sink_gradients(const BackwardProblem& bp);
 
 }  // namespace sdpa::internal

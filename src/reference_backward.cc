@@ -3,9 +3,11 @@
 //   p_ij  = softmax_j(s_ij), recomputed from scratch (not from the given lse)
 //   z_ij  = the dropout factor (1 without dropout)
 //   dv_j += z_ij p_ij · dout_i                 dp_ij = z_ij · dout_i · v_j  (0 where z_ij = 0)
-//   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i)
+//   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i) · c_ij
 //   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
-// dk and dv of a kv head sum over the query heads of its group.
+// with c_ij = ∂s_ij/∂x_ij, the softcap's 1 - tanh² (1 without it; Problem::score_slope). dk
+// and dv of a kv head sum over the query heads of its group. With sinks,
+//   dsink_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · D_bhi   (lse recomputed with the sink).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -16,11 +18,11 @@
 namespace sdpa::internal {
 
 template <typename Acc>
-void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv) {
+Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv) {
   const Problem& p = bp.fwd;
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
-  softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
+  const Acc lse = softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
   Acc D = 0;
   for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
   std::fill(dq, dq + p.Dk, Acc(0));
@@ -33,12 +35,21 @@ void backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Ac
       if (dv) dv[j * p.Dv + e] += z * prob[j] * g;
       dp += g * p.v.load<Acc>(b, kvh, j, e);
     }
-    const Acc ds = grad_ds(prob[j], z, dp, D) * scale;  // a dropped key's v (even NaN) adds nothing
+    Acc slope = 1;  // the softcap's ∂s/∂x, from the scaled dot product x as the forward formed it
+    if (p.softcap != 0) {
+      Acc x = 0;
+      for (int64_t d = 0; d < p.Dk; ++d) x += p.q.load<Acc>(b, h, i, d) * scale * p.k.load<Acc>(b, kvh, j, d);
+      slope = p.score_slope(x, b, h, i, j);
+    }
+    const Acc ds = grad_ds(prob[j], z, dp, D) * slope * scale;  // a dropped key's v (even NaN) adds nothing
     for (int64_t d = 0; d < p.Dk; ++d) {
       dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
       if (dk) dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
     }
   }
+  // The sink's share of the row, exp(sink - lse), times -D: the row's term of dsink (0 when
+  // the row has no sink).
+  return p.has_sinks() && lse != -std::numeric_limits<Acc>::infinity() ? -std::exp(p.sink<Acc>(h) - lse) * D : Acc(0);
 }
 
 template <typename Acc>
@@ -46,13 +57,14 @@ void materialized_backward(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
   std::vector<Acc> dk(static_cast<size_t>(p.Nk * p.Dk)), dv(static_cast<size_t>(p.Nk * p.Dv));
   std::vector<Acc> prob(static_cast<size_t>(p.Nk)), dq(static_cast<size_t>(p.Dk));
+  std::vector<Acc> dsinks(static_cast<size_t>(p.Hq), Acc(0));
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
       std::fill(dk.begin(), dk.end(), Acc(0));
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         for (int64_t i = 0; i < p.Nq; ++i) {
-          backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data());
+          dsinks[h] += backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data());
           for (int64_t d = 0; d < p.Dk; ++d) bp.dq.store(b, h, i, d, dq[d]);
         }
       }
@@ -62,10 +74,29 @@ void materialized_backward(const BackwardProblem& bp) {
       }
     }
   }
+  if (bp.dsinks) {
+    for (int64_t h = 0; h < p.Hq; ++h) bp.dsinks->store(0, 0, 0, h, dsinks[h]);
+  }
 }
 
-template void backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
-template void backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
+void sink_gradients(const BackwardProblem& bp) {
+  const Problem& p = bp.fwd;
+  for (int64_t h = 0; h < p.Hq; ++h) {
+    double sum = 0;
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        const double lse = p.lse->load<double>(b, h, i, 0);
+        if (lse == -std::numeric_limits<double>::infinity()) continue;
+        double D = 0;
+        for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<double>(b, h, i, e) * p.out.load<double>(b, h, i, e);
+        sum -= std::exp(p.sink<double>(h) - lse) * D;
+      }
+    bp.dsinks->store(0, 0, 0, h, sum);
+  }
+}
+
+template float backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
+template double backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
                                    double*);
 template void materialized_backward<float>(const BackwardProblem& bp);
 template void materialized_backward<double>(const BackwardProblem& bp);

@@ -75,6 +75,25 @@ TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
   return v;
 }
 
+Options sequence_options(const Options& options, int64_t b, int64_t sequences) {
+  if (!options.alibi_slopes || options.alibi_slopes->rank != 2) return options;
+  TensorView t = *options.alibi_slopes;
+  if (t.shape[0] != 1 && t.shape[0] != sequences) {
+    fail("alibi_slopes has shape " + t.shape_string() + " but must be (Hq,) or (B, Hq) with B = " +
+         std::to_string(sequences) + " sequences");
+  }
+  if (t.shape[0] == 1) return options;
+  Options o = options;
+  if (sequences == 0) {  // no sequence reads a slope; checked above
+    o.alibi_slopes.reset();
+    return o;
+  }
+  if (t.data != nullptr && t.shape[1] > 0) t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+  t.shape[0] = 1;
+  o.alibi_slopes = t;
+  return o;
+}
+
 namespace {
 
 struct Packed {
@@ -161,14 +180,15 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
   const internal::Packed pk = internal::read_packed(inputs, outputs.out, outputs.lse);
   // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
   internal::make_problem(pk.whole(inputs), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
-                                            std::nullopt, outputs.lse}, options);
+                                            std::nullopt, outputs.lse},
+                         internal::sequence_options(options, 0, pk.sequences()));
   std::vector<internal::Problem> problems;
   problems.reserve(static_cast<size_t>(pk.sequences()));
   for (int64_t b = 0; b < pk.sequences(); ++b) {  // every sequence valid before any is computed
     Outputs o;
     o.out = internal::rows_of(outputs.out, pk.cu_q[b], pk.cu_q[b + 1]);
     if (outputs.lse) o.lse = internal::cols_of(*outputs.lse, pk.cu_q[b], pk.cu_q[b + 1]);
-    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, options));
+    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, internal::sequence_options(options, b, pk.sequences())));
     problems.back().dropout.batch_offset = b;
   }
   internal::run_forward_many(problems, options.backend);
@@ -195,20 +215,32 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                   internal::rows_of(dout, 0, total_q),
                                   {internal::rows_of(grads.dq, 0, total_q),
                                    internal::rows_of(grads.dk, 0, grads.dk.shape[0]),
-                                   internal::rows_of(grads.dv, 0, grads.dv.shape[0])},
-                                  options);
+                                   internal::rows_of(grads.dv, 0, grads.dv.shape[0]), grads.dsinks},
+                                  internal::sequence_options(options, 0, pk.sequences()));
+  // dsinks: each sequence's own (Hq,) row of float64 scratch, summed in sequence order below.
+  const int64_t Hq = inputs.q.shape[1];
+  std::vector<double> seq_dsinks(grads.dsinks ? static_cast<size_t>(pk.sequences() * Hq) : 0);
   std::vector<internal::BackwardProblem> problems;
   problems.reserve(static_cast<size_t>(pk.sequences()));
   for (int64_t b = 0; b < pk.sequences(); ++b) {
     const int64_t q0 = pk.cu_q[b], q1 = pk.cu_q[b + 1], k0 = pk.cu_k[b], k1 = pk.cu_k[b + 1];
-    const Gradients g{internal::rows_of(grads.dq, q0, q1), internal::rows_of(grads.dk, k0, k1),
-                      internal::rows_of(grads.dv, k0, k1)};
+    Gradients g{internal::rows_of(grads.dq, q0, q1), internal::rows_of(grads.dk, k0, k1),
+                internal::rows_of(grads.dv, k0, k1)};
+    if (grads.dsinks) g.dsinks = TensorView::contiguous(seq_dsinks.data() + b * Hq, DType::kFloat64, {Hq});
     problems.push_back(internal::make_backward_problem(pk.inputs(inputs, b), internal::rows_of(out, q0, q1),
                                                        internal::cols_of(lse, q0, q1), internal::rows_of(dout, q0, q1), g,
-                                                       options));
+                                                       internal::sequence_options(options, b, pk.sequences())));
     problems.back().fwd.dropout.batch_offset = b;
   }
   internal::run_backward_sequences(problems, options.backend);
+  if (grads.dsinks) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      double sum = 0;
+      for (int64_t b = 0; b < pk.sequences(); ++b) sum += seq_dsinks[static_cast<size_t>(b * Hq + h)];
+      store_as(grads.dsinks->dtype, static_cast<char*>(grads.dsinks->data) +
+                                        h * grads.dsinks->strides[0] * dtype_size(grads.dsinks->dtype), sum);
+    }
+  }
 }
 
 }  // namespace sdpa

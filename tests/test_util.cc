@@ -457,6 +457,32 @@ bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int6
   return j < keys && key_allowed(options, d.Nq, keys, i, j);
 }
 
+double view_value(const sdpa::TensorView& v, int64_t row, int64_t col) {
+  const int64_t offset = (v.rank == 2 ? (v.shape[0] == 1 ? 0 : row) * v.strides[0] : 0) + col * v.strides[v.rank - 1];
+  if (v.dtype == DType::kFloat64) return static_cast<const double*>(v.data)[offset];
+  return static_cast<const float*>(v.data)[offset];
+}
+
+double alibi_bias(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j) {
+  if (!options.alibi_slopes) return 0.0;
+  const Dims d = dims_of(t);
+  const int64_t keys = t.seqlens_k.empty() ? d.Nk : t.seqlens_k[static_cast<size_t>(b)];
+  return -view_value(*options.alibi_slopes, b, h) * static_cast<double>(std::llabs(i + keys - d.Nq - j));
+}
+
+double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j,
+                      double x) {
+  const double cap = options.softcap;
+  const bool after = options.softcap_order == sdpa::Options::SoftcapOrder::kAfterBias;
+  if (cap > 0 && !after) x = cap * std::tanh(x / cap);
+  x += alibi_bias(t, options, b, h, i, j);
+  const double bias = mask_bias(t, b, h, i, j);
+  if (bias == -kInf) return -kInf;
+  x += bias;
+  if (cap > 0 && after) x = cap * std::tanh(x / cap);
+  return x;
+}
+
 double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j) {
   const Dims d = dims_of(t);
   const double bias = mask_bias(t, b, h, i, j);
@@ -464,7 +490,8 @@ double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b
   const double scale = options.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
   double sum = 0;
   for (int64_t x = 0; x < d.Dk; ++x) sum += std::abs(t.q.at(b, h, i, x) * t.k.at(b, h / d.group, j, x));
-  return std::abs(scale) * sum + std::abs(bias);
+  // ALiBi's bias is a term of the score too (its distance exact, its product rounded once).
+  return std::abs(scale) * sum + std::abs(bias) + std::abs(alibi_bias(t, options, b, h, i, j));
 }
 
 double max_score_magnitude(const Tensors& t, const sdpa::Options& options) {
@@ -497,13 +524,17 @@ Values oracle(const Tensors& t, const sdpa::Options& options) {
           if (key_allowed(t, options, b, i, j)) {
             double dot = 0;
             for (int64_t x = 0; x < d.Dk; ++x) dot += t.q.at(b, h, i, x) * t.k.at(b, kvh, j, x);
-            s[j] = dot * scale + mask_bias(t, b, h, i, j);
+            s[j] = modified_score(t, options, b, h, i, j, dot * scale);
           }
           m = std::max(m, s[j]);
         }
-        double sum = 0;
-        for (int64_t j = 0; j < d.Nk; ++j) sum += m == -kInf ? 0.0 : std::exp(s[j] - m);
-        for (int64_t j = 0; j < d.Nk; ++j) r.weights.push_back(m == -kInf ? 0.0 : std::exp(s[j] - m) / sum);
+        // A sink: one more term of the softmax's sum, with no value row.
+        const double sink = options.sinks ? view_value(*options.sinks, 0, h) : -kInf;
+        const bool any = m != -kInf;
+        m = std::max(m, sink);
+        double sum = options.sinks && m != -kInf ? std::exp(sink - m) : 0.0;
+        for (int64_t j = 0; j < d.Nk; ++j) sum += !any ? 0.0 : std::exp(s[j] - m);
+        for (int64_t j = 0; j < d.Nk; ++j) r.weights.push_back(!any ? 0.0 : std::exp(s[j] - m) / sum);
         const double* w = r.weights.data() + r.weights.size() - d.Nk;
         for (int64_t x = 0; x < d.Dv; ++x) {
           double o = 0;
@@ -677,9 +708,12 @@ testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options
                                                << "] = " << got.out.at(b, h, i, x) << " but the row has no allowed key";
           }
         }
-        if (got.lse && got.lse->at(0, b, h, i) != -kInf) {
-          return testing::AssertionFailure() << "lse[" << b << "," << h << "," << i
-                                             << "] = " << got.lse->at(0, b, h, i) << " but the row has no allowed key";
+        // lse = -inf, or the sink (stored in the compute type) where the row has one.
+        const double no_key_lse = options.sinks ? round_to(got.lse ? got.lse->dtype() : kF64,
+                                                           view_value(*options.sinks, 0, h)) : -kInf;
+        if (got.lse && got.lse->at(0, b, h, i) != no_key_lse) {
+          return testing::AssertionFailure() << "lse[" << b << "," << h << "," << i << "] = " << got.lse->at(0, b, h, i)
+                                             << " but the row has no allowed key (want " << no_key_lse << ")";
         }
       }
     }

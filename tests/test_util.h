@@ -162,6 +162,16 @@ double max_abs_finite(const std::vector<double>& xs);  // over the finite entrie
 double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j);
 double max_score_magnitude(const Tensors& t, const sdpa::Options& options);  // over every (b, h, i, j)
 
+// Element (row, col) of a float32/float64 view of rank 1 (row ignored) or 2 (a first dim of 1
+// broadcasts): Options::alibi_slopes and sinks.
+double view_value(const sdpa::TensorView& v, int64_t row, int64_t col);
+// ALiBi's bias -slope(b, h) · |i + (L - Nq) - j| (0 without Options::alibi_slopes).
+double alibi_bias(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j);
+// The score of (b, h, i, j) from its scaled dot product x under Options' softcap, ALiBi slopes
+// and the mask, in the header's order (an allowed key; -inf where the mask blocks it).
+double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j,
+                      double x);
+
 // Attention computed the obvious way in float64 straight from the header's contract,
 // independently of src/ (its own indexing, broadcasting, causal and window rules).
 Values oracle(const Tensors& t, const sdpa::Options& options);

@@ -126,6 +126,32 @@ struct Options {
   // weights every step. Without dropout the seed is ignored.
   double dropout_p = 0.0;  // in [0, 1)
   std::optional<uint64_t> seed;
+
+  // Score modifiers (Gemma's logit softcapping, BLOOM's ALiBi, gpt-oss's attention sinks). With
+  // x = q·kᵀ · scale the scaled dot product of query i and key j of query head h, the score is
+  //
+  //   s = cap·tanh(x / cap) + alibi + bias        SoftcapOrder::kBeforeBias (the default)
+  //   s = cap·tanh((x + alibi + bias) / cap)      SoftcapOrder::kAfterBias
+  //
+  // with cap = softcap (no tanh when 0), alibi = -slope(b, h)·|i' - j| (0 without slopes),
+  // i' = i + (L - Nq) the query aligned bottom-right to the sequence's L keys (Nk, or
+  // seqlens_k[b]) whatever `causal` is (FlashAttention's definition), and bias the mask's.
+  // A key that causal, the window, the sequence's length, a bool mask or a bias of -inf blocks
+  // stays blocked in either order: its weight is exactly 0 (never cap·tanh(-inf) = -cap).
+  // With sinks, each row's softmax has one more term in its denominator, a logit with no value:
+  //   w_ij = exp(s_ij - m) / (exp(sink_h - m) + Σ_j' exp(s_ij' - m)),   out_i = Σ_j w_ij v_j
+  // so the weights of a row sum to less than 1, lse includes the sink (lse = log(exp(sink_h) +
+  // Σ_j exp(s_ij))), and a row whose keys are all blocked gives out = 0, weights 0 and lse = sink_h.
+  // softcap: finite, >= 0, and held by the compute type. kBeforeBias is FlashAttention's, Gemma's
+  // and ONNX Attention's (opset 23 reference) order.
+  double softcap = 0.0;
+  enum class SoftcapOrder : uint8_t { kBeforeBias, kAfterBias };
+  SoftcapOrder softcap_order = SoftcapOrder::kBeforeBias;
+  // ALiBi slopes: (Hq,) or (B, Hq) (rank 1 or 2; (1, Hq) broadcasts over the batch), float32
+  // or float64, finite, any strides.
+  std::optional<TensorView> alibi_slopes = std::nullopt;
+  // Attention sinks: (Hq,), float32 or float64, finite (a learned logit per query head), any stride.
+  std::optional<TensorView> sinks = std::nullopt;
 };
 
 // Dtypes. q, k, v share one dtype: float32, float64, bfloat16 or float16; or q is float32 and
@@ -172,6 +198,11 @@ struct Gradients {
   TensorView dq = {};  // shaped like q, q's dtype
   TensorView dk = {};  // shaped like k, k's dtype: for GQA, the sum over the query heads of its group
   TensorView dv = {};  // shaped like v, v's dtype
+  // With Options::sinks: ∂loss/∂sinks, (Hq,), float32 or float64 (not read; written), summed
+  // over the batch and the query rows in a fixed order:
+  //   dsinks_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · (dout_bhi · out_bhi)
+  // Not given: the sinks' gradient is not computed.
+  std::optional<TensorView> dsinks = std::nullopt;
 };
 
 // Backward pass: given dout = ∂loss/∂out (shaped like out, out's dtype) and the out and lse that

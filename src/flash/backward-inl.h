@@ -59,6 +59,7 @@ struct BackwardScratch {
         gv(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dv) * mq)),
         pt(hwy::AllocateAligned<T>(kTileKeys * mq)),
         dpt(hwy::AllocateAligned<T>(kTileKeys * mq)),
+        ct(hwy::AllocateAligned<T>(p.softcap != 0 ? kTileKeys * mq : 1)),
         mask_rows(hwy::AllocateAligned<T>(kTileKeys * mq)),
         m(hwy::AllocateAligned<T>(mq)),
         l(hwy::AllocateAligned<T>(mq)),
@@ -79,7 +80,8 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
-  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
+  hwy::AlignedFreeUniquePtr<T[]> pt, dpt, ct, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
+  // ct: the softcap's ∂s/∂x over the score tile (with a softcap; else unused)
   hwy::AlignedFreeUniquePtr<T[]> lane_lse, lane_D;  // per query lane: lse and D
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile, qtile, dtile;  // rows of k, v, q, dout widened to T (ReadRows)
   hwy::AlignedFreeUniquePtr<T[]> kpad;  // the one-pass plan: the block's keys, rows padded to whole vectors
@@ -102,6 +104,17 @@ HWY_INLINE V Probability(D d, V s, V lse) {
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Ds(D d, V p, V dp, V D_row) {
   return hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(p, hn::Sub(dp, D_row)));
+}
+
+// ds ← ds · c over n contiguous entries, c the softcap's ∂s/∂x (MaskScores' slope tile): the
+// chain rule through the cap. An exact 0 (a key of weight 0) stays 0.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void ApplySlope(D d, T* HWY_RESTRICT ds, const T* HWY_RESTRICT slope, int64_t n) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t x = 0; x < n; x += N) {  // n is whole vectors (tiles are)
+    const auto g = hn::Load(d, ds + x);
+    hn::Store(hn::IfThenZeroElse(hn::Eq(g, hn::Zero(d)), hn::Mul(g, hn::Load(d, slope + x))), d, ds + x);
+  }
 }
 
 // Row statistics the passes share, contiguous: lse (+inf where the row has no allowed key,
@@ -275,7 +288,9 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         const KeyRange kr = p.key_range(b, first + r);
         s.rows[r] = {h, first + r, kr.begin, kr.end};
       }
-      MaskScores<QV>(d, p, b, s.rows.data(), n, j0, nk, /*edges=*/true, pt, mq, TileLayout::kRowMajor, static_cast<T*>(nullptr));
+      T* slope = p.softcap != 0 ? s.ct.get() : nullptr;
+      MaskScores<QV, TileLayout::kRowMajor>(d, p, b, s.rows.data(), n, j0, nk, /*edges=*/true, pt, mq,
+                                            static_cast<T*>(nullptr), slope);
       for (int64_t r = 0; r < n; ++r) {
         T* row = pt + r * mq;
         std::fill(row + nk, row + mq, neg_inf);
@@ -304,6 +319,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
           hn::Store(Ds(d, hn::Load(d, pt + r * mq + q * N), hn::Load(d, x), hn::Set(d, Di)), d, x);
         }
       }
+      if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));  // (padding lanes: ds = 0)
       // A row whose q or dout holds a NaN or inf reaches no key it gives weight 0.
       const uint8_t *q_bad = nullptr, *dout_bad = nullptr;
       if (rs.any_bad_rows) {
@@ -372,7 +388,8 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     T* dpt = s.dpt.get();
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());  // (dq += ds · k)
     const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
-    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, keys_in_range, s.mask_rows.get());
+    T* slope = p.softcap != 0 ? s.ct.get() : nullptr;
+    ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, keys_in_range, s.mask_rows.get(), slope);
     if (dout_pairs && Bf16RowsInDotRange(d, p.v.at<uint16_t>(blk.b, blk.kvh, j0), p.v.strides[2], n, p.Dv)) {  // dp = dout · vᵀ
       Bf16Dot(s.yp.get(), mq, p.Dv, p.v, blk.b, blk.kvh, j0, n, 1.0, s.amx, dpt);
     } else {
@@ -393,6 +410,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
         hn::Store(Ds(d, pj, hn::Load(d, x), Dv[q]), d, x);  // ds = p · (dp - D)
       }
     }
+    if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));
     // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
     const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
     AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
@@ -537,6 +555,18 @@ void FlashBackward(const BackwardProblem& bp) {
         }
         write_row(bp.dq, b, h, i, dq.data(), p.Dk);
       }
+    }
+  }
+  if (bp.dsinks) {  // dsink_h = -Σ_b Σ_i exp(sink_h - lse) · D, in a fixed order (rs.lse is +inf where no key)
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      double sum = 0;
+      for (int64_t b = 0; b < p.B; ++b)
+        for (int64_t i = 0; i < p.Nq; ++i) {
+          const int64_t x = rs.index(b, h, i);
+          if (rs.lse[x] == T(INFINITY)) continue;  // no sink's share (lse = -inf: a NaN row, or no sink)
+          sum -= std::exp(p.sink<double>(h) - static_cast<double>(rs.lse[x])) * static_cast<double>(rs.D[x]);
+        }
+      bp.dsinks->store(0, 0, 0, h, sum);
     }
   }
 }

@@ -103,7 +103,7 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   }
   // 2. Causal/window edges and the mask (scalar: per element, but only O(R·n)); then -inf up
   //    to whole vectors for the softmax below.
-  MaskScores<1>(d, p, blk.b, lanes, R, j0, n, /*edges=*/true, st, kTileKeys, TileLayout::kRowMajor, static_cast<T*>(nullptr));
+  MaskScores<1, TileLayout::kRowMajor>(d, p, blk.b, lanes, R, j0, n, /*edges=*/true, st, kTileKeys, static_cast<T*>(nullptr));
   for (int64_t r = 0; r < R; ++r) std::fill(st + r * kTileKeys + n, st + r * kTileKeys + (n + N - 1) / N * N, neg_inf);
 }
 

@@ -325,17 +325,18 @@ HWY_INLINE bool TileKeysInDotRange(D d, const Problem& p, int64_t b, int64_t kvh
 // Scores of keys [j0, j0 + n) for a block into st, scaled, masked: from the bfloat16 pairs
 // (bs.qp) and k in place when the tile's keys are in their range (keys_in_range:
 // TileKeysInDotRange), else from qt (the scale folded in) and `keys` (rows of k as T, key j0
-// first; unread on the first way).
+// first; unread on the first way). slope: MaskScores' (the backward's softcap derivative).
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
-                          int64_t n, bool partial, const Rows<T>& keys, bool keys_in_range, T* HWY_RESTRICT mask_rows) {
+                          int64_t n, bool partial, const Rows<T>& keys, bool keys_in_range, T* HWY_RESTRICT mask_rows,
+                          T* HWY_RESTRICT slope = nullptr) {
   if (bs.qp != nullptr && keys_in_range) {
     Bf16Dot(bs.qp, mq, p.Dk, p.k, bs.blk.b, bs.blk.kvh, j0, n, p.scale, bs.amx, st);
   } else {
     OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
   }
 
-  MaskScores<QV>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, TileLayout::kKeyMajor, mask_rows);
+  MaskScores<QV, TileLayout::kKeyMajor>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, mask_rows, slope);
 }
 
 // Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
@@ -550,6 +551,7 @@ void FinishBlock(D d, const Job<T>& job, Scratch<T>& s, size_t g, const BlockRow
   const Problem& p = *job.p;
   const size_t mq = job.mq;
   const BlockState<T> bs = s.block(g);
+  if (p.has_sinks()) add_sinks(p, bs.lanes, blk.rows, static_cast<int64_t>(mq), bs.ot, bs.m, bs.l);
   finish_block<T>(p, blk, bs.ot, bs.m, bs.l, bs.bad, mq, bs.lanes);
   if (!p.weights) return;
   // The weights pass reuses the scratch, so it reads m and l from copies.

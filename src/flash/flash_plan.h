@@ -229,6 +229,31 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
   }
 }
 
+// Adds each lane's sink (Problem::sinks: a logit with no value row) to its softmax: the max
+// becomes M = max(m, sink), the sum l·exp(m - M) + exp(sink - M), and ot is rescaled by
+// exp(m - M) (1, changing no bit, where the keys' max is at least the sink). A lane with no
+// allowed key (l = 0) gets m = sink, l = 1 and ot = 0: out 0, lse = sink. NaN stays NaN.
+// Then finish_block and the weights pass see the row's true max and sum.
+template <typename T>
+void add_sinks(const Problem& p, const LaneRow* lanes, int64_t rows, int64_t mq, T* ot, T* m, T* l) {
+  for (int64_t lane = 0; lane < rows; ++lane) {
+    if (std::isnan(l[lane])) continue;
+    const T sink = p.sink<T>(lanes[lane].h);
+    if (l[lane] == 0) {
+      for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + lane] = 0;
+      m[lane] = sink;
+      l[lane] = 1;
+      continue;
+    }
+    const T M = std::max(m[lane], sink), alpha = shifted_exp(m[lane], M);
+    l[lane] = l[lane] * alpha + shifted_exp(sink, M);
+    if (alpha != 1) {
+      for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + lane] *= alpha;
+    }
+    m[lane] = M;
+  }
+}
+
 // The weight of a score s in a row whose final max is m and sum l: shifted_exp(s, m) / l, and
 // 0 for blocked keys (s = -inf) and rows with no allowed key (l = 0), even when l is NaN.
 template <typename T>

@@ -1,7 +1,7 @@
 // What turns dot products into scores, written once for every fused kernel (the forward's
 // tiles, decode, and both backward passes): causal/window edges and the mask's bias on a tile of
 // scores, in either of the kernels' two layouts. Score modifiers, per-sequence lengths and
-// paged K/V change this file, not the kernels. Compiled per SIMD target (included by
+// paged K/V change this file, not the kernels: the softcap, ALiBi, edges and the mask live here. Compiled per SIMD target (included by
 // decode-inl.h, which flash-inl.h and backward-inl.h include).
 //
 // A tile holds s(r, jj) for `count` query rows (lanes[r]: head, row and allowed keys
@@ -23,6 +23,7 @@
 
 #include "flash/flash_plan.h"
 #include "flash/rows-inl.h"
+#include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
 #include "problem.h"
 
@@ -157,16 +158,81 @@ HWY_INLINE void AddMaskKeyMajor(D d, const Problem& p, int64_t b, const LaneRow*
   }
 }
 
-// Causal/window edges (when `edges`: tiles inside every row's keys need none) and the mask, on
-// a tile of dot products. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows
-// is Mq × kTileKeys scratch; kRowMajor ignores QV and mask_rows.
-template <size_t QV, class D, typename T = hn::TFromD<D>>
+// The softcap on n contiguous scores: x = cap·tanh(x / cap) (Problem::score's tanh, with
+// Highway's vector tanh), keeping -inf (a blocked key) when keep_blocked; slope (null: not
+// wanted) gets ∂x/∂(the argument) = 1 - tanh². The tail goes through one vector of a
+// zero-padded copy, so every element takes the same arithmetic wherever it lies in a tile.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void CapRun(D d, T cap, bool keep_blocked, T* HWY_RESTRICT x, int64_t n, T* HWY_RESTRICT slope) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const V vcap = hn::Set(d, cap), inv = hn::Set(d, T(1) / cap), one = hn::Set(d, T(1));
+  const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  const auto step = [&](T* at, T* slope_at) {
+    const V s = hn::LoadU(d, at);
+    const V t = hn::Tanh(d, hn::Mul(s, inv));
+    V capped = hn::Mul(vcap, t);
+    if (keep_blocked) capped = hn::IfThenElse(hn::Eq(s, neg_inf), s, capped);
+    hn::StoreU(capped, d, at);
+    if (slope_at != nullptr) hn::StoreU(hn::NegMulAdd(t, t, one), d, slope_at);
+  };
+  int64_t i = 0;
+  for (; i + N <= n; i += N) step(x + i, slope ? slope + i : nullptr);
+  if (i < n) {
+    HWY_ALIGN T buf[hn::MaxLanes(d)] = {};
+    HWY_ALIGN T slope_buf[hn::MaxLanes(d)] = {};
+    for (int64_t l = 0; l < n - i; ++l) buf[l] = x[i + l];
+    step(buf, slope_buf);
+    for (int64_t l = 0; l < n - i; ++l) x[i + l] = buf[l];
+    for (int64_t l = 0; slope != nullptr && l < n - i; ++l) slope[i + l] = slope_buf[l];
+  }
+}
+
+// ALiBi on a key-major tile: tile[jj·stride + r] -= slope_r · |i'_r - (j0 + jj)| for the
+// block's `count` lanes (Problem::alibi_bias: the distance as T, then one fused multiply-add).
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AddAlibiKeyMajor(D d, const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0,
+                                 int64_t n, T* HWY_RESTRICT tile, size_t stride) {
+  using V = hn::Vec<D>;
+  const size_t N = hn::Lanes(d);
+  constexpr size_t kMax = 2 * hn::MaxLanes(hn::ScalableTag<T>());  // QV <= 2
+  HWY_ALIGN T neg_slope[kMax] = {}, row[kMax] = {};
+  for (int64_t r = 0; r < count; ++r) {
+    neg_slope[r] = -p.alibi_slope<T>(b, lanes[r].h);
+    row[r] = static_cast<T>(p.aligned_row(b, lanes[r].i));
+  }
+  for (size_t v = 0; v * N < stride; ++v) {
+    const V slope = hn::Load(d, neg_slope + v * N), ip = hn::Load(d, row + v * N);
+    for (int64_t jj = 0; jj < n; ++jj) {
+      T* at = tile + jj * static_cast<int64_t>(stride) + v * N;
+      const V distance = hn::Abs(hn::Sub(ip, hn::Set(d, static_cast<T>(j0 + jj))));
+      hn::Store(hn::MulAdd(slope, distance, hn::Load(d, at)), d, at);
+    }
+  }
+}
+
+// The scores of a tile from its scaled dot products: the softcap, causal/window edges (when
+// `edges`: tiles inside every row's keys need none), ALiBi and the mask, in Problem::score's
+// order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows is Mq × kTileKeys
+// scratch; kRowMajor ignores QV and mask_rows. slope (null: not wanted; the backward's) gets
+// the softcap's ∂score/∂x in the tile's layout, where there is a softcap.
+template <size_t QV, TileLayout layout, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0,
-                           int64_t n, bool edges, T* HWY_RESTRICT tile, size_t stride, TileLayout layout,
-                           T* HWY_RESTRICT mask_rows) {
+                           int64_t n, bool edges, T* HWY_RESTRICT tile, size_t stride, T* HWY_RESTRICT mask_rows,
+                           T* HWY_RESTRICT slope = nullptr) {
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t s = static_cast<int64_t>(stride);
-  if (layout == TileLayout::kKeyMajor) {
+  const T cap = static_cast<T>(p.softcap);
+  // The cap on the rows of the tile that hold scores (key-major: all of it, one run).
+  const auto cap_tile = [&](bool keep_blocked) {
+    if constexpr (layout == TileLayout::kKeyMajor) {
+      CapRun(d, cap, keep_blocked, tile, n * s, slope);
+      return;
+    }
+    for (int64_t r = 0; r < count; ++r) CapRun(d, cap, keep_blocked, tile + r * s, n, slope ? slope + r * s : nullptr);
+  };
+  if (p.softcap != 0 && !p.cap_after_bias) cap_tile(/*keep_blocked=*/false);  // edges and masks follow
+  if constexpr (layout == TileLayout::kKeyMajor) {
     if (edges) {  // rare tiles, so plain scalar code
       for (int64_t jj = 0; jj < n; ++jj) {
         for (int64_t r = 0; r < count; ++r) {
@@ -174,18 +240,28 @@ HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lane
         }
       }
     }
+    if (p.has_alibi()) AddAlibiKeyMajor(d, p, b, lanes, count, j0, n, tile, stride);
     if (p.mask) AddMaskKeyMajor<QV>(d, p, b, lanes, count, j0, n, tile, stride, mask_rows);
-    return;
-  }
-  for (int64_t r = 0; r < count; ++r) {
-    T* row = tile + r * s;
-    if (edges) {
-      for (int64_t jj = 0; jj < n; ++jj) {
-        if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) row[jj] = neg_inf;
+  } else {
+    for (int64_t r = 0; r < count; ++r) {
+      T* row = tile + r * s;
+      if (edges) {
+        for (int64_t jj = 0; jj < n; ++jj) {
+          if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) row[jj] = neg_inf;
+        }
       }
+      if (p.has_alibi()) {
+        const T neg_slope = -p.alibi_slope<T>(b, lanes[r].h);
+        const int64_t ip = p.aligned_row(b, lanes[r].i);
+        for (int64_t jj = 0; jj < n; ++jj) {
+          const int64_t distance = ip - (j0 + jj);
+          row[jj] += neg_slope * static_cast<T>(distance < 0 ? -distance : distance);
+        }
+      }
+      if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
     }
-    if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
   }
+  if (p.softcap != 0 && p.cap_after_bias) cap_tile(/*keep_blocked=*/true);
 }
 
 }  // namespace sdpa::internal::HWY_NAMESPACE
