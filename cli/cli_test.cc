@@ -131,6 +131,32 @@ TEST_F(CliTest, SeqlensKLimitsEachSequencesKeys) {
   EXPECT_FALSE(fs::exists(path("out2.npy")));
 }
 
+// --softcap, --alibi-slopes and --sinks: one query, keys with q·k = {2, 0, -3} (scale 1), by hand.
+TEST_F(CliTest, ScoreModifiersByHand) {
+  save("q.npy", array<double>(DType::kFloat64, {1, 1}, {1}));
+  save("k.npy", array<double>(DType::kFloat64, {3, 1}, {2, 0, -3}));
+  save("v.npy", array<double>(DType::kFloat64, {3, 1}, {1, 10, 100}));
+  save("slopes.npy", array<float>(DType::kFloat32, {1}, {0.5f}));
+  save("sinks.npy", array<double>(DType::kFloat64, {1}, {0.25}));
+  const Result r = sdpa("run --q q.npy --k k.npy --v v.npy --scale 1 --softcap 2 --alibi-slopes slopes.npy "
+                        "--sinks sinks.npy -o out.npy --lse lse.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  // s_j = 2 tanh(x_j / 2) - 0.5 |2 - j|; the sink adds exp(0.25) to the sum.
+  const double x[3] = {2, 0, -3}, value[3] = {1, 10, 100};
+  double sum = std::exp(0.25), weighted = 0;
+  for (int j = 0; j < 3; ++j) {
+    const double e = std::exp(2 * std::tanh(x[j] / 2) - 0.5 * std::abs(2 - j));
+    sum += e;
+    weighted += e * value[j];
+  }
+  EXPECT_NEAR(read_npy(path("out.npy")).values<double>()[0], weighted / sum, 1e-12);
+  EXPECT_NEAR(read_npy(path("lse.npy")).values<double>()[0], std::log(sum), 1e-12);
+  save("bad.npy", array<double>(DType::kFloat64, {2}, {1, 2}));
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --sinks bad.npy -o out2.npy"),
+                        "sinks has shape (2,)", "bad.npy");
+  EXPECT_FALSE(fs::exists(path("out2.npy")));
+}
+
 TEST_F(CliTest, Seed001CausalMaskExample) {
   save_seed_001(DType::kFloat64);
   save("mask.npy", array<uint8_t>(DType::kBool, {2, 2}, {1, 0, 1, 1}));

@@ -25,6 +25,9 @@ struct RunOptions {
   std::string causal = "none";
   std::string window;  // "L,R"; empty: no window
   std::optional<double> scale;
+  double softcap = 0;                        // 0: off
+  std::string softcap_order = "before_bias";  // or after_bias
+  std::string alibi_slopes, sinks;            // .npy files; empty: none
   std::string out;
   std::string weights;  // empty: not written
   std::string lse;      // empty: not written

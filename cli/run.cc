@@ -201,6 +201,20 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   run->add_option_function<std::string>(
          "--scale", [&o](const std::string& text) { o.scale = parse_scale(text); }, "Score scale (default 1/sqrt(Dk))")
       ->type_name("S");
+  run->add_option("--softcap", o.softcap, "Cap the scores: s = C * tanh(s / C) (Gemma's logit softcapping); 0 = off")
+      ->type_name("C")
+      ->check(CLI::NonNegativeNumber);
+  run->add_option("--softcap-order", o.softcap_order,
+                  "before_bias: cap, then ALiBi and mask are added (FlashAttention, Gemma, ONNX); after_bias: "
+                  "the cap of the biased score (blocked keys stay blocked in either)")
+      ->type_name("ORDER")
+      ->check(CLI::IsMember({"before_bias", "after_bias"}))
+      ->capture_default_str();
+  run->add_option("--alibi-slopes", o.alibi_slopes,
+                  "ALiBi slopes (Hq,) or (B, Hq): score -= slope * |i + Nk - Nq - j|")
+      ->type_name("FILE");
+  run->add_option("--sinks", o.sinks, "Attention-sink logits (Hq,): one more term in each row's softmax sum")
+      ->type_name("FILE");
   run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in q's dtype")
       ->type_name("FILE")
       ->required();
@@ -220,7 +234,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       "bfloat16: NumPy has no such type. np.save of an ml_dtypes.bfloat16 array writes descr '<V2', read\n"
       "  here as bfloat16; bfloat16 outputs are written the same way. np.load gives them back as raw\n"
       "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).\n"
-      "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].");
+      "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].\n"
+      "alibi_slopes, sinks: float32 or float64 (converted to float64 to be read; the compute type holds them).");
   return run;
 }
 
@@ -229,6 +244,9 @@ void run_command(const RunOptions& o) {
   options.causal = parse_causal(o.causal);
   if (!o.window.empty()) options.window = parse_window(o.window);
   options.scale = o.scale;
+  options.softcap = o.softcap;
+  options.softcap_order = o.softcap_order == "after_bias" ? sdpa::Options::SoftcapOrder::kAfterBias
+                                                          : sdpa::Options::SoftcapOrder::kBeforeBias;
 
   // Two outputs at one path would overwrite each other: refuse before any work.
   std::vector<std::string> paths = {o.out};
@@ -250,6 +268,17 @@ void run_command(const RunOptions& o) {
   if (!o.mask.empty()) mask = read_input("mask", o.mask);
   std::optional<Input> seqlens;
   if (!o.seqlens_k.empty()) seqlens = read_input("seqlens_k", o.seqlens_k);
+  std::optional<Input> slopes, sinks;  // float32 or float64 as the library takes them
+  if (!o.alibi_slopes.empty()) {
+    slopes = read_input("alibi_slopes", o.alibi_slopes);
+    if (slopes->is_float()) convert_float(*slopes, sdpa::DType::kFloat64);
+    options.alibi_slopes = slopes->array.view();
+  }
+  if (!o.sinks.empty()) {
+    sinks = read_input("sinks", o.sinks);
+    if (sinks->is_float()) convert_float(*sinks, sdpa::DType::kFloat64);
+    options.sinks = sinks->array.view();
+  }
   // float32 and float64 inputs meet in float64. float16 and bfloat16 are never converted (that
   // would change what is computed): beside them the library's rule holds as it is, q, k and v
   // one dtype or float32 q over float16 or bfloat16 k and v, and its error names the files.
@@ -278,6 +307,8 @@ void run_command(const RunOptions& o) {
     std::string files = "q = " + o.q + ", k = " + o.k + ", v = " + o.v;
     if (mask) files += ", mask = " + o.mask;
     if (seqlens) files += ", seqlens_k = " + o.seqlens_k;
+    if (slopes) files += ", alibi_slopes = " + o.alibi_slopes;
+    if (sinks) files += ", sinks = " + o.sinks;
     return std::runtime_error(std::string(e.what()) + " (" + files + ")");
   };
   sdpa::Inputs inputs{q.array.view(), k.array.view(), v.array.view(), std::nullopt};
