@@ -12,6 +12,10 @@
 //   attention_paged(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q?, causal, scale?,
 //       window_left, window_right) -> (out, lse)   forward only; q packed with cu_seqlens_q
 //
+// Every operator ends with the score modifiers, defaulted: softcap (0 = off), softcap_after_bias
+// (SoftcapOrder::kAfterBias), alibi_slopes? ((Hq,) or (B, Hq)) and sinks? ((Hq,)), float32 or
+// float64; the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
+// (0,) without sinks), and the autograd kernels give sinks that gradient.
 // The arguments mean what they mean in sdpa/attention.h (causal: "none", "bottom_right" or
 // "top_left"; a window bound < 0 is unbounded; seed: a one-element int64 tensor, present when
 // dropout_p > 0 — a tensor, so that torch.compile can trace drawing it). Each kernel checks
@@ -81,9 +85,20 @@ sdpa::Causal parse_causal(c10::string_view name) {
   TORCH_CHECK_VALUE(false, "causal must be 'none', 'bottom_right' or 'top_left', got '", name, "'");
 }
 
+// The score modifiers of a call (the operators' last four arguments).
+struct Mods {
+  double softcap = 0.0;
+  bool after_bias = false;
+  std::optional<Tensor> alibi_slopes, sinks;
+};
+
 sdpa::Options options(c10::string_view causal, std::optional<double> scale, int64_t window_left, int64_t window_right,
-                      double dropout_p, const std::optional<Tensor>& seed) {
+                      double dropout_p, const std::optional<Tensor>& seed, const Mods& mods = {}) {
   sdpa::Options opt;
+  opt.softcap = mods.softcap;
+  opt.softcap_order = mods.after_bias ? sdpa::Options::SoftcapOrder::kAfterBias : sdpa::Options::SoftcapOrder::kBeforeBias;
+  if (mods.alibi_slopes) opt.alibi_slopes = view(*mods.alibi_slopes, "alibi_slopes");
+  if (mods.sinks) opt.sinks = view(*mods.sinks, "sinks");
   opt.scale = scale;
   opt.causal = parse_causal(causal);
   opt.window = {window_left, window_right};
@@ -117,35 +132,41 @@ std::tuple<Tensor, Tensor> empty_outputs(const Tensor& q, const Tensor& v) {
   return {out, at::empty(shape, q.options().dtype(compute_type(q)))};
 }
 
+// dsinks for a backward call: (Hq,) in the compute dtype with sinks, else (0,) (never written).
+Tensor empty_dsinks(const Tensor& q, const std::optional<Tensor>& sinks) {
+  return at::empty({sinks ? sinks->size(0) : 0}, q.options().dtype(compute_type(q)));
+}
+
 // ---------------------------------------------------------------- CPU kernels
 
 std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                          const std::optional<Tensor>& mask, c10::string_view causal,
                                          std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                         double dropout_p, const std::optional<Tensor>& seed) {
+                                         double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   auto [out, lse] = empty_outputs(q, v);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention(in, outs, opt); });
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
     const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
-         dv = at::empty(v.sizes(), v.options());
+         dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
-  const sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
+  if (sinks) grads.dsinks = view(dsinks, "dsinks");
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsinks};
 }
 
 sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
@@ -156,7 +177,7 @@ sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor&
 std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                 const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                                 std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                                double dropout_p, const std::optional<Tensor>& seed) {
+                                                double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk)");
   auto shape = q.sizes().vec();
@@ -165,29 +186,31 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
   const Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(compute_type(q)));  // (Hq, total_q)
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
   const sdpa::VarlenOutputs outs{view(out, "out"), view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention_varlen(in, outs, opt); });
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& cu_q, const Tensor& cu_k,
     const Tensor& out_, const Tensor& lse, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
-         dv = at::empty(v.sizes(), v.options());
+         dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
-  const sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed);
+  sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
+  if (sinks) grads.dsinks = view(dsinks, "dsinks");
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention_varlen_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsinks};
 }
 
 std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k_pages, const Tensor& v_pages,
                                                const Tensor& block_table, const Tensor& seqlens_k,
                                                const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
-                                               std::optional<double> scale, int64_t window_left, int64_t window_right) {
+                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
+                                               double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const Tensor q = unit_last(q_);
   auto [out, lse] = empty_outputs(q, v_pages);
   if (cu_seqlens_q) {  // packed queries (total_q, Hq, Dk): lse (Hq, total_q)
@@ -198,7 +221,7 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k
                        view(block_table, "block_table"), view(seqlens_k, "seqlens_k"), std::nullopt};
   if (cu_seqlens_q) in.cu_seqlens_q = view(*cu_seqlens_q, "cu_seqlens_q");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt);
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention_paged(in, outs, opt); });
   return {out, lse};
 }
@@ -211,7 +234,9 @@ c10::OperatorHandle op(const char* name) {
 
 // The saved options of a forward call, for its backward.
 void save_options(AutogradContext* ctx, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-                  int64_t window_right, double dropout_p) {
+                  int64_t window_right, double dropout_p, double softcap, bool softcap_after_bias) {
+  ctx->saved_data["softcap"] = softcap;
+  ctx->saved_data["softcap_after_bias"] = softcap_after_bias;
   ctx->saved_data["causal"] = std::string(causal);
   ctx->saved_data["scale"] = scale;
   ctx->saved_data["window_left"] = window_left;
@@ -223,11 +248,14 @@ struct SavedOptions {
   std::optional<double> scale;
   int64_t window_left, window_right;
   double dropout_p;
+  double softcap;
+  bool softcap_after_bias;
 };
 SavedOptions saved_options(AutogradContext* ctx) {
   const auto& s = ctx->saved_data;
   return {s.at("causal").toStringRef(), s.at("scale").toOptional<double>(), s.at("window_left").toInt(),
-          s.at("window_right").toInt(), s.at("dropout_p").toDouble()};
+          s.at("window_right").toInt(), s.at("dropout_p").toDouble(), s.at("softcap").toDouble(),
+          s.at("softcap_after_bias").toBool()};
 }
 std::optional<Tensor> optional(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 
@@ -235,14 +263,16 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale,
                                int64_t window_left, int64_t window_right, double dropout_p,
-                               const std::optional<Tensor>& seed) {
+                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
-    auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+    auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                               softcap_after_bias, alibi_slopes, sinks);
     // Saved through autograd, so that an in-place change of an input or of the returned out
     // makes backward raise instead of using stale data.
-    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor())});
-    save_options(ctx, causal, scale, window_left, window_right, dropout_p);
+    ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
+                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor())});
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -251,9 +281,11 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedOptions o = saved_options(ctx);
     static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
-                                 o.window_left, o.window_right, o.dropout_p, optional(s[6]));
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto [dq, dk, dv, dsinks] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
+                                         o.window_left, o.window_right, o.dropout_p, optional(s[6]), o.softcap,
+                                         o.softcap_after_bias, optional(s[7]), optional(s[8]));
+    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[8].defined() ? dsinks : Tensor()};
   }
 };
 
@@ -262,21 +294,23 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 bool records(std::initializer_list<const Tensor*> inputs) {
   if (!at::GradMode::is_enabled()) return false;
   for (const Tensor* t : inputs)
-    if (t->requires_grad()) return true;
+    if (t->defined() && t->requires_grad()) return true;
   return false;
 }
 
 std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const std::optional<Tensor>& mask, c10::string_view causal,
                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                              double dropout_p, const std::optional<Tensor>& seed) {
-  if (!records({&q, &k, &v})) {
+                                              double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+  const Tensor no_sinks;
+  if (!records({&q, &k, &v, sinks ? &*sinks : &no_sinks})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
-    return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+    return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                    softcap_after_bias, alibi_slopes, sinks);
   }
-  const variable_list r =
-      AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed);
+  const variable_list r = AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p,
+                                                   seed, softcap, softcap_after_bias, alibi_slopes, sinks);
   return {r[0], r[1]};
 }
 
@@ -284,12 +318,14 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                std::optional<double> scale, int64_t window_left, int64_t window_right,
-                               double dropout_p, const std::optional<Tensor>& seed) {
+                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
-    auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
-    ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor())});
-    save_options(ctx, causal, scale, window_left, window_right, dropout_p);
+    auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                               softcap_after_bias, alibi_slopes, sinks);
+    ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor()), alibi_slopes.value_or(Tensor()),
+                            sinks.value_or(Tensor())});
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -298,9 +334,11 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     const SavedOptions o = saved_options(ctx);
     static const auto bwd = op("sdpa::attention_varlen_backward").typed<decltype(attention_varlen_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
-    auto [dq, dk, dv] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale, o.window_left,
-                                 o.window_right, o.dropout_p, optional(s[7]));
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    auto [dq, dk, dv, dsinks] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale,
+                                         o.window_left, o.window_right, o.dropout_p, optional(s[7]), o.softcap,
+                                         o.softcap_after_bias, optional(s[8]), optional(s[9]));
+    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[9].defined() ? dsinks : Tensor()};
   }
 };
 
@@ -308,14 +346,16 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                                      std::optional<double> scale, int64_t window_left,
                                                      int64_t window_right, double dropout_p,
-                                                     const std::optional<Tensor>& seed) {
-  if (!records({&q, &k, &v})) {
+                                                     const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+  const Tensor no_sinks;
+  if (!records({&q, &k, &v, sinks ? &*sinks : &no_sinks})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
-    return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
+    return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                    softcap_after_bias, alibi_slopes, sinks);
   }
-  const variable_list r =
-      VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed);
+  const variable_list r = VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right,
+                                                dropout_p, seed, softcap, softcap_after_bias, alibi_slopes, sinks);
   return {r[0], r[1]};
 }
 
@@ -325,21 +365,21 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
 template <class Op, class Kernel = typename Op::Kernel>
 struct OnceDifferentiable;
 template <class Op, class... Args>
-struct OnceDifferentiable<Op, std::tuple<Tensor, Tensor, Tensor>(Args...)>
+struct OnceDifferentiable<Op, std::tuple<Tensor, Tensor, Tensor, Tensor>(Args...)>
     : public torch::autograd::Function<OnceDifferentiable<Op>> {
   static variable_list forward(AutogradContext*, Args... args) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto below = op(Op::kName).template typed<typename Op::Kernel>();
-    auto [a, b, c] = below.call(args...);
-    return {a, b, c};
+    auto [a, b, c, d] = below.call(args...);
+    return {a, b, c, d};
   }
   static variable_list backward(AutogradContext*, variable_list) {
     TORCH_CHECK(false, "sdpa's attention is once_differentiable: its backward has no derivative of its own, so a "
                        "second derivative (double backward) is not supported");
   }
-  static std::tuple<Tensor, Tensor, Tensor> apply_tuple(Args... args) {
+  static std::tuple<Tensor, Tensor, Tensor, Tensor> apply_tuple(Args... args) {
     const variable_list r = OnceDifferentiable::apply(args...);
-    return {r[0], r[1], r[2]};
+    return {r[0], r[1], r[2], r[3]};
   }
 };
 struct BackwardOp {
@@ -358,27 +398,33 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tenso
                                                     const Tensor& block_table, const Tensor& seqlens_k,
                                                     const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
                                                     std::optional<double> scale, int64_t window_left,
-                                                    int64_t window_right) {
+                                                    int64_t window_right, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto fwd = op("sdpa::attention_paged").typed<decltype(attention_paged_cpu)>();
-  return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right);
+  return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
+                  softcap, softcap_after_bias, alibi_slopes, sinks);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(sdpa, m) {
+  // The score modifiers come last, defaulted.
+#define SDPA_MODS ", float softcap=0., bool softcap_after_bias=False, Tensor? alibi_slopes=None, Tensor? sinks=None"
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
-        "int window_right, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-        "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed) "
-        "-> (Tensor, Tensor, Tensor)");
+        "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS ") "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
-        "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed) -> (Tensor, Tensor)");
+        "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
+        ") -> (Tensor, Tensor)");
   m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
-        "float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed" SDPA_MODS ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
-        "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right) -> (Tensor, Tensor)");
+        "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right" SDPA_MODS
+        ") -> (Tensor, Tensor)");
+#undef SDPA_MODS
   m.def("torch_version() -> str", [] { return std::string(SDPA_TORCH_VERSION); });
 }
 

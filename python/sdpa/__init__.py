@@ -332,8 +332,29 @@ def _prepared_seqlens(seqlens_k):
     return _prepared_indices("seqlens_k", seqlens_k, "(B,), one key length per sequence")
 
 
+_SOFTCAP_ORDERS = ("before_bias", "after_bias")
+
+
+def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype):
+    """The score modifiers as _core's keyword arguments: softcap a real number (_core checks its
+    range), the order one of _SOFTCAP_ORDERS, slopes and sinks real arrays in the compute dtype
+    `dtype` (_core checks shapes and values, naming the batch and heads)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {_describe(softcap)}")
+    if softcap_order not in _SOFTCAP_ORDERS:
+        raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {_describe(softcap_order)}")
+    mods = {"softcap": float(softcap), "softcap_order": softcap_order}
+    for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if a is not None:
+            a = _asarray(name, a)
+            _check_real(name, a)
+            mods[name] = np.ascontiguousarray(a, dtype=dtype)
+    return mods
+
+
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
-              return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto"):
+              return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
+              softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -433,6 +454,24 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
         backend: "auto" (the fastest exact kernel: today "flash"), "flash" (fused tiled SIMD
             kernel, O(N) memory), "reference" (float64, materialises the scores; the oracle
             of the tests) or "naive" (the reference's algorithm in the inputs' precision).
+        softcap, softcap_order, alibi_slopes, sinks: score modifiers, in the fused kernels
+            (forward and backward). With x = q·k · scale, query i, key j, query head h::
+
+                "before_bias" (default):  s = softcap·tanh(x / softcap) + alibi + mask
+                "after_bias":             s = softcap·tanh((x + alibi + mask) / softcap)
+                alibi = -alibi_slopes[h] · |i + (L - Nq) - j|     (L = Nk, or seqlens_k[b])
+
+            softcap: 0 (off) or a positive number (Gemma 2's logit softcapping; "before_bias"
+            is FlashAttention's, Gemma's and ONNX Attention's order). A key blocked by causal,
+            window, length, a bool mask or a -inf bias keeps weight exactly 0 in either order.
+            alibi_slopes: (Hq,) or (B, Hq) ALiBi slopes (BLOOM, MPT); the query aligned
+            bottom-right whatever ``causal`` is. sinks: (Hq,) attention-sink logits (gpt-oss,
+            StreamingLLM), one more term in each row's softmax denominator with no value::
+
+                weights[i, j] = exp(s_ij) / (exp(sinks[h]) + Σ_j' exp(s_ij'))
+
+            so a row's weights sum to less than 1, lse includes the sink, and a row with no
+            allowed key gives out = 0 and lse = sinks[h].
 
     Returns:
         out, or a tuple (out, weights), (out, lse) or (out, weights, lse); out in q's dtype,
@@ -456,13 +495,14 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = _empty("out", lead + (v.shape[-1],), q.dtype)
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
     _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
-                    backend, p, seed)
+                    backend, p, seed, **mods)
 
     extra = tuple(x for x in (weights, lse) if x is not None)
     return (out,) + extra if extra else out
@@ -480,8 +520,11 @@ def _backward_arrays(dout, out, lse, q, k, v, dtype):
 
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
-                       seqlens_k=None, dropout_p=0.0, seed=None, backend="auto"):
-    """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``.
+                       seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
+                       softcap_order="before_bias", alibi_slopes=None, sinks=None):
+    """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, and
+    ``(dq, dk, dv, dsinks)`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
+    ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``).
 
     Given ``dout = ∂loss/∂out`` for ``out = attention(q, k, v, mask, ...)``, with the softmax
     probabilities ``P = softmax(q @ kᵀ · scale + mask)`` (row by row, over the keys)::
@@ -513,8 +556,10 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
         dout, out, lse: arrays or array-likes; dout and out are converted to the dtype
             ``attention`` gives out (q's, after its dtype policy), lse to the compute dtype
             (float32 for float32, float16 and bfloat16 q; float64 for float64).
-        q, k, v, mask, causal, scale, window, seqlens_k, dropout_p, seed, backend: as in
-            ``attention`` (keys past seqlens_k[b] are not read and get dk = dv = 0)
+        q, k, v, mask, causal, scale, window, seqlens_k, dropout_p, seed, backend, softcap,
+            softcap_order, alibi_slopes, sinks: as in ``attention`` (keys past seqlens_k[b]
+            are not read and get dk = dv = 0; under a softcap dS is multiplied by its
+            derivative 1 - tanh², and ALiBi slopes get no gradient)
             (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)),
             with its dtype policy: dq is returned in q's dtype and dk, dv in k's and v's
             (float16 q, k, v give float16 gradients; float32 q over bfloat16 k and v gives a
@@ -536,10 +581,12 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
+    dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
-                             left, right, backend, p, seed)
-    return dq, dk, dv
+                             left, right, backend, p, seed, **mods, dsinks=dsinks)
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
@@ -553,7 +600,8 @@ def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
-                     return_lse=False, dropout_p=0.0, seed=None, backend="auto"):
+                     return_lse=False, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
+                     softcap_order="before_bias", alibi_slopes=None, sinks=None):
     """``attention`` on a batch of sequences of different lengths packed end to end, token-major
     (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
 
@@ -576,31 +624,36 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     Each sequence is ``attention`` of its own rows with these options: causal and window align
     to that sequence's own lengths, dropout draws for (seed, b, h, i, j) with b the sequence and
     i, j positions inside it. Nothing crosses a sequence's boundary. dtypes, scale, window,
-    dropout and backend as in ``attention``; results are bitwise reproducible.
+    dropout, backend and the score modifiers as in ``attention`` (alibi_slopes (B, Hq) give
+    sequence b row b); results are bitwise reproducible.
     """
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
     out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
     _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
-                           p, seed)
+                           p, seed, **mods)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
-                              window=None, dropout_p=0.0, seed=None, backend="auto"):
-    """Gradients of ``attention_varlen``: returns ``(dq, dk, dv)`` shaped like the packed q, k, v.
-    dout and out are (total_q, Hq, Dv), lse (Hq, total_q), as ``attention_varlen(...,
-    return_lse=True)`` returned them for these inputs and options; the rest as
-    ``attention_backward``, sequence by sequence."""
+                              window=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
+                              softcap_order="before_bias", alibi_slopes=None, sinks=None):
+    """Gradients of ``attention_varlen``: returns ``(dq, dk, dv)`` shaped like the packed q, k, v
+    (and dsinks, summed over the sequences, when ``sinks`` is given). dout and out are
+    (total_q, Hq, Dv), lse (Hq, total_q), as ``attention_varlen(..., return_lse=True)`` returned
+    them for these inputs and options; the rest as ``attention_backward``, sequence by sequence."""
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
+    dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
-                                    causal_code, left, right, backend, p, seed)
-    return dq, dk, dv
+                                    causal_code, left, right, backend, p, seed, **mods, dsinks=dsinks)
+    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
 _POOL_DTYPES = {_FLOAT32: "float32", _FLOAT64: "float64", _FLOAT16: "float16", _BFLOAT16: "bfloat16"}
@@ -632,7 +685,8 @@ def _paged_query(q, pool_dtype, nq_name="q", packed=False):
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
-                    window=None, return_lse=False, backend="auto"):
+                    window=None, return_lse=False, backend="auto", softcap=0.0, softcap_order="before_bias",
+                    alibi_slopes=None, sinks=None):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
@@ -681,11 +735,12 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     cu_q = _prepared_indices("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets into q's rows")
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
     out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
     lse = _empty("lse", lse_shape, dtype) if return_lse else None
     _core.attention_paged(*map(_core_view, (q, k_pages, v_pages, table, seqlens, cu_q, out, lse)), scale, causal_code,
-                          left, right, backend)
+                          left, right, backend, **mods)
     return (out, lse) if return_lse else out
 
 
@@ -765,17 +820,19 @@ class KVCache:
         a = self._c.v_pages()
         return a.view(_BFLOAT16) if self._dtype == _BFLOAT16 else a
 
-    def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto"):
+    def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto",
+                  softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
         """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (ids; one may
         appear more than once): row b attends to sequence seqs[b]. Options as ``attention``."""
         seqs = [int(s) for s in (seqs if isinstance(seqs, (list, tuple, np.ndarray)) else [seqs])]
         q = _paged_query(q, self._dtype)
         dtype = _compute_dtype(q.dtype)
         causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+        mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
         out = _empty("out", q.shape[:-1] + (self._c.head_dim_v,), q.dtype)
         lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
         self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,
-                          backend)
+                          backend, **mods)
         return (out, lse) if return_lse else out
 
 

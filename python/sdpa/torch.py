@@ -99,30 +99,39 @@ def _compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _dsinks(q, sinks):
+    """The backward operators' fourth result: dsinks (Hq,) in the compute dtype, (0,) without sinks."""
+    return q.new_empty((sinks.shape[0] if sinks is not None else 0,), dtype=_compute_dtype(q.dtype))
+
+
 @torch.library.register_fake("sdpa::attention")
-def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed):
+def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
+      alibi_slopes=None, sinks=None):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
 
 
 @torch.library.register_fake("sdpa::attention_backward")
-def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
+      softcap_after_bias=False, alibi_slopes=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks)
 
 
 @torch.library.register_fake("sdpa::attention_varlen")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
+      softcap_after_bias=False, alibi_slopes=None, sinks=None):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_compute_dtype(q.dtype))
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
 
 @torch.library.register_fake("sdpa::attention_varlen_backward")
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window_left, window_right, dropout_p,
-      seed):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+      seed, softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks)
 
 
 @torch.library.register_fake("sdpa::attention_paged")
-def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right):
+def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
+      softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
 
@@ -148,6 +157,27 @@ def _options(dropout_p, scale):
         scale = _scale_value(scale)
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
     return dropout_p, scale, seed
+
+
+def _mods(softcap, softcap_order, alibi_slopes, sinks):
+    """The operators' last four arguments: softcap a real number, the order one of sdpa's two,
+    slopes and sinks float tensors (float32 unless float64: the kernels take those two; a bfloat16
+    parameter's gradient flows back through the conversion). The operator checks the rest."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a real number, got {softcap!r}")
+    if softcap_order not in ("before_bias", "after_bias"):
+        raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {softcap_order!r}")
+    tensors = []
+    for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None:
+            if not isinstance(t, torch.Tensor):
+                t = torch.as_tensor(t, dtype=torch.float32)
+            if t.device.type != "cpu":
+                raise TypeError(f"{name} must be a CPU tensor")
+            if t.dtype not in (torch.float32, torch.float64):
+                t = t.float()
+        tensors.append(t)
+    return float(softcap), softcap_order == "after_bias", tensors[0], tensors[1]
 
 
 def _heads(t):
@@ -230,10 +260,17 @@ def _direct(query, key, value, attn_mask, enable_gqa):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+                                 enable_gqa=False, *, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
+                                 sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
     doc for the limits). The mask gets no gradient: a float ``attn_mask`` that requires grad
-    raises ValueError (use ``attn_mask.detach()``); ``dropout_p`` must be in [0, 1)."""
+    raises ValueError (use ``attn_mask.detach()``); ``dropout_p`` must be in [0, 1).
+
+    Beyond PyTorch's arguments, sdpa's score modifiers (``sdpa.attention`` states them):
+    ``softcap`` (Gemma's ``softcap·tanh(s / softcap)``; ``softcap_order``), ``alibi_slopes``
+    ((H,) or (B, H), the query aligned bottom-right) and ``sinks`` ((H,) logits added to each
+    row's softmax denominator; they get a gradient when they require one). H is the number of
+    query heads and B the product of the batch dims."""
     # The checks are written for speed (a decode step of a small model costs a few µs in all):
     # the common case passes them in a few attribute reads, anything else goes to the checks
     # that name the argument.
@@ -246,11 +283,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         seed = None
     else:
         dropout_p, scale, seed = _options(dropout_p, scale)
+    mods = () if softcap == 0.0 and alibi_slopes is None and sinks is None and softcap_order == "before_bias" else \
+        _mods(softcap, softcap_order, alibi_slopes, sinks)
     causal = "top_left" if is_causal else "none"
     if _direct(query, key, value, attn_mask, enable_gqa):
         if attn_mask is not None:
             _checked_mask(attn_mask, query, is_causal, query.shape[:-1] + key.shape[-2:-1])
-        return _attention(query, key, value, attn_mask, causal, scale, -1, -1, dropout_p, seed)[0]
+        return _attention(query, key, value, attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods)[0]
     if min(query.dim(), key.dim(), value.dim()) < 2:
         raise _shape_error("query, key and value must have at least 2 dims, (..., L, E)", query, key, value)
     batch, heads, kv_heads, out_shape = _layout(query, key, value, enable_gqa)
@@ -263,7 +302,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # Autograd sees the expand/reshape views around the operator, and sums the gradients of
     # broadcast dims back into the shapes of query, key and value.
     out, _ = _attention(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
-                        attn_mask, causal, scale, -1, -1, dropout_p, seed)
+                        attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods)
     return out.reshape(out_shape)
 
 
@@ -288,26 +327,29 @@ def _index_tensor(name, t, meaning, ndim=1):
 
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
-                     dropout_p=0.0):
+                     dropout_p=0.0, softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
     """``sdpa.attention_varlen`` on CPU tensors, with autograd (FlashAttention's
     ``flash_attn_varlen_func`` layout): query (total_q, Hq, Dk), key (total_k, Hkv, Dk), value
     (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k (B + 1,) integer tensors (or sequences);
     returns out (total_q, Hq, Dv) in the query's dtype. causal is False, True / "bottom_right"
     (FlashAttention's alignment, per sequence) or "top_left"; window and scale as in
     ``sdpa.attention``. With dropout_p > 0 the seed is drawn from torch's global generator
-    (``torch.manual_seed`` reproduces it) and reused by the backward."""
+    (``torch.manual_seed`` reproduces it) and reused by the backward. softcap, softcap_order,
+    alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (with a gradient) as in
+    ``scaled_dot_product_attention``."""
     _check_tensors(("query", "key", "value"), (query, key, value))
     cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
     cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,) offsets")
     dropout_p, scale, seed = _options(dropout_p, scale)
     left, right = _window_bounds(window)
     out, _ = _ops.attention_varlen(query, key, value, cu_q, cu_k, _causal_name(causal), scale, left, right, dropout_p,
-                                   seed)
+                                   seed, *_mods(softcap, softcap_order, alibi_slopes, sinks))
     return out
 
 
 def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
-                    window=None, return_lse=False):
+                    window=None, return_lse=False, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
+                    sinks=None):
     """``sdpa.attention_paged`` on CPU tensors (forward only: the result carries no gradient):
     query (B, Hq, Nq, Dk) against a paged KV cache, k_pages (num_pages, page_size, Hkv, Dk) and
     v_pages (num_pages, page_size, Hkv, Dv) (any strides with a contiguous last dim), block_table
@@ -322,5 +364,5 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
     _, scale, _ = _options(0.0, scale)
     left, right = _window_bounds(window)
     out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
-                                    right)
+                                    right, *_mods(softcap, softcap_order, alibi_slopes, sinks))
     return (out, lse) if return_lse else out
