@@ -237,7 +237,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
     for (int64_t h = 0; h < Hq; ++h) {
       double sum = 0;
       for (int64_t b = 0; b < pk.sequences(); ++b) sum += seq_dsinks[static_cast<size_t>(b * Hq + h)];
-      store_as(grads.dsinks->dtype, static_cast<char*>(grads.dsinks->data) +
+      internal::store_as(grads.dsinks->dtype, static_cast<char*>(grads.dsinks->data) +
                                         h * grads.dsinks->strides[0] * dtype_size(grads.dsinks->dtype), sum);
     }
   }
