@@ -147,6 +147,33 @@ TEST(Modifiers, SoftcapKeepsBlockedKeysBlocked) {
   }
 }
 
+// A NaN score (a NaN in q) stays NaN through the cap in either order (the vector tanh's clamp
+// must not turn it into ±cap), so its row is NaN on every backend; the other rows are finite.
+TEST(Modifiers, NanScoresStayNanUnderTheCap) {
+  std::mt19937 rng(13);
+  for (DType dt : {kF32, kF64}) {
+    Tensors t{GuardedTensor(dt, {1, 2, 40, 16}), GuardedTensor(dt, {1, 2, 50, 16}), GuardedTensor(dt, {1, 2, 50, 16}),
+              std::nullopt};
+    fill_normal(t.q, rng);
+    fill_normal(t.k, rng);
+    fill_normal(t.v, rng);
+    t.q.set(5 * 16 + 3, std::nan(""));  // head 0, row 5
+    for (Order order : {Order::kBeforeBias, Order::kAfterBias}) {
+      sdpa::Options o;
+      o.softcap = 2.0;
+      o.softcap_order = order;
+      for (Backend backend : kBackends) {
+        SCOPED_TRACE(std::string(sdpa::dtype_name(dt)) + " " + backend_name(backend));
+        o.backend = backend;
+        const Outs got = run(t, o);
+        EXPECT_TRUE(std::isnan(got.lse->at(0, 0, 0, 5)));
+        for (int64_t x = 0; x < 16; ++x) EXPECT_TRUE(std::isnan(got.out.at(0, 0, 5, x)));
+        for (int64_t i = 0; i < 40; ++i) EXPECT_TRUE(std::isfinite(got.lse->at(0, 0, 1, i)));
+      }
+    }
+  }
+}
+
 // A sink on rows whose keys are all blocked: out = 0, weights 0, lse = the sink; and where keys
 // exist, the weights sum to 1 - exp(sink - lse).
 TEST(Modifiers, SinkRowsWithoutKeysAndWeightSums) {

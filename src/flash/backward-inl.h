@@ -94,11 +94,12 @@ struct BackwardScratch {
 // 1: s is recomputed here in another order than the forward's (k · scale, not q · scale), so
 // with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far more than rounding of p
 // would, and exp of it overflowed into NaN gradients.
+// (ExpNormal: a p below the smallest normal number is 0.)
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V Probability(D d, V s, V lse) {
   using T = hn::TFromD<D>;
   return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<T>::infinity())),
-                            hn::Min(hn::Exp(d, hn::Sub(s, lse)), hn::Set(d, T(1))));
+                            hn::Min(ExpNormal(d, hn::Sub(s, lse)), hn::Set(d, T(1))));
 }
 // problem.h's grad_ds() without dropout: ds = p · (dp - D), exactly 0 where p is.
 template <class D, class V = hn::Vec<D>>

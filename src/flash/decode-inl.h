@@ -184,12 +184,12 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       V sum = hn::Zero(d);
       for (int64_t j = 0; j < n_vec; j += N) {
         const V s = hn::Load(d, row + j);
-        V pj = hn::Exp(d, hn::Sub(s, vmsafe));
+        V pj = ExpNormal(d, hn::Sub(s, vmsafe));
         if (inf_max) pj = hn::IfThenElse(hn::Eq(s, vmsafe), hn::Set(d, T(1)), pj);
         sum = hn::Add(sum, pj);
         hn::Store(pj, d, row + j);
       }
-      alpha[r] = m[r] == neg_inf ? T(0) : inf_max && m[r] == mnew ? T(1) : hn::GetLane(hn::Exp(d, hn::Set(d, m[r] - msafe)));
+      alpha[r] = m[r] == neg_inf ? T(0) : inf_max && m[r] == mnew ? T(1) : hn::GetLane(ExpNormal(d, hn::Set(d, m[r] - msafe)));
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       if (!hn::AllFalse(d, nan)) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
       m[r] = mnew;

@@ -418,7 +418,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
     msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
     const V mold = hn::Load(d, bs.m + q * N);
-    alpha[q] = hn::Exp(d, hn::Sub(mold, msafe[q]));
+    alpha[q] = ExpNormal(d, hn::Sub(mold, msafe[q]));
     if (!hn::AllFalse(d, hn::Eq(mnew[q], pos_inf))) {
       inf_max = true;
       alpha[q] = hn::IfThenElse(hn::Eq(mold, pos_inf), one, alpha[q]);
@@ -433,7 +433,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       for (size_t q = 0; q < QV; ++q) {
         T* row = st + j * mq + q * N;
         const V s = hn::Load(d, row);
-        V pj = hn::Exp(d, hn::Sub(s, msafe[q]));
+        V pj = ExpNormal(d, hn::Sub(s, msafe[q]));
         if constexpr (decltype(inf_max_const)::value) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // m = +inf
         sum[q] = hn::Add(sum[q], pj);
         hn::Store(pj, d, row);

@@ -33,6 +33,17 @@ namespace hn = hwy::HWY_NAMESPACE;
 
 enum class TileLayout { kKeyMajor, kRowMajor };
 
+// exp(x) for the softmax's terms (p = exp(s - m), the rescale exp(m_old - m_new), the
+// backward's exp(s - lse)), 0 where it would be below the smallest normal number: such a term
+// changes no sum it enters but in its last bits at most, while every operation on a subnormal
+// operand costs the CPU a microcode assist (a row whose far keys land there, ALiBi's with a
+// slope near 1, ran 15x slower, its backward 3.6x). Every kernel takes its exps from here.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V ExpNormal(D d, V x) {
+  using T = hn::TFromD<D>;
+  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, std::log(std::numeric_limits<T>::min()))), hn::Exp(d, x));
+}
+
 // Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj]: -inf where a bool
 // mask blocks, the value of a float mask (widened from its dtype when that is not T's). One
 // row of the mask read through its own (possibly zero, broadcast) key stride.
@@ -158,10 +169,32 @@ HWY_INLINE void AddMaskKeyMajor(D d, const Problem& p, int64_t b, const LaneRow*
   }
 }
 
+// tanh(x) = sign(x) · y / (y + 2) with y = expm1(2|x|), Highway's formula, but with |x| clamped
+// where tanh rounds to 1 (9 in float32, 19 in float64: y stays finite) and, in float32, the
+// division as a reciprocal estimate refined by one Newton step (relative error below 2^-23 with
+// AVX2's 12-bit estimate): the division cost more than the rest of the cap (issue 12's budget).
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V CapTanh(D d, V x) {
+  using T = hn::TFromD<D>;
+  const V sign = hn::And(hn::SignBit(d), x);
+  const V abs_x = hn::Xor(x, sign), limit = hn::Set(d, T(sizeof(T) == 4 ? 9 : 19));
+  const V a = hn::IfThenElse(hn::Gt(abs_x, limit), limit, abs_x);  // NaN stays NaN (x86's Min would not keep it)
+  const V y = hn::Expm1(d, hn::Add(a, a));
+  const V z = hn::Add(y, hn::Set(d, T(2)));
+  V t;
+  if constexpr (sizeof(T) == 4) {
+    const V r = hn::ApproximateReciprocal(z);
+    t = hn::Mul(y, hn::MulAdd(r, hn::NegMulAdd(z, r, hn::Set(d, T(1))), r));
+  } else {
+    t = hn::Div(y, z);
+  }
+  return hn::Xor(t, sign);
+}
+
 // The softcap on n contiguous scores: x = cap·tanh(x / cap) (Problem::score's tanh, with
-// Highway's vector tanh), keeping -inf (a blocked key) when keep_blocked; slope (null: not
-// wanted) gets ∂x/∂(the argument) = 1 - tanh². The tail goes through one vector of a
-// zero-padded copy, so every element takes the same arithmetic wherever it lies in a tile.
+// CapTanh), keeping -inf (a blocked key) when keep_blocked; slope (null: not wanted) gets
+// ∂x/∂(the argument) = 1 - tanh². The tail goes through one vector of a zero-padded copy, so
+// every element takes the same arithmetic wherever it lies in a tile.
 template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE void CapRun(D d, T cap, bool keep_blocked, T* HWY_RESTRICT x, int64_t n, T* HWY_RESTRICT slope) {
   using V = hn::Vec<D>;
@@ -170,7 +203,7 @@ HWY_INLINE void CapRun(D d, T cap, bool keep_blocked, T* HWY_RESTRICT x, int64_t
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
   const auto step = [&](T* at, T* slope_at) {
     const V s = hn::LoadU(d, at);
-    const V t = hn::Tanh(d, hn::Mul(s, inv));
+    const V t = CapTanh(d, hn::Mul(s, inv));
     V capped = hn::Mul(vcap, t);
     if (keep_blocked) capped = hn::IfThenElse(hn::Eq(s, neg_inf), s, capped);
     hn::StoreU(capped, d, at);
