@@ -38,10 +38,14 @@ enum class TileLayout { kKeyMajor, kRowMajor };
 // changes no sum it enters but in its last bits at most, while every operation on a subnormal
 // operand costs the CPU a microcode assist (a row whose far keys land there, ALiBi's with a
 // slope near 1, ran 15x slower, its backward 3.6x). Every kernel takes its exps from here.
+// The argument is clamped first: Exp's own scaling of a far-negative x passes through
+// subnormals too (a select, not Max, so that NaN stays NaN).
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V ExpNormal(D d, V x) {
   using T = hn::TFromD<D>;
-  return hn::IfThenZeroElse(hn::Lt(x, hn::Set(d, std::log(std::numeric_limits<T>::min()))), hn::Exp(d, x));
+  const V lowest = hn::Set(d, std::log(std::numeric_limits<T>::min()));
+  const auto below = hn::Lt(x, lowest);
+  return hn::IfThenZeroElse(below, hn::Exp(d, hn::IfThenElse(below, lowest, x)));
 }
 
 // Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj]: -inf where a bool
