@@ -132,7 +132,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* q
     int64_t stride = ks;
     if (count < kKeys) {
       rows.assign(kKeys * padded, 0);
-      for (int64_t r = 0; r < count; ++r) std::memcpy(&rows[r * padded], block + r * ks, dk * sizeof(uint16_t));
+      // (dk = 0: nothing to copy, and rows and block may hold no element: fuzz finding F16.)
+      for (int64_t r = 0; r < count && dk > 0; ++r) std::memcpy(rows.data() + r * padded, block + r * ks, dk * sizeof(uint16_t));
       block = rows.data();
       stride = padded;
     }
