@@ -194,8 +194,6 @@ struct Problem {
 
   bool has_alibi() const { return !alibi_slopes.empty(); }
   bool has_sinks() const { return !sinks.empty(); }
-  // Whether scores are more than the dot product plus the mask (the kernels' modifier steps).
-  bool modifies_scores() const { return softcap != 0 || has_alibi(); }
   // ALiBi's slope for (b, h) as T (the slopes broadcast over the batch when given per head).
   template <typename T>
   T alibi_slope(int64_t b, int64_t h) const {
