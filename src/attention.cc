@@ -69,24 +69,31 @@ void run_forward_many(const std::vector<Problem>& problems, Backend backend) {
 }
 
 void run_backward(const BackwardProblem& bp, Backend backend) {
+  const bool f64 = computes_in_f64(bp.fwd.compute);
   if (bp.writes_nothing()) {
     if (bp.dsinks) internal::sink_gradients(bp);
-    return;
+  } else {
+    switch (backend) {
+      case Backend::kAuto:
+      case Backend::kFlash:
+        internal::flash_backward(bp);
+        break;
+      case Backend::kReference:
+        internal::materialized_backward<double>(bp);
+        break;
+      case Backend::kNaive:
+        f64 ? internal::materialized_backward<double>(bp) : internal::materialized_backward<float>(bp);
+        break;
+      default:
+        throw Error("backend has an unknown value " + std::to_string(static_cast<int>(backend)));
+    }
   }
-  const bool f64 = computes_in_f64(bp.fwd.compute);
-  switch (backend) {
-    case Backend::kAuto:
-    case Backend::kFlash:
-      internal::flash_backward(bp);
-      return;
-    case Backend::kReference:
-      internal::materialized_backward<double>(bp);
-      return;
-    case Backend::kNaive:
-      f64 ? internal::materialized_backward<double>(bp) : internal::materialized_backward<float>(bp);
-      return;
+  // The mask's gradient has a pass of its own (bias_grad.cc), in the compute type (float64 for
+  // kReference), after the kernels; written even where dq, dk and dv are empty (Dk = 0: the
+  // scores are the biases alone).
+  if (bp.dbias) {
+    f64 || backend == Backend::kReference ? internal::bias_gradients<double>(bp) : internal::bias_gradients<float>(bp);
   }
-  throw Error("backend has an unknown value " + std::to_string(static_cast<int>(backend)));
 }
 
 }  // namespace internal

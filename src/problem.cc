@@ -253,7 +253,7 @@ std::vector<double> read_small_floats(const char* name, const TensorView& t, con
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t offset = (t.rank == 2 ? r * t.strides[0] : 0) + c * t.strides[t.rank - 1];
       const double x = load_as<double>(t.dtype, static_cast<const char*>(t.data) + offset * storage_bytes(t.dtype));
-      const bool held = compute != DType::kFloat32 || std::isfinite(static_cast<float>(x));
+      const bool held = compute != DType::kFloat32 || std::isfinite(round_to_float(x));
       if (!std::isfinite(x) || !held) {
         const std::string index = t.rank == 2 ? std::to_string(r) + ", " + std::to_string(c) : std::to_string(c);
         fail(std::string(name) + "[" + index + "] = " + number_string(x) + " but must be finite" +
@@ -268,7 +268,7 @@ std::vector<double> read_small_floats(const char* name, const TensorView& t, con
 void read_modifiers(const Options& opt, Problem& p) {
   const std::string hq = std::to_string(p.Hq), b = std::to_string(p.B);
   if (!(opt.softcap >= 0) || !std::isfinite(opt.softcap) ||
-      (p.compute == DType::kFloat32 && opt.softcap != 0 && !std::isnormal(static_cast<float>(opt.softcap)))) {
+      (p.compute == DType::kFloat32 && opt.softcap != 0 && !std::isnormal(round_to_float(opt.softcap)))) {
     fail("softcap=" + number_string(opt.softcap) +
          " must be 0 (off) or a positive finite number held by the compute type (a normal float32 for float32 inputs)");
   }
@@ -389,8 +389,8 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
     if (!std::isfinite(scale)) fail("scale must be finite, got " + number_string(scale));
     // The kernels multiply in the compute type: a scale it cannot hold would silently become
     // inf or 0 there (float32 for float32 inputs).
-    if (p.compute == DType::kFloat32 && (!std::isfinite(static_cast<float>(scale)) ||
-                                       (scale != 0 && static_cast<float>(scale) == 0))) {
+    if (p.compute == DType::kFloat32 && (!std::isfinite(round_to_float(scale)) ||
+                                       (scale != 0 && round_to_float(scale) == 0))) {
       fail("scale=" + number_string(scale) + " cannot be held by float32, the compute type of float32 inputs " +
            "(|scale| must be at most 3.4028235e+38 and, when not 0, at least 1.4e-45)");
     }
@@ -466,7 +466,7 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   Outputs outs;
   outs.out = out;
   outs.lse = lse;
-  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}, std::nullopt};
+  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}, std::nullopt, std::nullopt};
   // Each gradient has the shape, dtype and layout needs of its forward twin.
   const std::pair<const char*, const TensorView*> pairs[] = {
       {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
@@ -493,6 +493,22 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     check_shape("dsinks", t, hq, 1, "(Hq,), the shape of sinks");
     check_no_zero_stride("dsinks", t);
     bp.dsinks = to_view4(t);
+  }
+  if (grads.dbias) {
+    const TensorView& t = *grads.dbias;
+    if (!in.mask || in.mask->dtype == DType::kBool) {
+      fail(std::string("dbias is given but ") + (in.mask ? "the mask is bool" : "there is no mask") +
+           ": dbias is the gradient of a float mask (Inputs::mask)");
+    }
+    const TensorView& m = *in.mask;
+    check_basic("dbias", t, 0, 4);
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64 && t.dtype != m.dtype) {
+      fail(std::string("dbias has dtype ") + dtype_name(t.dtype) + " but must be float32, float64 or the mask's " +
+           dtype_name(m.dtype));
+    }
+    check_shape("dbias", t, m.shape, m.rank, "the shape of mask");
+    check_no_zero_stride("dbias", t);
+    bp.dbias = to_view4(t);
   }
   bp.dout = to_view4(dout);
   bp.dq = to_view4(grads.dq);

@@ -96,6 +96,15 @@ void write_row(const View4& v, int64_t b, int64_t h, int64_t n, const T* x, int6
   for (int64_t c = 0; c < width; ++c) v.store(b, h, n, c, x[c]);
 }
 
+// x rounded to float32 (to nearest even), ±inf past its range as IEEE arithmetic gives, without
+// the undefined behaviour of converting a double float cannot hold.
+inline float round_to_float(double x) {
+  constexpr double kOverflow = 0x1.ffffffp127;  // the midpoint past FLT_MAX: rounds to inf
+  const float big = std::abs(x) >= kOverflow ? std::numeric_limits<float>::infinity() : std::numeric_limits<float>::max();
+  if (std::abs(x) > std::numeric_limits<float>::max()) return x > 0 ? big : -big;
+  return static_cast<float>(x);  // NaN stays NaN
+}
+
 // The score rules every kernel shares (scalar; the SIMD kernels follow the same two rules):
 //   with_bias: a bias of -inf blocks the key, whatever its dot product (+inf, NaN) was, so a
 //              blocked key never reaches the row; any other bias is added.
@@ -213,17 +222,32 @@ struct Problem {
     return static_cast<T>(sinks[static_cast<size_t>(h)]);
   }
 
+  // x at the ends of the compute type's range, for a T wider than it (the float64 reference
+  // of a float32 problem): ±inf past float32's largest value and ±0 below its smallest, as in
+  // the kernels that compute in float32; the precision stays T's. Identity otherwise.
+  template <typename T>
+  T in_compute_range(T x) const {
+    if (compute != DType::kFloat32 || sizeof(T) <= sizeof(float) || std::isnan(x)) return x;
+    const float r = round_to_float(static_cast<double>(x));
+    return std::isinf(r) || r == 0 ? static_cast<T>(r) : x;
+  }
+
   // The score of (b, h, i, j) from its scaled dot product x, in T: the header's formula, the
   // softcap, ALiBi and the mask in their order (Options::softcap_order). A blocked key (bias
-  // -inf) is -inf in either order. The scalar statement of what MaskScores (score_tile-inl.h)
-  // does to a tile; the references use it. (Causal, window and length are the caller's.)
+  // -inf) is -inf in either order; so is, under kAfterBias, an argument x + alibi + bias that
+  // is -inf in the compute type (a sum past its range: the kernels cannot tell it from a
+  // blocked key). The scalar statement of what MaskScores (score_tile-inl.h) does to a tile;
+  // the references use it. (Causal, window and length are the caller's.)
   template <typename T>
   T score(T x, int64_t b, int64_t h, int64_t i, int64_t j) const {
     const T cap = static_cast<T>(softcap);
     if (softcap != 0 && !cap_after_bias) x = cap * std::tanh(x / cap);
     if (has_alibi()) x += alibi_bias<T>(b, h, i, j);
     x = with_bias(x, mask_bias<T>(b, h, i, j));
-    if (softcap != 0 && cap_after_bias && x != -std::numeric_limits<T>::infinity()) x = cap * std::tanh(x / cap);
+    if (softcap != 0 && cap_after_bias) {
+      x = in_compute_range(x);
+      if (x != -std::numeric_limits<T>::infinity()) x = cap * std::tanh(x / cap);
+    }
     return x;
   }
   // ∂score/∂x for softcap: 1 - tanh² of the capped argument (1 without a cap), from the same x.
@@ -233,7 +257,7 @@ struct Problem {
     const T cap = static_cast<T>(softcap);
     if (cap_after_bias) {
       if (has_alibi()) x += alibi_bias<T>(b, h, i, j);
-      x = with_bias(x, mask_bias<T>(b, h, i, j));
+      x = in_compute_range(with_bias(x, mask_bias<T>(b, h, i, j)));
     }
     const T t = std::tanh(x / cap);
     return T(1) - t * t;
@@ -253,6 +277,9 @@ struct BackwardProblem {
   View4 dout;        // (B, Hq, Nq, Dv)
   View4 dq, dk, dv;  // shaped like q, k, v
   std::optional<View4> dsinks;  // (Hq,) in the last slot: (1, 1, 1, Hq)
+  // The float mask's gradient, the mask's own shape padded to rank 4 (a size 1 where the mask
+  // broadcasts), unlike fwd.mask, which is broadcast to (B, Hq, Nq, Nk).
+  std::optional<View4> dbias;
   // True when dq, dk and dv all have a zero extent (see Problem::writes_nothing).
   bool writes_nothing() const {
     const Problem& p = fwd;

@@ -19,11 +19,7 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
   //    there). Only the ends of the range: the precision stays float64's. (Partial sums are
   //    not rounded: they may stay finite here where float32's overflow.)
   const KeyRange range = p.key_range(b, i);
-  const bool f32_range = p.compute == DType::kFloat32 && sizeof(Acc) > sizeof(float);
-  const auto in_range = [f32_range](Acc x) {
-    const float r = static_cast<float>(x);
-    return f32_range && (std::isinf(r) || r == 0) ? static_cast<Acc>(r) : x;
-  };
+  const auto in_range = [&p](Acc x) { return p.in_compute_range(x); };
   Acc row_max = neg_inf;
   bool nan = false;
   for (int64_t j = 0; j < p.Nk; ++j) {

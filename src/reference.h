@@ -33,12 +33,20 @@ void lse_of_biases(const Problem& p);
 template <typename Acc>
 void materialized_backward(const BackwardProblem& bp);
 
-// One query row of it: dq (Dk entries) of row (b, h, i), and its contributions added to dk
-// (Nk × Dk) and dv (Nk × Dv) of the row's kv head unless they are null; prob is Nk scratch.
-// Keys of weight 0 (and the value rows of dropped keys) add nothing. Returns the row's term of
-// dsinks[h] (0 without sinks).
+// One query row of it: dq (Dk entries) of row (b, h, i), its contributions added to dk
+// (Nk × Dk) and dv (Nk × Dv) of the row's kv head, and the row's ∂loss/∂bias (Nk entries),
+// each unless null; prob is Nk scratch. Keys of weight 0 (and the value rows of dropped keys)
+// add nothing. Returns the row's term of dsinks[h] (0 without sinks).
 template <typename Acc>
-Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv);
+Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv,
+                 Acc* dbias);
+
+// dbias (BackwardProblem::dbias, the header's formula): each element of the mask's shape sums
+// the rows (b, h, i) that read it in that order, from backward_row in Acc, summed in float64,
+// in parallel over the mask's rows (bias_grad.cc). Every backend's dbias: Acc = double is the
+// oracle, Acc = float the float32 compute type's.
+template <typename Acc>
+void bias_gradients(const BackwardProblem& bp);
 
 // dsinks from the given lse, out and dout (BackwardProblem::dsinks; the header's formula), in
 // float64: for calls whose kernels have nothing else to write.

@@ -5,6 +5,7 @@
 //   dv_j += z_ij p_ij · dout_i                 dp_ij = z_ij · dout_i · v_j  (0 where z_ij = 0)
 //   D_i   = dout_i · out_i   (out as given)    ds_ij = p_ij · (dp_ij - D_i) · c_ij
 //   dq_i  = scale · Σ_j ds_ij k_j              dk_j += scale · ds_ij q_i
+//   dbias_ij = p_ij · (dp_ij - D_i) · (c_ij under SoftcapOrder::kAfterBias, else 1)
 // with c_ij = ∂s_ij/∂x_ij, the softcap's 1 - tanh² (1 without it; Problem::score_slope). dk
 // and dv of a kv head sum over the query heads of its group. With sinks,
 //   dsink_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · D_bhi   (lse recomputed with the sink).
@@ -18,14 +19,16 @@
 namespace sdpa::internal {
 
 template <typename Acc>
-Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv) {
+Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv,
+                 Acc* dbias) {
   const Problem& p = bp.fwd;
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
   const Acc lse = softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
   Acc D = 0;
   for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
-  std::fill(dq, dq + p.Dk, Acc(0));
+  if (dq) std::fill(dq, dq + p.Dk, Acc(0));
+  if (dbias) std::fill(dbias, dbias + p.Nk, Acc(0));
   for (int64_t j = 0; j < p.Nk; ++j) {
     if (prob[j] == 0) continue;  // blocked keys get no gradient and give none
     const Acc z = p.dropout.factor<Acc>(b, h, i, j);  // 0, or 1 / (1 - dropout_p)
@@ -41,9 +44,11 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
       for (int64_t d = 0; d < p.Dk; ++d) x += p.q.load<Acc>(b, h, i, d) * scale * p.k.load<Acc>(b, kvh, j, d);
       slope = p.score_slope(x, b, h, i, j);
     }
-    const Acc ds = grad_ds(prob[j], z, dp, D) * slope * scale;  // a dropped key's v (even NaN) adds nothing
+    const Acc dscore = grad_ds(prob[j], z, dp, D);  // ∂loss/∂s; a dropped key's v (even NaN) adds nothing
+    if (dbias) dbias[j] = p.cap_after_bias ? dscore * slope : dscore;  // the bias is inside the cap, or after it
+    const Acc ds = dscore * slope * scale;
     for (int64_t d = 0; d < p.Dk; ++d) {
-      dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
+      if (dq) dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
       if (dk) dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
     }
   }
@@ -64,7 +69,7 @@ void materialized_backward(const BackwardProblem& bp) {
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         for (int64_t i = 0; i < p.Nq; ++i) {
-          dsinks[h] += backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data());
+          dsinks[h] += backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data(), static_cast<Acc*>(nullptr));
           for (int64_t d = 0; d < p.Dk; ++d) bp.dq.store(b, h, i, d, dq[d]);
         }
       }
@@ -95,9 +100,10 @@ void sink_gradients(const BackwardProblem& bp) {
   }
 }
 
-template float backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*);
+template float backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*,
+                                   float*);
 template double backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
-                                   double*);
+                                     double*, double*);
 template void materialized_backward<float>(const BackwardProblem& bp);
 template void materialized_backward<double>(const BackwardProblem& bp);
 

@@ -174,6 +174,40 @@ TEST(Modifiers, NanScoresStayNanUnderTheCap) {
   }
 }
 
+// The header's rule at float32's edge (fuzz finding F17): under kAfterBias an argument
+// x + bias that is -inf in the compute type blocks the key like a -inf bias (the float32 kernels
+// cannot tell the two apart, and kReference rounds the sum to float32's range as they do);
+// kBeforeBias caps x first, so the key keeps weight 1. q = [3e38], k = [-1], bias -1e38.
+TEST(Modifiers, AnArgumentPastTheRangeUnderTheCapAfterTheBiasBlocks) {
+  for (DType dt : {kF32, kF64}) {
+    const Tensors t{tensor(dt, {1, 1}, {3e38}), tensor(dt, {1, 1}, {-1.0}), tensor(dt, {1, 2}, {1.0, 2.0}),
+                    tensor(dt, {1, 1}, {-1e38})};
+    for (Order order : {Order::kBeforeBias, Order::kAfterBias}) {
+      sdpa::Options o;
+      o.scale = 1.0;
+      o.softcap = 50.0;
+      o.softcap_order = order;
+      // float64 holds -4e38: only float32 blocks the key, and only after the bias.
+      const bool blocked = dt == kF32 && order == Order::kAfterBias;
+      const double lse = order == Order::kAfterBias ? -50.0 : -1e38 + 50.0 * std::tanh(-3e38 / 50.0);
+      for (Backend backend : kBackends) {
+        SCOPED_TRACE(std::string(sdpa::dtype_name(dt)) + (order == Order::kAfterBias ? " after " : " before ") +
+                     backend_name(backend));
+        o.backend = backend;
+        const Values got = values(run(t, o));
+        EXPECT_EQ(got.weights, std::vector<double>{blocked ? 0.0 : 1.0});
+        EXPECT_EQ(got.out, (blocked ? std::vector<double>{0, 0} : std::vector<double>{1, 2}));
+        ASSERT_EQ(got.lse.size(), 1u);
+        if (blocked) {
+          EXPECT_EQ(got.lse[0], -kInf);
+        } else {
+          EXPECT_NEAR(got.lse[0], lse, std::abs(lse) * 1e-6);
+        }
+      }
+    }
+  }
+}
+
 // A sink on rows whose keys are all blocked: out = 0, weights 0, lse = the sink; and where keys
 // exist, the weights sum to 1 - exp(sink - lse).
 TEST(Modifiers, SinkRowsWithoutKeysAndWeightSums) {

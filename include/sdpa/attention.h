@@ -138,6 +138,9 @@ struct Options {
   // seqlens_k[b]) whatever `causal` is (FlashAttention's definition), and bias the mask's.
   // A key that causal, the window, the sequence's length, a bool mask or a bias of -inf blocks
   // stays blocked in either order: its weight is exactly 0 (never cap·tanh(-inf) = -cap).
+  // Under kAfterBias so does any key whose argument x + alibi + bias is -inf in the compute
+  // type, blocked or not (a product or a sum past float32's range in a float32 kernel): the
+  // kernels see only the value. kBeforeBias caps such an x to -cap.
   // With sinks, each row's softmax has one more term in its denominator, a logit with no value:
   //   w_ij = exp(s_ij - m) / (exp(sink_h - m) + Σ_j' exp(s_ij' - m)),   out_i = Σ_j w_ij v_j
   // so the weights of a row sum to less than 1, lse includes the sink (lse = log(exp(sink_h) +
@@ -203,6 +206,16 @@ struct Gradients {
   //   dsinks_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · (dout_bhi · out_bhi)
   // Not given: the sinks' gradient is not computed.
   std::optional<TensorView> dsinks = std::nullopt;
+  // With a float mask (Inputs::mask, a learned bias such as T5's relative positions): ∂loss/∂mask,
+  // shaped like the mask (its rank and shape; any strides without a zero), float32, float64 or
+  // the mask's dtype (not read; written). An element sums, in a fixed order, over the scores
+  // that read it (the mask's broadcast dims: size 1 or missing):
+  //   dbias[m] = Σ_{(b, h, i, j) reading m} w_bhij · (z_bhij · dout_bhi · v_bj - dout_bhi · out_bhi) · c_bhij
+  // with z the dropout factor and c = 1, or under SoftcapOrder::kAfterBias the cap's 1 - tanh² of
+  // the argument (the bias is inside the cap). A blocked score (weight 0) adds 0. Computed by
+  // its own pass over the rows, which recomputes each row's softmax (not from lse): it costs
+  // about as much as the backward again. Not given: not computed.
+  std::optional<TensorView> dbias = std::nullopt;
 };
 
 // Backward pass: given dout = ∂loss/∂out (shaped like out, out's dtype) and the out and lse that
