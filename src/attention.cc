@@ -92,7 +92,11 @@ void run_backward(const BackwardProblem& bp, Backend backend) {
   // kReference), after the kernels; written even where dq, dk and dv are empty (Dk = 0: the
   // scores are the biases alone).
   if (bp.dbias) {
-    f64 || backend == Backend::kReference ? internal::bias_gradients<double>(bp) : internal::bias_gradients<float>(bp);
+    if (backend == Backend::kAuto || backend == Backend::kFlash) {
+      f64 ? internal::fast_bias_gradients<double>(bp) : internal::fast_bias_gradients<float>(bp);
+    } else {
+      f64 || backend == Backend::kReference ? internal::bias_gradients<double>(bp) : internal::bias_gradients<float>(bp);
+    }
   }
 }
 

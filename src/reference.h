@@ -47,6 +47,10 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
 // oracle, Acc = float the float32 compute type's.
 template <typename Acc>
 void bias_gradients(const BackwardProblem& bp);
+// The same sums for kAuto / kFlash in the compute type T: p from the given lse, K and V of a kv
+// head converted once per chunk of mask rows.
+template <typename T>
+void fast_bias_gradients(const BackwardProblem& bp);
 
 // dsinks from the given lse, out and dout (BackwardProblem::dsinks; the header's formula), in
 // float64: for calls whose kernels have nothing else to write.
