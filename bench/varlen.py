@@ -14,23 +14,11 @@ pairs of sequence b) * D. Prints the CPU flags that matter.
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
 import sdpa
-from cpu import cpu_flags  # bench/cpu.py (the script's folder is on sys.path)
-
-
-def median_time(fn, reps):
-    fn()  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from cpu import cpu_flags, median_time  # bench/cpu.py (the script's folder is on sys.path)
 
 
 def main():

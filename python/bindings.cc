@@ -132,7 +132,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
                         int64_t window_right, const std::string& backend, double dropout_p,
                         std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
-                        const std::optional<Array>& dsinks) {
+                        const std::optional<Array>& dsinks, const std::optional<Array>& dbias) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -140,6 +140,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                          dout_view = to_view(dout, "dout");
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
+  if (dbias) grads.dbias = to_view(*dbias, "dbias");
   const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
@@ -225,7 +226,7 @@ NB_MODULE(_core, m) {
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
-        nb::arg("dsinks").none() = nb::none());
+        nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none());
   m.def("attention_varlen", &attention_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),

@@ -5,7 +5,7 @@
 //
 //   attention(q, k, v, mask?, causal, scale?, window_left, window_right, dropout_p, seed?)
 //       -> (out, lse)                      q (B, Hq, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv)
-//   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv)
+//   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv, dsinks, dbias)
 //   attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, ...) -> (out, lse)
 //                                           q (total_q, Hq, Dk), k, v (total_k, Hkv, D)
 //   attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, ...)
@@ -15,7 +15,10 @@
 // Every operator ends with the score modifiers, defaulted: softcap (0 = off), softcap_after_bias
 // (SoftcapOrder::kAfterBias), alibi_slopes? ((Hq,) or (B, Hq)) and sinks? ((Hq,)), float32 or
 // float64; the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
-// (0,) without sinks), and the autograd kernels give sinks that gradient.
+// (0,) without sinks), and the autograd kernels give sinks that gradient. attention_backward
+// ends with mask_grad (default false): true returns the float mask's gradient as a fifth result
+// (shaped like the mask, its dtype; (0,) otherwise), which attention's autograd kernel asks for
+// when the mask requires grad (a learned bias: T5's, Swin's).
 // The arguments mean what they mean in sdpa/attention.h (causal: "none", "bottom_right" or
 // "top_left"; a window bound < 0 is unbounded; seed: a one-element int64 tensor, present when
 // dropout_p > 0 — a tensor, so that torch.compile can trace drawing it). Each kernel checks
@@ -31,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -153,20 +157,26 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
+// With mask_grad, dbias is the float mask's gradient, shaped like the mask, in its dtype; else (0,).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
     const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    bool mask_grad) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
+  TORCH_CHECK(!mask_grad || (mask && mask->scalar_type() != at::kBool),
+              "sdpa: mask_grad needs a float mask (the gradient of its biases)");
+  Tensor dbias = mask_grad ? at::empty(mask->sizes(), mask->options()) : at::empty({0}, q.options());
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
+  if (mask_grad) grads.dbias = view(dbias, "dbias");
   const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
   run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
-  return {dq, dk, dv, dsinks};
+  return {dq, dk, dv, dsinks, dbias};
 }
 
 sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
@@ -273,6 +283,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
                             alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor())});
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
+    // A float mask that requires grad (a learned bias) gets its gradient (dbias).
+    ctx->saved_data["mask_grad"] = mask && mask->requires_grad();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -281,10 +293,11 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedOptions o = saved_options(ctx);
     static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    auto [dq, dk, dv, dsinks] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
-                                         o.window_left, o.window_right, o.dropout_p, optional(s[6]), o.softcap,
-                                         o.softcap_after_bias, optional(s[7]), optional(s[8]));
-    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(),
+    const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
+    auto [dq, dk, dv, dsinks, dbias] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
+                                                o.window_left, o.window_right, o.dropout_p, optional(s[6]), o.softcap,
+                                                o.softcap_after_bias, optional(s[7]), optional(s[8]), mask_grad);
+    return {dq,       dk,       dv,       mask_grad ? dbias : Tensor(), Tensor(), Tensor(), Tensor(),
             Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[8].defined() ? dsinks : Tensor()};
   }
 };
@@ -302,8 +315,8 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               const std::optional<Tensor>& mask, c10::string_view causal,
                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
                                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
-  const Tensor no_sinks;
-  if (!records({&q, &k, &v, sinks ? &*sinks : &no_sinks})) {
+  const Tensor none;
+  if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
@@ -347,8 +360,8 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      std::optional<double> scale, int64_t window_left,
                                                      int64_t window_right, double dropout_p,
                                                      const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
-  const Tensor no_sinks;
-  if (!records({&q, &k, &v, sinks ? &*sinks : &no_sinks})) {
+  const Tensor none;
+  if (!records({&q, &k, &v, sinks ? &*sinks : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
@@ -364,22 +377,22 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
 // Op names the operator and its kernel's type (a tag: kName, Kernel).
 template <class Op, class Kernel = typename Op::Kernel>
 struct OnceDifferentiable;
-template <class Op, class... Args>
-struct OnceDifferentiable<Op, std::tuple<Tensor, Tensor, Tensor, Tensor>(Args...)>
+template <class Op, class... Results, class... Args>
+struct OnceDifferentiable<Op, std::tuple<Results...>(Args...)>
     : public torch::autograd::Function<OnceDifferentiable<Op>> {
   static variable_list forward(AutogradContext*, Args... args) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto below = op(Op::kName).template typed<typename Op::Kernel>();
-    auto [a, b, c, d] = below.call(args...);
-    return {a, b, c, d};
+    return std::apply([](auto&&... r) { return variable_list{r...}; }, below.call(args...));
   }
   static variable_list backward(AutogradContext*, variable_list) {
     TORCH_CHECK(false, "sdpa's attention is once_differentiable: its backward has no derivative of its own, so a "
                        "second derivative (double backward) is not supported");
   }
-  static std::tuple<Tensor, Tensor, Tensor, Tensor> apply_tuple(Args... args) {
+  static std::tuple<Results...> apply_tuple(Args... args) {
     const variable_list r = OnceDifferentiable::apply(args...);
-    return {r[0], r[1], r[2], r[3]};
+    return [&]<size_t... n>(std::index_sequence<n...>) { return std::tuple<Results...>{r[n]...}; }(
+        std::index_sequence_for<Results...>());
   }
 };
 struct BackwardOp {
@@ -413,8 +426,8 @@ TORCH_LIBRARY(sdpa, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right, float dropout_p, Tensor? seed" SDPA_MODS ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
-        "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS ") "
-        "-> (Tensor, Tensor, Tensor, Tensor)");
+        "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
+        ", bool mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         ") -> (Tensor, Tensor)");

@@ -521,10 +521,14 @@ def _backward_arrays(dout, out, lse, q, k, v, dtype):
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
-                       softcap_order="before_bias", alibi_slopes=None, sinks=None):
-    """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, and
-    ``(dq, dk, dv, dsinks)`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
-    ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``).
+                       softcap_order="before_bias", alibi_slopes=None, sinks=None, return_dbias=False):
+    """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, then
+    ``dsinks`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
+    ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``), then ``dbias`` when
+    ``return_dbias`` (the gradient of a float mask, a learned bias: shaped like ``mask``, in the
+    compute dtype, each element the sum of ``dS`` (below) over the scores that read it, so
+    summed over the mask's broadcast dims; times 1 - tanh² under softcap_order="after_bias").
+    dbias costs a pass of its own, about one more backward.
 
     Given ``dout = ∂loss/∂out`` for ``out = attention(q, k, v, mask, ...)``, with the softmax
     probabilities ``P = softmax(q @ kᵀ · scale + mask)`` (row by row, over the keys)::
@@ -534,8 +538,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
         dq = scale · dS @ k                     dk = scale · dSᵀ @ q
 
     For grouped-query attention (Hq = group · Hkv) dk and dv of kv head j are these sums
-    over the query heads j·group .. (j+1)·group - 1 that read it. The mask and the causal and
-    window rules are constants: they get no gradient, and blocked keys receive none. A query
+    over the query heads j·group .. (j+1)·group - 1 that read it. The causal and window rules
+    are constants, and so is the mask unless ``return_dbias``; blocked keys receive no gradient. A query
     row with no allowed key (fully masked, Nk == 0, lse = -inf) contributes nothing: its dq
     row is zero. "auto"/"flash" recompute P from lse, tile by tile (no Nq × Nk matrix);
     "reference" and "naive" recompute each row's softmax from q and k.
@@ -584,9 +588,15 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
+    dbias = None
+    if return_dbias:
+        if mask is None or mask.dtype == np.bool_:
+            raise ValueError("return_dbias=True needs a float mask: dbias is the gradient of the mask's biases"
+                             + (" (this mask is bool)" if mask is not None else " (no mask was given)"))
+        dbias = np.empty(mask.shape, dtype)
     _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
-                             left, right, backend, p, seed, **mods, dsinks=dsinks)
-    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+                             left, right, backend, p, seed, **mods, dsinks=dsinks, dbias=dbias)
+    return (dq, dk, dv) + tuple(g for g in (dsinks, dbias) if g is not None)
 
 
 def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):

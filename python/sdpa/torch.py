@@ -22,9 +22,11 @@ PyTorch's semantics, with these limits:
 - ``attn_mask`` is applied as in PyTorch: broadcastable to the output's (..., L, S); bool
   (True = take part) or float (added to the scaled scores, -inf blocks): float32 or the
   query's dtype (other dtypes raise RuntimeError, as in PyTorch). A query row with no
-  allowed key gives zeros in the output and zero gradients, as PyTorch 2.15 does. The mask
-  gets no gradient: a float mask that requires grad raises ValueError (sdpa never
-  materialises the L x S matrix the mask gradient would be); pass ``attn_mask.detach()``.
+  allowed key gives zeros in the output and zero gradients, as PyTorch 2.15 does. A float
+  mask that requires grad (a learned bias: T5's relative positions) gets its gradient, as in
+  PyTorch: sdpa's backward computes it shaped like the mask as passed (summed over the dims
+  it broadcasts along, deterministically), in a pass of its own that costs about one more
+  backward.
   A float32 mask on bfloat16 or float16 tensors is added in float32 as it is (not rounded to
   the query's dtype first).
 - ``dropout_p`` must be a real number in [0, 1); other values raise ValueError (PyTorch also
@@ -112,8 +114,9 @@ def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, 
 
 @torch.library.register_fake("sdpa::attention_backward")
 def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
-      softcap_after_bias=False, alibi_slopes=None, sinks=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks)
+      softcap_after_bias=False, alibi_slopes=None, sinks=None, mask_grad=False):
+    dbias = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias
 
 
 @torch.library.register_fake("sdpa::attention_varlen")
@@ -243,10 +246,6 @@ def _checked_mask(attn_mask, query, is_causal, scores):
     if not fits:
         raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, which does not broadcast to the "
                            f"scores' {scores}")
-    if attn_mask.requires_grad and torch.is_grad_enabled():
-        # Silently returning no gradient would be worse than refusing.
-        raise ValueError("gradients with respect to attn_mask are not supported (sdpa never forms the L x S "
-                         "matrix they need); pass attn_mask.detach() if the mask is a constant")
 
 
 def _direct(query, key, value, attn_mask, enable_gqa):
@@ -263,8 +262,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False, *, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
                                  sinks=None):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
-    doc for the limits). The mask gets no gradient: a float ``attn_mask`` that requires grad
-    raises ValueError (use ``attn_mask.detach()``); ``dropout_p`` must be in [0, 1).
+    doc for the limits). A float ``attn_mask`` that requires grad gets its gradient;
+    ``dropout_p`` must be in [0, 1).
 
     Beyond PyTorch's arguments, sdpa's score modifiers (``sdpa.attention`` states them):
     ``softcap`` (Gemma's ``softcap·tanh(s / softcap)``; ``softcap_order``), ``alibi_slopes``

@@ -138,17 +138,6 @@ def test_inplace_change_of_output_raises_like_torch():
             out.sum().backward()
 
 
-def test_mask_gradient_is_refused():
-    q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float32)
-    mask = torch.randn(5, 7, requires_grad=True)
-    with pytest.raises(ValueError, match=r"attn_mask.*not supported.*attn_mask\.detach\(\)"):
-        scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    out = scaled_dot_product_attention(q, k, v, attn_mask=mask.detach())
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask.detach()))
-    with torch.no_grad():  # no gradient is asked for: nothing to refuse
-        scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
 @pytest.mark.parametrize("p", [1.0, -0.1])
 def test_dropout_p_outside_0_1_raises(p):
     q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float32)
