@@ -1,0 +1,183 @@
+// The float mask's gradient for kAuto / kFlash (Gradients::dbias; the simple twin is
+// ../bias_grad.cc, which states the formula and the order): per unit of up to 16 mask rows of
+// one (mask b, mask h), the readers (b, h, i) in that order; per kv head its K and V transposed
+// once into zero-padded rows of the compute type T (Dk × stride, Dv × stride), so that a reader
+// row's scaled dot products x_j and its dp_j are SIMD multiply-adds along the keys; then, along
+// the keys, the score's modifiers, p = exp(s - lse) from the given lse, dropout,
+// ds = p · (z·dp - D) (times the cap's slope under kAfterBias), added in float64. The scores'
+// modifiers are the kernels' own (MaskScores on the row: cap, edges, ALiBi, mask) and p their
+// ExpNormal. Each element is owned by one unit and summed in the same order whatever the
+// thread count.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "flash/bias_grad.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "flash/score_tile-inl.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "reference.h"
+#include "sdpa/attention.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace sdpa::internal::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// out[j] = Σ_d a[d] · rows[d·stride + j] for j in [begin, end), a whole vector at a time (rows
+// are padded past end with zeros), d in order.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void ProductsAlongKeys(D d, const T* HWY_RESTRICT a, int64_t depth, const T* HWY_RESTRICT rows,
+                                  int64_t stride, int64_t begin, int64_t end, T* HWY_RESTRICT out) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t j = begin; j < end; j += N) {
+    auto acc = hn::Zero(d);
+    for (int64_t e = 0; e < depth; ++e) acc = hn::MulAdd(hn::Set(d, a[e]), hn::LoadU(d, rows + e * stride + j), acc);
+    hn::StoreU(acc, d, out + j);
+  }
+}
+
+// Row (b, h, n) of v, width elements, as T: a copy where v holds T (rows have unit stride),
+// else one conversion per element.
+template <typename T>
+void read_row(const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, T* out) {
+  if (width == 0) return;
+  if (v.dtype == dtype_of<T>()) {
+    const T* src = v.at<T>(b, h, n);
+    std::copy(src, src + width, out);
+    return;
+  }
+  for (int64_t c = 0; c < width; ++c) out[c] = v.load<T>(b, h, n, c);
+}
+
+template <typename T>
+void FastBias(const BackwardProblem& bp) {
+  const hn::ScalableTag<T> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const Problem& p = bp.fwd;
+  const View4& g = *bp.dbias;  // the mask's shape, 1 where it broadcasts
+  // Mask rows (along Nq) per unit: K and V are transposed once for them, which costs as much
+  // as 1/kChunk of the unit's products (measured: 16 spent half the pass transposing).
+  constexpr int64_t kChunk = 64;
+  const int64_t row_chunks = (g.shape[2] + kChunk - 1) / kChunk, units = g.shape[0] * g.shape[1] * row_chunks;
+  const auto readers = [](int64_t m, int64_t extent, int64_t n) {
+    return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
+  };
+  const int64_t stride = (p.Nk + N - 1) / N * N + N;  // a vector past any key a load starts at
+  const T scale = static_cast<T>(p.scale), neg_inf = -std::numeric_limits<T>::infinity();
+  const bool cap_after = p.softcap != 0 && p.cap_after_bias, dropout = p.dropout.enabled();
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    auto kt = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(1, p.Dk * stride)));
+    auto vt = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(1, p.Dv * stride)));
+    auto x = hwy::AllocateAligned<T>(static_cast<size_t>(stride)), dp = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
+    auto slope = hwy::AllocateAligned<T>(static_cast<size_t>(stride)), z = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
+    auto dsr = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
+    std::fill(kt.get(), kt.get() + std::max<int64_t>(1, p.Dk * stride), T(0));
+    std::fill(vt.get(), vt.get() + std::max<int64_t>(1, p.Dv * stride), T(0));
+    std::vector<T> q(static_cast<size_t>(p.Dk)), dout(static_cast<size_t>(p.Dv));
+    std::vector<T> row(static_cast<size_t>(std::max(p.Dk, p.Dv)));
+    std::vector<double> sum(static_cast<size_t>(kChunk * g.shape[3]));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t mb = u / (g.shape[1] * row_chunks), mh = u / row_chunks % g.shape[1];
+      const int64_t mi0 = u % row_chunks * kChunk, mi1 = std::min(g.shape[2], mi0 + kChunk);
+      std::fill(sum.begin(), sum.end(), 0.0);
+      const auto [b0, b1] = readers(mb, g.shape[0], p.B);
+      const auto [h0, h1] = readers(mh, g.shape[1], p.Hq);
+      for (int64_t b = b0; b < b1; ++b) {
+        int64_t loaded = -1;  // the kv head held in kt, vt
+        for (int64_t h = h0; h < h1; ++h) {
+          const int64_t kvh = h / p.group;
+          if (kvh != loaded) {
+            for (int64_t j = 0; j < p.Nk; ++j) {
+              read_row(p.k, b, kvh, j, p.Dk, row.data());
+              for (int64_t e = 0; e < p.Dk; ++e) kt[e * stride + j] = row[e];
+              read_row(p.v, b, kvh, j, p.Dv, row.data());
+              for (int64_t e = 0; e < p.Dv; ++e) vt[e * stride + j] = row[e];
+            }
+            loaded = kvh;
+          }
+          for (int64_t mi = mi0; mi < mi1; ++mi) {
+            double* acc = sum.data() + (mi - mi0) * g.shape[3];
+            const auto [i0, i1] = readers(mi, g.shape[2], p.Nq);
+            for (int64_t i = i0; i < i1; ++i) {
+              const T lse = p.lse->load<T>(b, h, i, 0);
+              const KeyRange range = p.key_range(b, i);
+              if (lse == neg_inf || range.empty()) continue;  // no allowed key: no gradient
+              read_row(bp.dout, b, h, i, p.Dv, dout.data());
+              read_row(p.out, b, h, i, p.Dv, row.data());
+              T D = 0;
+              for (int64_t e = 0; e < p.Dv; ++e) D += dout[e] * row[e];
+              read_row(p.q, b, h, i, p.Dk, q.data());
+              for (int64_t e = 0; e < p.Dk; ++e) q[e] *= scale;  // as the kernels scale q
+              ProductsAlongKeys(d, q.data(), p.Dk, kt.get(), stride, range.begin, range.end, x.get());
+              ProductsAlongKeys(d, dout.data(), p.Dv, vt.get(), stride, range.begin, range.end, dp.get());
+              // The row's scores over [begin, end) in place of its dot products, and the cap's
+              // ∂s/∂x where the bias is inside the cap.
+              const int64_t n = range.end - range.begin;
+              const LaneRow lane{h, i, range.begin, range.end};
+              T* xs = x.get() + range.begin;
+              MaskScores<1, TileLayout::kRowMajor>(d, p, b, &lane, 1, range.begin, n, /*edges=*/false, xs,
+                                                   static_cast<size_t>(stride), static_cast<T*>(nullptr),
+                                                   cap_after ? slope.get() + range.begin : nullptr);
+              if (dropout) {
+                for (int64_t jj = 0; jj < n; ++jj) z[jj] = p.dropout.factor<T>(b, h, i, range.begin + jj);
+              }
+              const auto vlse = hn::Set(d, lse), vD = hn::Set(d, D);
+              for (int64_t jj = 0; jj < n; jj += N) {
+                const auto prob = ExpNormal(d, hn::Sub(hn::LoadU(d, xs + jj), vlse));
+                auto dpv = hn::LoadU(d, dp.get() + range.begin + jj);
+                if (dropout) {  // grad_ds: a dropped key's dp (even NaN) is 0
+                  const auto zv = hn::LoadU(d, z.get() + jj);
+                  dpv = hn::IfThenZeroElse(hn::Eq(zv, hn::Zero(d)), hn::Mul(zv, dpv));
+                }
+                auto ds = hn::Mul(prob, hn::Sub(dpv, vD));
+                if (cap_after) ds = hn::Mul(ds, hn::LoadU(d, slope.get() + range.begin + jj));
+                ds = hn::IfThenZeroElse(hn::Eq(prob, hn::Zero(d)), ds);  // weight 0: exactly 0 (grad_ds)
+                hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(n - jj)), ds), d, dsr.get() + jj);
+              }
+              if (g.shape[3] == 1) {
+                for (int64_t jj = 0; jj < n; ++jj) acc[0] += static_cast<double>(dsr[jj]);
+              } else {
+                for (int64_t jj = 0; jj < n; ++jj) acc[range.begin + jj] += static_cast<double>(dsr[jj]);
+              }
+            }
+          }
+        }
+      }
+      for (int64_t mi = mi0; mi < mi1; ++mi)
+        for (int64_t j = 0; j < g.shape[3]; ++j)
+          g.store(mb, mh, mi, j, sum[static_cast<size_t>((mi - mi0) * g.shape[3] + j)]);
+    }
+  }
+}
+
+void FastBiasF32(const BackwardProblem& bp) { FastBias<float>(bp); }
+void FastBiasF64(const BackwardProblem& bp) { FastBias<double>(bp); }
+
+}  // namespace sdpa::internal::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace sdpa::internal {
+
+HWY_EXPORT(FastBiasF32);
+HWY_EXPORT(FastBiasF64);
+
+template <>
+void fast_bias_gradients<float>(const BackwardProblem& bp) {
+  HWY_DYNAMIC_DISPATCH(FastBiasF32)(bp);
+}
+template <>
+void fast_bias_gradients<double>(const BackwardProblem& bp) {
+  HWY_DYNAMIC_DISPATCH(FastBiasF64)(bp);
+}
+
+}  // namespace sdpa::internal
+#endif  // HWY_ONCE
