@@ -248,6 +248,30 @@ HWY_INLINE void AddAlibiKeyMajor(D d, const Problem& p, int64_t b, const LaneRow
   }
 }
 
+// ALiBi on one row of a row-major tile: row[jj] -= slope · |i' - (j0 + jj)|, one fused
+// multiply-add per key as AddAlibiKeyMajor (the distance as T: exact below 2^24 for float32),
+// a vector of keys at a time, the tail through a zero-padded copy.
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void AddAlibiRow(D d, const Problem& p, int64_t b, const LaneRow& lane, int64_t j0, int64_t n,
+                            T* HWY_RESTRICT row) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const V neg_slope = hn::Set(d, -p.alibi_slope<T>(b, lane.h));
+  const V ip = hn::Set(d, static_cast<T>(p.aligned_row(b, lane.i)));
+  const auto step = [&](int64_t jj, T* at) {
+    const V distance = hn::Abs(hn::Sub(ip, hn::Iota(d, static_cast<T>(j0 + jj))));
+    hn::StoreU(hn::MulAdd(neg_slope, distance, hn::LoadU(d, at)), d, at);
+  };
+  int64_t jj = 0;
+  for (; jj + N <= n; jj += N) step(jj, row + jj);
+  if (jj < n) {
+    HWY_ALIGN T buf[hn::MaxLanes(d)] = {};
+    for (int64_t l = 0; l < n - jj; ++l) buf[l] = row[jj + l];
+    step(jj, buf);
+    for (int64_t l = 0; l < n - jj; ++l) row[jj + l] = buf[l];
+  }
+}
+
 // The scores of a tile from its scaled dot products: the softcap, causal/window edges (when
 // `edges`: tiles inside every row's keys need none), ALiBi and the mask, in Problem::score's
 // order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows is Mq × kTileKeys
@@ -287,14 +311,7 @@ HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lane
           if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) row[jj] = neg_inf;
         }
       }
-      if (p.has_alibi()) {
-        const T neg_slope = -p.alibi_slope<T>(b, lanes[r].h);
-        const int64_t ip = p.aligned_row(b, lanes[r].i);
-        for (int64_t jj = 0; jj < n; ++jj) {
-          const int64_t distance = ip - (j0 + jj);
-          row[jj] += neg_slope * static_cast<T>(distance < 0 ? -distance : distance);
-        }
-      }
+      if (p.has_alibi()) AddAlibiRow(d, p, b, lanes[r], j0, n, row);
       if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
     }
   }
