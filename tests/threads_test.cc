@@ -3,7 +3,8 @@
 // by lse (decode and prefill), blocks grouped over long K/V, GQA, causal, windows, bool,
 // additive and key-padding masks, weights, dropout; and of the backward's gradients (its
 // key-block and query-block passes), with and without dropout; and of attention_varlen, whose
-// sequences share one parallel region. Also the program the ThreadSanitizer build runs.
+// sequences share one parallel region; and of dbias (a float mask's gradient). Also the program
+// the ThreadSanitizer build runs.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -288,6 +289,56 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(std::get<0>(info.param).name) + (std::get<1>(info.param) ? "_f64" : "_f32") +
              (std::get<2>(info.param) > 0 ? "_dropout" : "");
     });
+
+// ---- dbias: the float mask's gradient, a pass of its own (units of mask rows) ----
+
+// A (Nq, Nk) additive mask broadcast over batch and heads (each element sums B · Hq rows) and a
+// full (B, Hq, Nq, Nk) one, with GQA and dropout: dbias's bytes for 1, 2 and 3 threads.
+TEST(BiasGradThreads, DbiasIsBitwiseIdenticalForAnyThreadCount) {
+  const int64_t B = 2, Hq = 4, Hkv = 2, Nq = 150, Nk = 90, D = 16;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(B * Hq * Nq * D), k(B * Hkv * Nk * D), v(k.size()), dout(q.size()), out(q.size());
+  for (auto* t : {&q, &k, &v, &dout})
+    for (float& x : *t) x = normal(rng);
+  for (bool full : {false, true}) {
+    const auto shaped = [&](void* data) {
+      return full ? sdpa::TensorView::contiguous(data, sdpa::DType::kFloat32, {B, Hq, Nq, Nk})
+                  : sdpa::TensorView::contiguous(data, sdpa::DType::kFloat32, {Nq, Nk});
+    };
+    std::vector<float> bias(full ? B * Hq * Nq * Nk : Nq * Nk), lse(B * Hq * Nq);
+    for (float& b : bias) b = rng() % 5 != 0 ? normal(rng) : -std::numeric_limits<float>::infinity();
+    sdpa::Inputs in;
+    in.q = sdpa::TensorView::contiguous(q.data(), sdpa::DType::kFloat32, {B, Hq, Nq, D});
+    in.k = sdpa::TensorView::contiguous(k.data(), sdpa::DType::kFloat32, {B, Hkv, Nk, D});
+    in.v = sdpa::TensorView::contiguous(v.data(), sdpa::DType::kFloat32, {B, Hkv, Nk, D});
+    in.mask = shaped(bias.data());
+    sdpa::Options opt;
+    opt.dropout_p = 0.2;
+    opt.seed = kSeed;
+    sdpa::Outputs outs;
+    outs.out = sdpa::TensorView::contiguous(out.data(), sdpa::DType::kFloat32, {B, Hq, Nq, D});
+    outs.lse = sdpa::TensorView::contiguous(lse.data(), sdpa::DType::kFloat32, {B, Hq, Nq});
+    sdpa::attention(in, outs, opt);
+    std::vector<uint8_t> first;
+    for (int threads : {1, 2, 3}) {
+      std::vector<float> dq(q.size()), dk(k.size()), dv(v.size()), dbias(bias.size());
+      sdpa::Gradients grads;
+      grads.dq = sdpa::TensorView::contiguous(dq.data(), sdpa::DType::kFloat32, {B, Hq, Nq, D});
+      grads.dk = sdpa::TensorView::contiguous(dk.data(), sdpa::DType::kFloat32, {B, Hkv, Nk, D});
+      grads.dv = sdpa::TensorView::contiguous(dv.data(), sdpa::DType::kFloat32, {B, Hkv, Nk, D});
+      grads.dbias = shaped(dbias.data());
+      sdpa::set_num_threads(threads);
+      sdpa::attention_backward(in, outs.out, *outs.lse,
+                               sdpa::TensorView::contiguous(dout.data(), sdpa::DType::kFloat32, {B, Hq, Nq, D}), grads,
+                               opt);
+      sdpa::set_num_threads(0);
+      if (first.empty()) first = bytes(dbias);
+      EXPECT_TRUE(first == bytes(dbias)) << (full ? "full" : "(Nq, Nk)") << " dbias differs with " << threads
+                                         << " threads";
+    }
+  }
+}
 
 // ---- Varlen: the sequences' units in one parallel region ----
 
