@@ -54,107 +54,149 @@ void read_row(const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, T*
   for (int64_t c = 0; c < width; ++c) out[c] = v.load<T>(b, h, n, c);
 }
 
+// Mask rows (along Nq) per unit: K and V are transposed once for them, which costs as much as
+// 1/kChunk of the unit's products (measured: 16 spent half the pass transposing).
+constexpr int64_t kChunk = 64;
+
+// The scores' index range that reads mask index m along a dim of full extent n.
+inline std::pair<int64_t, int64_t> readers(int64_t m, int64_t extent, int64_t n) {
+  return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
+}
+
+// One thread's buffers: the kv head's K and V transposed (Dk × stride, Dv × stride; stride
+// leaves a vector past any key a load starts at), a reader row's products, slopes, dropout
+// factors and ds, and the unit's float64 sums.
 template <typename T>
-void FastBias(const BackwardProblem& bp) {
+struct BiasScratch {
+  int64_t stride;
+  hwy::AlignedFreeUniquePtr<T[]> kt, vt, x, dp, slope, z, ds;
+  std::vector<T> q, dout, row;
+  std::vector<double> sum;
+  BiasScratch(const Problem& p, const View4& g, int64_t lanes)
+      : stride((p.Nk + lanes - 1) / lanes * lanes + lanes),
+        kt(zeros(std::max<int64_t>(1, p.Dk * stride))),
+        vt(zeros(std::max<int64_t>(1, p.Dv * stride))),
+        x(zeros(stride)),
+        dp(zeros(stride)),
+        slope(zeros(stride)),
+        z(zeros(stride)),
+        ds(zeros(stride)),
+        q(static_cast<size_t>(p.Dk)),
+        dout(static_cast<size_t>(p.Dv)),
+        row(static_cast<size_t>(std::max(p.Dk, p.Dv))),
+        sum(static_cast<size_t>(kChunk * g.shape[3])) {}
+  static hwy::AlignedFreeUniquePtr<T[]> zeros(int64_t n) {
+    auto a = hwy::AllocateAligned<T>(static_cast<size_t>(n));
+    std::fill(a.get(), a.get() + n, T(0));
+    return a;
+  }
+};
+
+// Reader row (b, h, i) of keys [range.begin, range.end): its ds into s.ds[0, n) (0 where the
+// weight is), from q and dout already in s.q (scaled) and s.dout, D = dout · out.
+template <typename T>
+HWY_NOINLINE void BiasRow(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, KeyRange range, T lse, T D,
+                          BiasScratch<T>& s) {
   const hn::ScalableTag<T> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const Problem& p = bp.fwd;
-  const View4& g = *bp.dbias;  // the mask's shape, 1 where it broadcasts
-  // Mask rows (along Nq) per unit: K and V are transposed once for them, which costs as much
-  // as 1/kChunk of the unit's products (measured: 16 spent half the pass transposing).
-  constexpr int64_t kChunk = 64;
-  const int64_t row_chunks = (g.shape[2] + kChunk - 1) / kChunk, units = g.shape[0] * g.shape[1] * row_chunks;
-  const auto readers = [](int64_t m, int64_t extent, int64_t n) {
-    return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
-  };
-  const int64_t stride = (p.Nk + N - 1) / N * N + N;  // a vector past any key a load starts at
-  const T scale = static_cast<T>(p.scale), neg_inf = -std::numeric_limits<T>::infinity();
   const bool cap_after = p.softcap != 0 && p.cap_after_bias, dropout = p.dropout.enabled();
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    auto kt = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(1, p.Dk * stride)));
-    auto vt = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(1, p.Dv * stride)));
-    auto x = hwy::AllocateAligned<T>(static_cast<size_t>(stride)), dp = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
-    auto slope = hwy::AllocateAligned<T>(static_cast<size_t>(stride)), z = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
-    auto dsr = hwy::AllocateAligned<T>(static_cast<size_t>(stride));
-    std::fill(kt.get(), kt.get() + std::max<int64_t>(1, p.Dk * stride), T(0));
-    std::fill(vt.get(), vt.get() + std::max<int64_t>(1, p.Dv * stride), T(0));
-    std::vector<T> q(static_cast<size_t>(p.Dk)), dout(static_cast<size_t>(p.Dv));
-    std::vector<T> row(static_cast<size_t>(std::max(p.Dk, p.Dv)));
-    std::vector<double> sum(static_cast<size_t>(kChunk * g.shape[3]));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t mb = u / (g.shape[1] * row_chunks), mh = u / row_chunks % g.shape[1];
-      const int64_t mi0 = u % row_chunks * kChunk, mi1 = std::min(g.shape[2], mi0 + kChunk);
-      std::fill(sum.begin(), sum.end(), 0.0);
-      const auto [b0, b1] = readers(mb, g.shape[0], p.B);
-      const auto [h0, h1] = readers(mh, g.shape[1], p.Hq);
-      for (int64_t b = b0; b < b1; ++b) {
-        int64_t loaded = -1;  // the kv head held in kt, vt
-        for (int64_t h = h0; h < h1; ++h) {
-          const int64_t kvh = h / p.group;
-          if (kvh != loaded) {
-            for (int64_t j = 0; j < p.Nk; ++j) {
-              read_row(p.k, b, kvh, j, p.Dk, row.data());
-              for (int64_t e = 0; e < p.Dk; ++e) kt[e * stride + j] = row[e];
-              read_row(p.v, b, kvh, j, p.Dv, row.data());
-              for (int64_t e = 0; e < p.Dv; ++e) vt[e * stride + j] = row[e];
-            }
-            loaded = kvh;
-          }
-          for (int64_t mi = mi0; mi < mi1; ++mi) {
-            double* acc = sum.data() + (mi - mi0) * g.shape[3];
-            const auto [i0, i1] = readers(mi, g.shape[2], p.Nq);
-            for (int64_t i = i0; i < i1; ++i) {
-              const T lse = p.lse->load<T>(b, h, i, 0);
-              const KeyRange range = p.key_range(b, i);
-              if (lse == neg_inf || range.empty()) continue;  // no allowed key: no gradient
-              read_row(bp.dout, b, h, i, p.Dv, dout.data());
-              read_row(p.out, b, h, i, p.Dv, row.data());
-              T D = 0;
-              for (int64_t e = 0; e < p.Dv; ++e) D += dout[e] * row[e];
-              read_row(p.q, b, h, i, p.Dk, q.data());
-              for (int64_t e = 0; e < p.Dk; ++e) q[e] *= scale;  // as the kernels scale q
-              ProductsAlongKeys(d, q.data(), p.Dk, kt.get(), stride, range.begin, range.end, x.get());
-              ProductsAlongKeys(d, dout.data(), p.Dv, vt.get(), stride, range.begin, range.end, dp.get());
-              // The row's scores over [begin, end) in place of its dot products, and the cap's
-              // ∂s/∂x where the bias is inside the cap.
-              const int64_t n = range.end - range.begin;
-              const LaneRow lane{h, i, range.begin, range.end};
-              T* xs = x.get() + range.begin;
-              MaskScores<1, TileLayout::kRowMajor>(d, p, b, &lane, 1, range.begin, n, /*edges=*/false, xs,
-                                                   static_cast<size_t>(stride), static_cast<T*>(nullptr),
-                                                   cap_after ? slope.get() + range.begin : nullptr);
-              if (dropout) {
-                for (int64_t jj = 0; jj < n; ++jj) z[jj] = p.dropout.factor<T>(b, h, i, range.begin + jj);
-              }
-              const auto vlse = hn::Set(d, lse), vD = hn::Set(d, D);
-              for (int64_t jj = 0; jj < n; jj += N) {
-                const auto prob = ExpNormal(d, hn::Sub(hn::LoadU(d, xs + jj), vlse));
-                auto dpv = hn::LoadU(d, dp.get() + range.begin + jj);
-                if (dropout) {  // grad_ds: a dropped key's dp (even NaN) is 0
-                  const auto zv = hn::LoadU(d, z.get() + jj);
-                  dpv = hn::IfThenZeroElse(hn::Eq(zv, hn::Zero(d)), hn::Mul(zv, dpv));
-                }
-                auto ds = hn::Mul(prob, hn::Sub(dpv, vD));
-                if (cap_after) ds = hn::Mul(ds, hn::LoadU(d, slope.get() + range.begin + jj));
-                ds = hn::IfThenZeroElse(hn::Eq(prob, hn::Zero(d)), ds);  // weight 0: exactly 0 (grad_ds)
-                hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(n - jj)), ds), d, dsr.get() + jj);
-              }
-              if (g.shape[3] == 1) {
-                for (int64_t jj = 0; jj < n; ++jj) acc[0] += static_cast<double>(dsr[jj]);
-              } else {
-                for (int64_t jj = 0; jj < n; ++jj) acc[range.begin + jj] += static_cast<double>(dsr[jj]);
-              }
-            }
+  ProductsAlongKeys(d, s.q.data(), p.Dk, s.kt.get(), s.stride, range.begin, range.end, s.x.get());
+  ProductsAlongKeys(d, s.dout.data(), p.Dv, s.vt.get(), s.stride, range.begin, range.end, s.dp.get());
+  // The row's scores over [begin, end) in place of its dot products, and the cap's ∂s/∂x where
+  // the bias is inside the cap.
+  const int64_t n = range.end - range.begin;
+  const LaneRow lane{h, i, range.begin, range.end};
+  T* xs = s.x.get() + range.begin;
+  MaskScores<1, TileLayout::kRowMajor>(d, p, b, &lane, 1, range.begin, n, /*edges=*/false, xs,
+                                       static_cast<size_t>(s.stride), static_cast<T*>(nullptr),
+                                       cap_after ? s.slope.get() + range.begin : nullptr);
+  if (dropout) {
+    for (int64_t jj = 0; jj < n; ++jj) s.z[jj] = p.dropout.factor<T>(b, h, i, range.begin + jj);
+  }
+  const auto vlse = hn::Set(d, lse), vD = hn::Set(d, D);
+  for (int64_t jj = 0; jj < n; jj += N) {
+    const auto prob = ExpNormal(d, hn::Sub(hn::LoadU(d, xs + jj), vlse));
+    auto dpv = hn::LoadU(d, s.dp.get() + range.begin + jj);
+    if (dropout) {  // grad_ds: a dropped key's dp (even NaN) is 0
+      const auto zv = hn::LoadU(d, s.z.get() + jj);
+      dpv = hn::IfThenZeroElse(hn::Eq(zv, hn::Zero(d)), hn::Mul(zv, dpv));
+    }
+    auto ds = hn::Mul(prob, hn::Sub(dpv, vD));
+    if (cap_after) ds = hn::Mul(ds, hn::LoadU(d, s.slope.get() + range.begin + jj));
+    ds = hn::IfThenZeroElse(hn::Eq(prob, hn::Zero(d)), ds);  // weight 0: exactly 0 (grad_ds)
+    hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(n - jj)), ds), d, s.ds.get() + jj);
+  }
+}
+
+// Unit u: up to kChunk mask rows of one (mask b, mask h), each summing its readers in (b, h, i)
+// order, then stored.
+template <typename T>
+HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, int64_t u, BiasScratch<T>& s) {
+  const Problem& p = bp.fwd;
+  const View4& g = *bp.dbias;  // the mask's shape, 1 where it broadcasts
+  const int64_t row_chunks = (g.shape[2] + kChunk - 1) / kChunk;
+  const int64_t mb = u / (g.shape[1] * row_chunks), mh = u / row_chunks % g.shape[1];
+  const int64_t mi0 = u % row_chunks * kChunk, mi1 = std::min(g.shape[2], mi0 + kChunk);
+  const T scale = static_cast<T>(p.scale), neg_inf = -std::numeric_limits<T>::infinity();
+  std::fill(s.sum.begin(), s.sum.end(), 0.0);
+  const auto [b0, b1] = readers(mb, g.shape[0], p.B);
+  const auto [h0, h1] = readers(mh, g.shape[1], p.Hq);
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t loaded = -1;  // the kv head held in kt, vt
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t kvh = h / p.group;
+      if (kvh != loaded) {
+        for (int64_t j = 0; j < p.Nk; ++j) {
+          read_row(p.k, b, kvh, j, p.Dk, s.row.data());
+          for (int64_t e = 0; e < p.Dk; ++e) s.kt[e * s.stride + j] = s.row[e];
+          read_row(p.v, b, kvh, j, p.Dv, s.row.data());
+          for (int64_t e = 0; e < p.Dv; ++e) s.vt[e * s.stride + j] = s.row[e];
+        }
+        loaded = kvh;
+      }
+      for (int64_t mi = mi0; mi < mi1; ++mi) {
+        double* acc = s.sum.data() + (mi - mi0) * g.shape[3];
+        const auto [i0, i1] = readers(mi, g.shape[2], p.Nq);
+        for (int64_t i = i0; i < i1; ++i) {
+          const T lse = p.lse->load<T>(b, h, i, 0);
+          const KeyRange range = p.key_range(b, i);
+          if (lse == neg_inf || range.empty()) continue;  // no allowed key: no gradient
+          read_row(bp.dout, b, h, i, p.Dv, s.dout.data());
+          read_row(p.out, b, h, i, p.Dv, s.row.data());
+          T D = 0;
+          for (int64_t e = 0; e < p.Dv; ++e) D += s.dout[e] * s.row[e];
+          read_row(p.q, b, h, i, p.Dk, s.q.data());
+          for (int64_t e = 0; e < p.Dk; ++e) s.q[e] *= scale;  // as the kernels scale q
+          BiasRow(bp, b, h, i, range, lse, D, s);
+          const int64_t n = range.end - range.begin;
+          if (g.shape[3] == 1) {
+            for (int64_t jj = 0; jj < n; ++jj) acc[0] += static_cast<double>(s.ds[jj]);
+          } else {
+            for (int64_t jj = 0; jj < n; ++jj) acc[range.begin + jj] += static_cast<double>(s.ds[jj]);
           }
         }
       }
-      for (int64_t mi = mi0; mi < mi1; ++mi)
-        for (int64_t j = 0; j < g.shape[3]; ++j)
-          g.store(mb, mh, mi, j, sum[static_cast<size_t>((mi - mi0) * g.shape[3] + j)]);
     }
+  }
+  for (int64_t mi = mi0; mi < mi1; ++mi)
+    for (int64_t j = 0; j < g.shape[3]; ++j) g.store(mb, mh, mi, j, s.sum[static_cast<size_t>((mi - mi0) * g.shape[3] + j)]);
+}
+
+// The parallel region holds no vector code (clang 14 with -fopenmp cannot compile Highway
+// vectors in an outlined region: "Do not know how to split the result of this operator").
+template <typename T>
+void FastBias(const BackwardProblem& bp) {
+  const Problem& p = bp.fwd;
+  const View4& g = *bp.dbias;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<T>()));
+  const int64_t units = g.shape[0] * g.shape[1] * ((g.shape[2] + kChunk - 1) / kChunk);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    BiasScratch<T> s(p, g, lanes);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) BiasUnit(bp, u, s);
   }
 }
 
