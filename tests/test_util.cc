@@ -22,7 +22,8 @@ namespace sdpa_test {
 namespace {
 
 // Guard patterns: quiet NaNs with a recognisable payload, so a guard read into arithmetic
-// poisons the result; 0xA5 for bool.
+// poisons the result; 0xA5 for bool; int32 and int64 take the float patterns of their size
+// (they took the 1-byte pattern and read 3 or 7 bytes past it: an ASan global-buffer-overflow).
 constexpr uint32_t kSentinel32 = 0x7fc5a5a5u;
 constexpr uint64_t kSentinel64 = 0x7ff8a5a5a5a5a5a5ull;
 constexpr uint8_t kSentinel8 = 0xa5;
@@ -31,13 +32,13 @@ constexpr uint16_t kSentinelF16 = 0x7ea5;
 
 const void* sentinel(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return &kSentinel32;
-    case DType::kFloat64: return &kSentinel64;
+    case DType::kFloat32:
+    case DType::kInt32: return &kSentinel32;
+    case DType::kFloat64:
+    case DType::kInt64: return &kSentinel64;
     case DType::kBFloat16: return &kSentinelBF16;
     case DType::kFloat16: return &kSentinelF16;
-    case DType::kBool:
-    case DType::kInt32:
-    case DType::kInt64: break;
+    case DType::kBool: break;
   }
   return &kSentinel8;
 }
