@@ -25,8 +25,30 @@
 // ext bit 4 (0x10): the call gets Inputs::seqlens_k; the two bytes after ext, `sk` and `sk_seed`,
 // say how (decode_seqlens: how lengths in [0, Nk] are drawn, int32 or int64, stride 1 / 2 / -1 / 0,
 // misalignment, and sometimes an invalid one). ext bit 5 (0x20): the input is an
-// attention_varlen call (+ attention_varlen_backward) instead, decoded by run_varlen. Bits 4-7
-// of every ext byte written before were 0, so those inputs decode as they did.
+// attention_varlen call (+ attention_varlen_backward) instead, decoded by run_varlen. ext bits
+// 4-7 exactly 0x40 (ext & 0xf0 == 0x40): an attention_paged call (run_paged: B sequences of
+// lengths at page edges, page_size 1 to 256, shuffled and shared pages, int32 / int64 block tables
+// with any row stride and entries past a sequence's pages out of range, pools token-major,
+// head-major or any layout, unread rows NaN, and sometimes an invalid table or pool); exactly 0x80:
+// a KVCache script (run_kvcache: new_sequence / append / attention / free on up to 3 sequences, a
+// full pool, unknown ids). Bits 6-7 of every ext byte written before were 0 or came with bit 4 or
+// 5 (seed53: 0x5f, a dense call with seqlens_k), so those inputs decode as they did.
+// ext bits 5-7 exactly 0b110 (ext 0xc0-0xdf: kExtModifiers): a dense call (with seqlens_k where
+// bit 4 is set too) whose Options carry score modifiers: two more prefix bytes `md`, `md_seed`
+// (after sk, sk_seed) pick a softcap (0.5-60, or an extreme one) in either SoftcapOrder, ALiBi slopes
+// (Hq,), (B, Hq) or (1, Hq), sinks (Hq,) (float32 / float64, any strides), Gradients::dsinks on
+// backward calls, or an invalid modifier (decode_modifiers). Every check above then follows the
+// header's modified scores: classify applies the cap (±inf -> ±cap before the bias; after it +inf
+// -> cap, and an argument that is -inf in the compute type, x + alibi + bias past float32's range
+// included, blocks the key: F17, resolved by the header), ALiBi (aligned bottom-right to L) and
+// the bias; masked_row wants lse = the head's sink where there are sinks, and finite_row's lse
+// includes the sink; score_magnitude adds |alibi| (as tests/test_util.cc); and dsinks is checked for guards,
+// unwritten, repeatable, seqlens_unread, the tolerance rule (its terms summed over B·Nq rows) and
+// poison_bwd (a poisoned q, k or v never changes it; a poisoned dout only its head's). An invalid
+// modifier (softcap < 0 / NaN / inf / not held by the compute type, an unknown order, slopes or
+// sinks of the wrong shape, rank, dtype, a non-finite value or null data, dsinks without sinks or
+// of the wrong dtype, shape or stride 0) goes through error_expected and error_untouched for
+// attention, validate and attention_backward. (run_huge, mode < 12, ignores the modifiers.)
 //
 // Checks (each has a name; a failure prints the case and aborts, unless the check is listed
 // as KNOWN below, which records it and goes on):
@@ -79,6 +101,22 @@
 //                     with dropout, sequence b against batch entry b of a dense (b + 1, ...) call
 //                     (the draws the header promises); the backward with dropout only for b = 0
 //                     (a dense call with another B may take another backward plan: other bits)
+// attention_paged (ext bit 6) and KVCache (ext bit 7): error_expected, error_untouched, guards,
+// unwritten, repeatable (threads 1 and 2, and other garbage in what is not read),
+// weights_invariant, and the edge semantics and (tame) tolerance checks above on the call made
+// dense (the sequences' keys gathered into (B, Hkv, Nk, D), Nk = max_pages · page_size, with
+// seqlens_k); and
+//   paged_dense       out, weights and lse equal bit for bit attention() on those gathered keys
+//                     with seqlens_k, capped at KernelPath::kSimd (the header's promise); during
+//                     the paged calls the pool rows no sequence reads hold garbage and the table
+//                     entries past each sequence's pages out-of-range values, and in ASan builds
+//                     both are poisoned (a read is an ASan report), the KVCache's unread rows too
+//   error_names       the Error for a bad block-table entry names it and its sequence
+//                     ("block_table[b][j] = x", "sequence b"), for a table too short for a length
+//                     "seqlens_k[b] = L", for an unknown KVCache sequence its id
+//   kvcache_model     after each step the cache's ids (new_sequence: the lowest free), lengths,
+//                     pages (taken lowest first, given back by free) and free count are a model's;
+//                     a failed append (unknown sequence, mismatched tokens, full pool) changes none
 //
 // The tolerance rule is reimplemented here from tests/test_util.cc (matches_reference) and
 // tests/backward_util.cc (expected / matches): those files need GoogleTest, which a fuzz build
@@ -90,6 +128,7 @@
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cfloat>
 #include <chrono>
@@ -103,6 +142,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <set>
@@ -112,6 +152,7 @@
 
 #include "hwy/targets.h"
 #include "sdpa/attention.h"
+#include "sdpa/kv_cache.h"
 
 // ASan's manual poisoning (no-ops without ASan): keys past seqlens_k are made unaddressable while
 // the library runs, so that reading one is an ASan report, not only a changed bit.
@@ -145,6 +186,9 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // KNOWN: F10 (open): on the bfloat16 dot-product path a NaN/inf/out-of-range value in a blocked
 // key's k (or in q or dout of a row that attends nothing) moves its whole tile of keys or block
 // of queries to the widening path, which changes other rows' bits (findings/poison_*_dot_path-1).
+// F17 (resolved in 8fe379e: the header blocks a key whose kAfterBias argument is -inf in the
+// compute type, and kReference rounds that argument to it) is checked by the edge-semantics
+// checks as any -inf score (modified_score); its former KNOWN name cap_overflow is gone.
 const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path";
 // KNOWN: input classes that would crash or hang (so a check cannot even report): generation
 // of the classes listed is off (or, for bf16_dk0, changed). The names understood are
@@ -160,8 +204,28 @@ const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path";
 //                   (offset applied to a null pointer; the product may overflow int64).
 //                   While listed, run_varlen gives empty tensors a 1-element buffer and stride 0
 //                   (findings/varlen_empty_null_offset-1)
+//   paged_misaligned_table  F13 (fixed; off by default): attention_paged with a block table
+//                   whose data is not aligned to its dtype: the kernels read it as int32_t /
+//                   int64_t (View4::page_of in src/problem.h), which UBSan reported (load of
+//                   misaligned address). While listed, run_paged's tables are aligned
+//                   (findings/paged_misaligned_table-1)
+//   paged_empty_pool  F14 (fixed; off by default): attention_paged with a pool of no pages
+//                   (num_pages = 0, an empty view: null data or any strides) and a table with
+//                   columns that no sequence reads (every length 0): a valid call by the header,
+//                   which threw "k has no data" or "k must have stride 1 in its last dim". While
+//                   listed, run_paged's pools have at least one page when the table has columns
+//                   (findings/paged_empty_pool-1)
+//   paged_empty_pool_view  F15 (fixed; off by default): attention_paged with a pool that holds
+//                   no element because its D is 0 (k_pages (num_pages, page_size, Hkv, 0): an
+//                   empty view, null data, any strides) while sequences have keys: the kernels
+//                   formed row addresses in it (View4::ptr, from ReadRows), an offset applied to a
+//                   null pointer (UBSan), as F12 in varlen. While listed, run_paged gives empty
+//                   pools a 1-element buffer and stride 0 (findings/paged_empty_pool_view-1)
+// (F16, all-bfloat16 calls with Dk = 0 or Dv = 0 on the AMX path, had the class amx_d0 until
+// its fix in 87159b8: such calls now run uncapped; findings/amx_d0_empty_rows-1 is its
+// regression input.)
 // SDPA_FUZZ_SKIP="a,b" sets the list; SDPA_FUZZ_STRICT=1 empties it.
-const char* const kSkipDefault = "";
+const char* const kSkipDefault = "";  // F11-F16 fixed
 // ---------------------------------------------------------------------------------------------
 
 std::set<std::string> g_known, g_skip;
@@ -175,10 +239,21 @@ constexpr unsigned char kExtMagic[2] = {0xb6, 0x16};  // an input starting with 
 // how lengths are drawn, bit 3 int32, bits 4-5 stride, bits 6-7 and sk_seed's top bits: an
 // invalid seqlens_k) and `sk_seed` (the lengths' and the garbage's PRNG seed).
 // ext bit 5 (kExtVarlen): the input is an attention_varlen (+ backward) call (run_varlen).
-constexpr uint8_t kExtSeqlens = 0x10, kExtVarlen = 0x20;
+// ext & kExtModeBits == kExtPaged: an attention_paged call (run_paged); == kExtKVCache: a KVCache
+// script (run_kvcache). Only with bits 4 and 5 clear: an earlier seed (seed53, ext 0x5f) set bit 6
+// beside bit 4, and stays a dense call with seqlens_k.
+constexpr uint8_t kExtSeqlens = 0x10, kExtVarlen = 0x20, kExtPaged = 0x40, kExtKVCache = 0x80, kExtModeBits = 0xf0;
 bool g_seqlens = false;
 uint8_t g_sk = 0, g_sk_seed = 0;
 bool g_varlen = false;
+// ext bits 5-7 equal to 0b110 ((ext & kExtModsMask) == kExtModifiers: 0xc0-0xdf, with bit 4 also
+// seqlens_k): a dense call whose Options carry score modifiers (softcap and its order, ALiBi slopes,
+// sinks; Gradients::dsinks on backward calls). Two more prefix bytes follow ext (after sk and
+// sk_seed when bit 4 is set): `md` (what: see decode_modifiers) and `md_seed` (the values' PRNG
+// seed, dtypes, layouts). No committed seed or finding had bits 6 and 7 set without bit 5.
+constexpr uint8_t kExtModifiers = 0xc0, kExtModsMask = 0xe0;
+bool g_mods = false;
+uint8_t g_md = 0, g_md_seed = 0;
 
 std::set<std::string> split(const char* s) {
   std::set<std::string> r;
@@ -600,6 +675,13 @@ struct IndexTensor {
       else std::memcpy(at, &vals[static_cast<size_t>(i)], 8);
     }
   }
+  // Entry i's value, in memory too (as the dtype holds it).
+  void set(int64_t i, int64_t x) {
+    vals[static_cast<size_t>(i)] = x;
+    std::byte* at = data + i * stride * (dtype == DType::kInt32 ? 4 : 8);
+    if (dtype == DType::kInt32) { const int32_t y = static_cast<int32_t>(x); std::memcpy(at, &y, 4); }
+    else std::memcpy(at, &x, 8);
+  }
   sdpa::TensorView view() const {
     sdpa::TensorView t;
     t.data = vals.empty() ? nullptr : data;
@@ -619,6 +701,22 @@ struct IndexTensor {
   }
 };
 
+// What an invalid score modifier (md bit 7, with md_seed) breaks. The kDsinks* kinds need a backward
+// call (else the call runs as a valid one).
+enum class BadMod : uint8_t {
+  kNone, kCapNegative, kCapNaN, kCapInf, kCapRange, kOrderEnum, kSlopesShape, kSlopesBatch, kSlopesRank, kSlopesDtype,
+  kSlopesValue, kSlopesNull, kSinksShape, kSinksRank, kSinksDtype, kSinksValue, kSinksNull,
+  // backward only
+  kDsinksNoSinks, kDsinksDtype, kDsinksShape, kDsinksStride0,
+  kCount
+};
+const char* const kBadModNames[] = {"none", "softcap < 0", "softcap NaN", "softcap inf", "softcap not held by the compute type",
+                                    "softcap_order enum", "alibi_slopes (Hq + 1,)", "alibi_slopes (B + 2, Hq)", "alibi_slopes rank 3",
+                                    "alibi_slopes dtype", "alibi_slopes non-finite", "alibi_slopes null data", "sinks (Hq + 1,)",
+                                    "sinks rank 2", "sinks dtype", "sinks non-finite", "sinks null data", "dsinks without sinks",
+                                    "dsinks dtype", "dsinks (Hq + 1,)", "dsinks stride 0"};
+static_assert(sizeof(kBadModNames) / sizeof(kBadModNames[0]) == static_cast<size_t>(BadMod::kCount));
+
 // What an invalid seqlens_k (sk bits 6-7 with sk_seed bits 5-7) breaks.
 enum class BadSeqlens : uint8_t { kNone, kNegative, kTooLong, kShapeB1, kRank, kDtype, kNull, kShapeSmall };
 const char* const kBadSeqlensNames[] = {"none", "negative length", "length > Nk", "shape (B + 1,)", "rank != 1",
@@ -632,6 +730,18 @@ struct Dims {
 };
 
 std::vector<int64_t> last_dims(int rank, std::vector<int64_t> full) { return {full.end() - rank, full.end()}; }
+
+// The score modifiers' tensors (kExtModifiers): Options::alibi_slopes ((Hq,), (B, Hq) or (1, Hq))
+// and Options::sinks ((Hq,)), float32 or float64, any strides (0 too); and how a backward call
+// gets Gradients::dsinks.
+struct Modifiers {
+  std::optional<Tensor> slopes, sinks;
+  bool dsinks = false;  // backward calls with sinks also write dsinks
+  DType dsinks_dtype = DType::kFloat32;
+  LayoutSpec dsinks_ls;
+  BadMod bad = BadMod::kNone;
+  uint64_t bad_seed = 0;  // picks the details of `bad`
+};
 
 struct Case {
   DType dtype = DType::kFloat32;  // q's (and out's, dout's, dq's)
@@ -655,12 +765,32 @@ struct Case {
   std::shared_ptr<IndexTensor> sl;
   std::optional<sdpa::TensorView> sl_view;
   BadSeqlens bad_sl = BadSeqlens::kNone;
+  // Score modifiers (kExtModifiers): their tensors; opt holds the softcap and the views.
+  std::shared_ptr<Modifiers> mods;
 
   // The keys batch entry b has (Nk without seqlens_k): causal and window align to it.
   int64_t keys_of(int64_t b) const { return seqlens.empty() ? d.Nk : seqlens[static_cast<size_t>(b)]; }
   DType compute() const { return compute_of(dtype); }  // weights', lse's and the arithmetic's
   bool lowp() const { return is16(dtype) || is16(kv); }
   bool all_bf16() const { return dtype == DType::kBFloat16 && kv == DType::kBFloat16; }
+  // Whether the scores are more than q·k·scale + bias, or the softmax has a sink (the header's
+  // Options::softcap, alibi_slopes, sinks).
+  bool modified() const { return opt.softcap != 0 || opt.alibi_slopes.has_value() || opt.sinks.has_value(); }
+  bool want_dsinks() const { return backward && mods && mods->dsinks && opt.sinks.has_value(); }
+  // ALiBi's slope for (b, h) as stored ((1, Hq) and (Hq,) broadcast over the batch), 0 without.
+  double slope(int64_t b, int64_t h) const {
+    if (!opt.alibi_slopes || !mods || !mods->slopes) return 0.0;
+    const Tensor& t = *mods->slopes;
+    return t.rank() == 1 ? t.flat(h) : t.flat((t.shape()[0] == 1 ? 0 : b) * d.Hq + h);
+  }
+  // -slope · |i + (L - Nq) - j| (the header: i aligned bottom-right to the sequence's L keys).
+  double alibi(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (!opt.alibi_slopes) return 0.0;
+    const int64_t dist = i + (keys_of(b) - d.Nq) - j;
+    return -slope(b, h) * static_cast<double>(dist < 0 ? -dist : dist);
+  }
+  bool has_sinks() const { return opt.sinks.has_value() && mods && mods->sinks; }
+  double sink(int64_t h) const { return has_sinks() ? mods->sinks->flat(h) : -std::numeric_limits<double>::infinity(); }
 
   sdpa::Inputs inputs() const {
     sdpa::Inputs in;
@@ -713,6 +843,14 @@ std::string describe(const Case& c) {
     s << c.sl->describe("seqlens_k");
     if (c.bad_sl != BadSeqlens::kNone) s << " (invalid: " << kBadSeqlensNames[static_cast<int>(c.bad_sl)] << ")";
     s << "\n";
+  }
+  if (c.mods) {
+    s << "modifiers: softcap=" << num(c.opt.softcap) << " order="
+      << (c.opt.softcap_order == sdpa::Options::SoftcapOrder::kBeforeBias ? "kBeforeBias" : c.opt.softcap_order == sdpa::Options::SoftcapOrder::kAfterBias ? "kAfterBias" : "invalid")
+      << (c.want_dsinks() ? ", dsinks " + dtype_long(c.mods->dsinks_dtype) : std::string()) << "\n";
+    if (c.opt.alibi_slopes && c.mods->slopes) s << c.mods->slopes->describe("alibi_slopes") << "\n";
+    if (c.opt.sinks && c.mods->sinks) s << c.mods->sinks->describe("sinks") << "\n";
+    if (c.mods->bad != BadMod::kNone) s << "invalid modifier: " << kBadModNames[static_cast<int>(c.mods->bad)] << "\n";
   }
   return s.str();
 }
@@ -842,7 +980,8 @@ double score_magnitude(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j
   if (!key_allowed(c, b, i, j) || !std::isfinite(bias)) return 0.0;
   double t = 0;
   for (int64_t x = 0; x < c.d.Dk; ++x) t += std::abs(c.q.at4(b, h, i, x) * c.k.at4(b, h / c.d.group(), j, x));
-  return std::abs(c.scale()) * t + std::abs(bias);
+  // ALiBi's bias is a term of the score too (test_util.cc; 0 without slopes).
+  return std::abs(c.scale()) * t + std::abs(bias) + std::abs(c.alibi(b, h, i, j));
 }
 double max_score_magnitude(const Case& c) {
   double m = 0;
@@ -863,6 +1002,69 @@ struct Score {
   long double s = 0;    // for kFinite
   long double err = 0;  // bound on |computed - s|
 };
+
+// The score modifiers (the header's Options::softcap, softcap_order, alibi_slopes) applied to the
+// class of x = Σ_d (q_d·scale)·k_d (`raw`; x and xerr for kFinite) of an allowed key with a finite
+// bias:
+//   kBeforeBias  s = cap·tanh(x / cap) + alibi + bias: x = ±inf gives ±cap, NaN stays NaN
+//   kAfterBias   s = cap·tanh((x + alibi + bias) / cap): +inf gives cap, NaN stays NaN, and an
+//                argument that is -inf in the compute type (x = -inf, or a sum past its range:
+//                ±inf from |x + alibi + bias| >= 0x1.ffffffp127 for float32 compute) blocks the
+//                key like a -inf bias: score -inf, weight 0 (the header's Options::softcap;
+//                kReference rounds the argument to the compute type's range, Problem::
+//                in_compute_range, as the float32 kernels' sum does: F17, resolved so)
+// The errors: tanh is 1-Lipschitz, so an argument's error passes through; the division by cap
+// (its reciprocal may be subnormal for caps near FLT_MAX: a few ulps), Highway's Tanh (a few ulps
+// of a value <= 1) and the multiplication by cap add eps·(8|x| + 16·cap); ALiBi's slope (rounded
+// to the compute type) times an exact distance, 2·eps·|alibi|; each addition eps·(|a| + |b|).
+// An argument of the cap after the bias near the overflow threshold: kAmbig.
+Score modified_score(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j, Cls raw, long double x, long double xerr,
+                     double bias, long double TMAX, long double eps) {
+  Score r;
+  r.cls = Cls::kAmbig;
+  if (raw == Cls::kAmbig) return r;
+  if (raw == Cls::kNaN) { r.cls = Cls::kNaN; return r; }
+  // The kernels hold cap in the compute type; kReference computes in float64.
+  const bool f32_arith = c.compute() == DType::kFloat32 && c.opt.backend != Backend::kReference;
+  const long double cap = f32_arith ? static_cast<long double>(static_cast<float>(c.opt.softcap)) : c.opt.softcap;
+  const bool after = c.opt.softcap_order == sdpa::Options::SoftcapOrder::kAfterBias;
+  const long double a = c.alibi(b, h, i, j), aerr = 2 * eps * std::fabs(a);
+  const auto capped = [&](long double v, long double verr, long double& out_err) {
+    out_err = verr + eps * (8 * std::fabs(v) + 16 * cap);
+    return cap * std::tanh(v / cap);
+  };
+  long double v = x, verr = xerr;
+  int inf = raw == Cls::kPosInf ? 1 : raw == Cls::kNegInf ? -1 : 0;  // the class of v while infinite
+  if (cap > 0 && !after) {
+    if (inf != 0) { v = inf * cap; verr = 16 * eps * cap; inf = 0; }
+    else v = capped(v, verr, verr);
+  }
+  // + alibi + bias (finite): an infinite v stays so.
+  if (inf == 0) {
+    const long double va = v + a, t = va + bias;
+    const long double terr = verr + aerr + eps * (std::fabs(v) + std::fabs(a)) + eps * (std::fabs(va) + std::fabs(bias));
+    const long double big = std::max(std::fabs(va), std::fabs(t));
+    if (std::fabs(t) - terr > 1.001L * TMAX) {
+      inf = t > 0 ? 1 : -1;
+    } else if (big + terr >= 0.999L * TMAX) {
+      return r;  // which side of the threshold is rounding
+    } else {
+      v = t;
+      verr = terr;
+    }
+  }
+  if (cap > 0 && after) {
+    // -inf stays -inf (blocked: weight 0); +inf becomes cap.
+    if (inf > 0) { v = cap; verr = 16 * eps * cap; inf = 0; }
+    else if (inf == 0) v = capped(v, verr, verr);
+  }
+  if (inf != 0) { r.cls = inf > 0 ? Cls::kPosInf : Cls::kNegInf; return r; }
+  if (std::fabs(v) + verr >= 0.999L * TMAX) return r;
+  r.cls = Cls::kFinite;
+  r.s = v;
+  r.err = verr;
+  return r;
+}
 
 // The class of score s = Σ_d (q_d·scale)·k_d + bias in the compute type (max = FLT_MAX or DBL_MAX),
 // robust to the order of the sum and to FMA: kAmbig when rounding could decide it.
@@ -908,11 +1110,13 @@ Score classify(const Case& c, int64_t b, int64_t h, int64_t i, int64_t j) {
     // A product near the overflow threshold of the other sign may or may not become inf - inf.
     if ((pinf && ambig_neg) || (ninf && ambig_pos)) { r.cls = Cls::kAmbig; return r; }
     r.cls = pinf ? Cls::kPosInf : Cls::kNegInf;
+    if (c.modified()) return modified_score(c, b, h, i, j, r.cls, 0, 0, bias, TMAX, eps);
     return r;
   }
   if (ambig) { r.cls = Cls::kAmbig; return r; }
   if (sabs + derr >= 0.999L * TMAX) { r.cls = Cls::kAmbig; return r; }
   const long double x = sum, xerr = derr;
+  if (c.modified()) return modified_score(c, b, h, i, j, Cls::kFinite, x, xerr, bias, TMAX, eps);
   const long double s = x + bias, serr = xerr + eps * (std::fabs(x) + std::fabs(bias));
   if (std::fabs(s) - serr > 1.001L * TMAX) { r.cls = s > 0 ? Cls::kPosInf : Cls::kNegInf; return r; }
   if (std::fabs(s) + serr >= 0.999L * TMAX) { r.cls = Cls::kAmbig; return r; }
@@ -1097,7 +1301,9 @@ void check_edge_semantics(const Case& c, const Outs& o) {
           continue;
         }
         if (n_fin == 0) {  // nothing allowed, or every allowed score -inf
-          if (o.lse) check(lse == -kInf, "masked_row", [&] { return where("lse", -1) + " = " + num(lse) + " but the row has no allowed key with a score above -inf"; });
+          // With sinks: lse = the head's sink (the header), stored in the compute type.
+          const double no_key_lse = !c.has_sinks() ? -kInf : c.compute() == DType::kFloat32 ? static_cast<double>(static_cast<float>(c.sink(h))) : c.sink(h);
+          if (o.lse) check(same_bits(lse, no_key_lse), "masked_row", [&] { return where("lse", -1) + " = " + num(lse) + " but the row has no allowed key with a score above -inf" + (c.has_sinks() ? " (want the sink " + num(no_key_lse) + ")" : std::string()); });
           if (o.weights)
             for (int64_t j = 0; j < d.Nk; ++j)
               check(W(j) == 0, "masked_row", [&] { return where("weights", j) + " = " + num(W(j)) + " but the row is fully masked"; });
@@ -1116,7 +1322,9 @@ void check_edge_semantics(const Case& c, const Outs& o) {
             m = std::max(m, sc[j].s);
             merr = std::max(merr, sc[j].err);
           }
-        long double l = 0;
+        // A sink is one more term of the softmax's sum (exact: the sink is finite, as stored).
+        if (c.has_sinks()) m = std::max<long double>(m, c.sink(h));
+        long double l = c.has_sinks() ? std::exp(static_cast<long double>(c.sink(h)) - m) : 0;
         for (int64_t j = 0; j < d.Nk; ++j)
           if (sc[j].cls == Cls::kFinite) l += std::exp(sc[j].s - m);
         const long double lse_exact = m + std::log(l);
@@ -1178,6 +1386,7 @@ Case converted(const Case& c, DType dt) {
   r.q = c.q.converted(dt); r.k = c.k.converted(dt); r.v = c.v.converted(dt);
   if (c.mask) r.mask.emplace(c.mask->converted(c.mask->dtype() == DType::kBool ? DType::kBool : dt));
   r.seqlens = c.seqlens; r.sl = c.sl; r.sl_view = c.sl_view; r.bad_sl = c.bad_sl;
+  r.mods = c.mods; r.backward = c.backward;  // the modifiers' tensors are shared (opt holds their views)
   return r;
 }
 
@@ -1271,16 +1480,26 @@ void check_tolerance(const Case& c, const Outs& got) {
 
 struct Grads {
   Tensor dq, dk, dv;
-  sdpa::Gradients gradients() const { return {dq.view(), dk.view(), dv.view()}; }
+  std::optional<Tensor> dsinks;  // Gradients::dsinks (Case::want_dsinks)
+  sdpa::Gradients gradients() const {
+    sdpa::Gradients g{dq.view(), dk.view(), dv.view()};
+    if (dsinks) g.dsinks = dsinks->view();
+    return g;
+  }
 };
-Grads make_grads(const Case& c, const LayoutSpec& ls) {
+// `ds_ls`: dsinks' layout (the case's own for the call under test, plain for the others).
+Grads make_grads(const Case& c, const LayoutSpec& ls, bool ds_fancy = false) {
   // dq has q's dtype, dk and dv k's and v's (the header's Gradients).
-  return {Tensor(c.dtype, c.q.shape(), Role::kUnitLast, false, ls), Tensor(c.kv, c.k.shape(), Role::kUnitLast, false, ls),
-          Tensor(c.kv, c.v.shape(), Role::kUnitLast, false, ls)};
+  Grads g{Tensor(c.dtype, c.q.shape(), Role::kUnitLast, false, ls), Tensor(c.kv, c.k.shape(), Role::kUnitLast, false, ls),
+          Tensor(c.kv, c.v.shape(), Role::kUnitLast, false, ls), std::nullopt};
+  if (c.want_dsinks())
+    g.dsinks.emplace(c.mods->dsinks_dtype, std::vector<int64_t>{c.d.Hq}, Role::kAny, false, ds_fancy ? c.mods->dsinks_ls : LayoutSpec::plain());
+  return g;
 }
-struct GradVals { std::vector<double> g[3]; };
-GradVals gvals(const Grads& g) { return {{g.dq.values(), g.dk.values(), g.dv.values()}}; }
-const char* const kGradNames[3] = {"dq", "dk", "dv"};
+// g[3]: dsinks (empty without).
+struct GradVals { std::vector<double> g[4]; };
+GradVals gvals(const Grads& g) { return {{g.dq.values(), g.dk.values(), g.dv.values(), g.dsinks ? g.dsinks->values() : std::vector<double>{}}}; }
+const char* const kGradNames[4] = {"dq", "dk", "dv", "dsinks"};
 
 void run_backward(const Case&, const sdpa::Inputs& in, const Tensor& out, const Tensor& lse, const Tensor& dout,
                   const Grads& g, const sdpa::Options& opt) {
@@ -1290,7 +1509,7 @@ void run_backward(const Case&, const sdpa::Inputs& in, const Tensor& out, const 
 
 bool grads_bitwise(const Grads& a, const Grads& b, std::string& why) {
   const GradVals va = gvals(a), vb = gvals(b);
-  for (int n = 0; n < 3; ++n)
+  for (int n = 0; n < 4; ++n)
     for (size_t x = 0; x < va.g[n].size(); ++x)
       if (!same_bits(va.g[n][x], vb.g[n][x])) {
         why = std::string(kGradNames[n]) + "[" + std::to_string(x) + "]: " + num(va.g[n][x]) + " vs " + num(vb.g[n][x]);
@@ -1302,7 +1521,7 @@ bool grads_bitwise(const Grads& a, const Grads& b, std::string& why) {
 // tests/backward_util.cc: expected() and matches(), reimplemented.
 void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, const Tensor& dout, const Grads& got) {
   const Dims& d = c.d;
-  auto measure = [&](const Case& cc, const Tensor& o, const Tensor& l, const Tensor& dO, double scale, GradVals& ref, double (&err)[3]) {
+  auto measure = [&](const Case& cc, const Tensor& o, const Tensor& l, const Tensor& dO, double scale, GradVals& ref, double (&err)[4]) {
     sdpa::Options opt = cc.opt;
     opt.backend = Backend::kReference;
     Grads gr = make_grads(cc, LayoutSpec::plain());
@@ -1312,7 +1531,7 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
     run_backward(cc, cc.inputs(), o, l, dO, gn, opt);
     ref = gvals(gr);
     const GradVals naive = gvals(gn);
-    for (int n = 0; n < 3; ++n) {
+    for (int n = 0; n < 4; ++n) {  // n = 3: dsinks (none without)
       double e = 0;
       for (size_t x = 0; x < ref.g[n].size(); ++x) {
         if (!std::isfinite(ref.g[n][x]) || !std::isfinite(naive.g[n][x])) return false;  // no_nan fails: no tolerance
@@ -1322,7 +1541,7 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
     }
     return true;
   };
-  double err[3] = {0, 0, 0};
+  double err[4] = {0, 0, 0, 0};
   GradVals ref;
   if (!measure(c, out, lse, dout, 1.0, ref, err)) return;
   double factor = 2;
@@ -1341,6 +1560,8 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
   const double scale = std::abs(c.scale());
   double row_max = 0;
   std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), col_v(col.size(), 0.0);
+  // dsinks_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · (dout_bhi · out_bhi): the sizes of its terms.
+  std::vector<double> ds_terms(static_cast<size_t>(d.Hq), 0.0);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h)
       for (int64_t i = 0; i < d.Nq; ++i) {
@@ -1353,6 +1574,8 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
           dout_max = std::max(dout_max, std::abs(dout.at4(b, h, i, e)));
         }
         for (int64_t x = 0; x < d.Dk; ++x) qmax = std::max(qmax, std::abs(c.q.at4(b, h, i, x)));
+        if (c.has_sinks() && std::isfinite(lsev[static_cast<size_t>(row)]))
+          ds_terms[static_cast<size_t>(h)] += std::exp(c.sink(h) - lsev[static_cast<size_t>(row)]) * D_size;
         double sum = 0;
         for (int64_t j = 0; j < d.Nk; ++j) {
           const double pij = rf.weights[static_cast<size_t>(row * d.Nk + j)];
@@ -1381,11 +1604,16 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
   // is zero up to rounding over 2048 keys, off by 11·eps·M in both backends.
   const double n_dq = std::sqrt(static_cast<double>(std::max<int64_t>(1, d.Nk)));
   const double n_dkv = std::sqrt(static_cast<double>(std::max<int64_t>(1, d.group() * d.Nq)));
-  const double M[3] = {n_dq * scale * row_max, n_dkv * scale * max_abs_finite(col), n_dkv * max_abs_finite(col_v)};
-  const double e = eps_of(c.compute());
+  // dsinks: a sum over the B·Nq rows of its head, in a fixed order.
+  const double n_ds = std::sqrt(static_cast<double>(std::max<int64_t>(1, d.B * d.Nq)));
+  const double M[4] = {n_dq * scale * row_max, n_dkv * scale * max_abs_finite(col), n_dkv * max_abs_finite(col_v),
+                       n_ds * max_abs_finite(ds_terms)};
   const GradVals g = gvals(got);
-  const DType grad_dtype[3] = {c.dtype, c.kv, c.kv};
-  for (int n = 0; n < 3; ++n) {
+  const DType grad_dtype[4] = {c.dtype, c.kv, c.kv, got.dsinks ? got.dsinks->dtype() : c.compute()};
+  for (int n = 0; n < 4; ++n) {
+    if (n == 3 && !got.dsinks) break;
+    // dsinks is stored in its own dtype (float32 under float64 q too): its epsilon where larger.
+    const double e = n == 3 ? std::max(eps_of(c.compute()), eps_of(grad_dtype[3])) : eps_of(c.compute());
     const double ref_max = max_abs_finite(ref.g[n]);
     // 16-bit gradients: one more unit in their last place, as for out (backward_util.cc).
     const double ulp = is16(grad_dtype[n]) ? eps_of(grad_dtype[n]) * ref_max : 0.0;
@@ -1488,6 +1716,93 @@ void decode_seqlens(Case& c) {
   if (bad == BadSeqlens::kNull) v.data = nullptr;
   c.sl_view = v;
   if (bad == BadSeqlens::kNone) c.seqlens = L;
+}
+
+// A small layout for a rank 1-2 modifier tensor (slopes, sinks, dsinks): unit stride, stride 2 or
+// 3, negative strides, stride 0 (inputs only: every element the same), column-major, an offset.
+LayoutSpec modifier_layout(std::mt19937_64& rng, bool input) {
+  LayoutSpec ls;
+  const int kind = static_cast<int>(rng() % 6);
+  if (kind == 3) ls.last = 2;
+  if (kind == 4) ls.neg = 3;
+  if (kind == 5) { if (input) ls.zero = static_cast<uint8_t>(1 + rng() % 3); else ls.last = 3; }
+  ls.perm = static_cast<uint8_t>(rng() % 2);
+  ls.pad = static_cast<uint8_t>(rng() % 4 == 0 ? 1 : 0);
+  ls.misalign = static_cast<uint8_t>(rng() % 3);
+  ls.null_empty = rng() % 2;
+  ls.empty_stride_seed = rng() % 4 == 0 ? 1 + rng() % 255 : 0;
+  return ls;
+}
+
+// The score modifiers from the prefix bytes md and md_seed (kExtModifiers):
+//   md bits 0-1  softcap: 0 none; 1 one of 0.5, 1, 2, 5, 10, 20, 30, 50, 60; 2 uniform in
+//                [0.5, 60]; 3 an extreme one (1e-3, 0.01, 0.1, 1e3, 1e4, 1e30, 3e38, FLT_MIN)
+//   md bit 2     SoftcapOrder::kAfterBias (else kBeforeBias; set without a softcap too)
+//   md bits 3-4  alibi_slopes: 0 none, 1 (Hq,), 2 (B, Hq) ((1, Hq) below rank 4), 3 (1, Hq)
+//   md bit 5     sinks (Hq,)
+//   md bit 6     backward calls with sinks write Gradients::dsinks
+//   md bit 7     an invalid modifier (BadMod, picked by md_seed)
+// md_seed seeds the PRNG for the rest: float32 / float64 tensors, their layouts (modifier_layout),
+// and the values (slopes: ALiBi's geometric 2^(-8(h+1)/Hq), normal 0.1, 1 or 30, or zeros with one
+// of 0.5, -0.5, 1e-30, 10, 1e3; sinks: normal 1 or 10, zeros, or per head one of 0, ±1e30, ±88,
+// ±1e3, ±700, 1e-30), all finite in float32.
+void decode_modifiers(Case& c) {
+  auto m = std::make_shared<Modifiers>();
+  std::mt19937_64 rng(0x30d1f1e5ull * (g_md_seed + 1u) + g_md);
+  sdpa::Options& o = c.opt;
+  const int cap_kind = g_md & 3;
+  if (cap_kind == 1) {
+    static const double kCaps[] = {0.5, 1, 2, 5, 10, 20, 30, 50, 60};
+    o.softcap = kCaps[rng() % 9];
+  } else if (cap_kind == 2) {
+    o.softcap = 0.5 + 59.5 * std::uniform_real_distribution<double>(0, 1)(rng);
+  } else if (cap_kind == 3) {
+    static const double kExtreme[] = {1e-3, 0.01, 0.1, 1e3, 1e4, 1e30, 3e38, FLT_MIN};
+    o.softcap = kExtreme[rng() % 8];
+  }
+  o.softcap_order = g_md & 4 ? sdpa::Options::SoftcapOrder::kAfterBias : sdpa::Options::SoftcapOrder::kBeforeBias;
+  const int64_t Hq = c.d.Hq, B = c.rank == 4 ? c.d.B : 1;
+  const int alibi_kind = (g_md >> 3) & 3;
+  if (alibi_kind != 0) {
+    const std::vector<int64_t> shape = alibi_kind == 1 ? std::vector<int64_t>{Hq} : alibi_kind == 2 ? std::vector<int64_t>{B, Hq} : std::vector<int64_t>{1, Hq};
+    const DType dt = rng() % 2 ? DType::kFloat64 : DType::kFloat32;
+    m->slopes.emplace(dt, shape, Role::kAny, true, modifier_layout(rng, true));
+    Tensor& t = *m->slopes;
+    const int kind = static_cast<int>(rng() % 5);
+    static const double kSigma[] = {0, 0.1, 1, 0, 30};
+    std::normal_distribution<double> nd(0.0, 1.0);
+    for (int64_t n = 0; n < t.numel(); ++n) {
+      const int64_t h = Hq > 0 ? n % Hq : 0;
+      double x = kind == 0 ? std::exp2(-8.0 * static_cast<double>(h + 1) / static_cast<double>(std::max<int64_t>(1, Hq)))
+                 : kind == 3 ? 0.0 : std::clamp(kSigma[kind] * nd(rng), -1e3, 1e3);
+      t.set_flat(n, x);
+    }
+    if (kind == 3 && t.numel() > 0) {
+      static const double kOne[] = {0.5, -0.5, 1e-30, 10, 1e3};
+      t.set_flat(static_cast<int64_t>(rng() % static_cast<uint64_t>(t.numel())), kOne[rng() % 5]);
+    }
+    o.alibi_slopes = t.view();
+  }
+  if (g_md & 32) {
+    const DType dt = rng() % 2 ? DType::kFloat64 : DType::kFloat32;
+    m->sinks.emplace(dt, std::vector<int64_t>{Hq}, Role::kAny, true, modifier_layout(rng, true));
+    Tensor& t = *m->sinks;
+    const int kind = static_cast<int>(rng() % 4);
+    std::normal_distribution<double> nd(0.0, kind == 1 ? 10.0 : 1.0);
+    static const double kSpecial[] = {0, 1e30, -1e30, 88, -88, 1e3, -1e3, 700, -700, 1e-30};
+    for (int64_t n = 0; n < t.numel(); ++n)
+      t.set_flat(n, kind == 2 ? 0.0 : kind == 3 ? kSpecial[rng() % 10] : nd(rng));
+    o.sinks = t.view();
+  }
+  m->dsinks = g_md & 64;
+  m->dsinks_dtype = rng() % 2 ? DType::kFloat64 : DType::kFloat32;
+  m->dsinks_ls = modifier_layout(rng, false);
+  m->bad_seed = rng();
+  if (g_md & 128) {
+    m->bad = static_cast<BadMod>(1 + m->bad_seed % (static_cast<uint64_t>(BadMod::kCount) - 1));
+    if (m->bad >= BadMod::kDsinksNoSinks && !c.backward) m->bad = BadMod::kNone;  // backward-only kinds
+  }
+  c.mods = m;
 }
 
 // A call's first byte: dtypes, backward, threads, tame; the caps from the ext prefix. Returns
@@ -1640,6 +1955,7 @@ bool decode(FuzzedDataProvider& f, Case& c, Invalid& invalid) {
     }
   }
   if (g_seqlens) decode_seqlens(c);
+  if (g_mods) decode_modifiers(c);  // after Hq and B (and seqlens_k) are known
   // Tame: finite, |values| <= 1e3, |scale| <= 1e3: float32 scores and sums cannot overflow.
   if (c.tame && o.scale && !(std::fabs(*o.scale) <= 1e3)) c.tame = false;
   if (c.tame && o.scale && *o.scale != 0 && std::fabs(*o.scale) < 1e-30) c.tame = false;
@@ -1887,48 +2203,44 @@ std::vector<int64_t> past_offsets(const Case& c, const Tensor& t, int64_t cols) 
   return r;
 }
 
-// Garbage (NaN, ±inf, huge, random bits) in those elements of k and v while a call runs, and (ASan
-// builds) the bytes made unaddressable: a read is an ASan report. The destructor puts the values
-// back and the bytes into use again.
-class PastKeysGarbage {
+// Garbage (NaN, ±inf, huge, random bits) in elements a call must not read, for as long as the
+// object lives, and (ASan builds) their bytes made unaddressable: a read is an ASan report. The
+// destructor puts the values back and the bytes into use again. One piece for every "never read"
+// promise: keys past seqlens_k (PastKeysGarbage), a paged pool's unused pages and rows and a block
+// table's entries past a sequence's pages (run_paged), a KVCache's unused rows (run_kvcache).
+class Garbage {
  public:
-  PastKeysGarbage(Case& c, uint64_t seed) {
-    std::mt19937_64 rng(seed);
-    for (int which = 0; which < 2; ++which) {
-      Tensor& t = which == 0 ? c.k : c.v;
-      const std::vector<int64_t> offs = past_offsets(c, t, which == 0 ? c.d.Dk : c.d.Dv);
-      for (int64_t o : offs) {
-        saved_.push_back({&t, o, t.get_off(o)});
-        double x;
-        const uint64_t r = rng();
-        if (r % 3 == 0) {  // random bits of the dtype
-          if (t.dtype() == DType::kFloat64) x = std::bit_cast<double>(rng());
-          else if (t.dtype() == DType::kFloat32) x = std::bit_cast<float>(static_cast<uint32_t>(rng()));
-          else x = half_value(half_format(t.dtype()), static_cast<uint16_t>(rng()));
-        } else {
-          x = special(static_cast<uint8_t>(r >> 8), t.dtype());
-        }
-        t.set_off(o, x);
-      }
-      fence(t, offs);
-    }
-    count_ = saved_.size();
-  }
-  ~PastKeysGarbage() {
+  explicit Garbage(uint64_t seed) : rng_(seed) {}
+  ~Garbage() {
 #ifdef SDPA_FUZZ_ASAN
     for (const auto& [p, n] : regions_) ASAN_UNPOISON_MEMORY_REGION(p, n);
 #endif
     for (const Saved& s : saved_) s.t->set_off(s.off, s.old);
   }
-  size_t count() const { return count_; }
-  PastKeysGarbage(const PastKeysGarbage&) = delete;
-  PastKeysGarbage& operator=(const PastKeysGarbage&) = delete;
+  Garbage(const Garbage&) = delete;
+  Garbage& operator=(const Garbage&) = delete;
 
- private:
-  void fence(const Tensor& t, const std::vector<int64_t>& offs) {
+  // Elements of t at these offsets (sorted, distinct): garbage, then fenced.
+  void values(Tensor& t, const std::vector<int64_t>& offs) {
+    for (int64_t o : offs) {
+      saved_.push_back({&t, o, t.get_off(o)});
+      double x;
+      const uint64_t r = rng_();
+      if (r % 3 == 0) {  // random bits of the dtype
+        if (t.dtype() == DType::kFloat64) x = std::bit_cast<double>(rng_());
+        else if (t.dtype() == DType::kFloat32) x = std::bit_cast<float>(static_cast<uint32_t>(rng_()));
+        else x = half_value(half_format(t.dtype()), static_cast<uint16_t>(rng_()));
+      } else {
+        x = special(static_cast<uint8_t>(r >> 8), t.dtype());
+      }
+      t.set_off(o, x);
+    }
+    fence(static_cast<std::byte*>(t.view().data), offs, esize(t.dtype()));
+  }
+  // Elements of `es` bytes at these offsets (sorted, distinct) from base: fenced only (their
+  // values stay as they are).
+  void fence(std::byte* base, const std::vector<int64_t>& offs, int64_t es) {
 #ifdef SDPA_FUZZ_ASAN
-    const int64_t es = esize(t.dtype());
-    std::byte* base = static_cast<std::byte*>(t.view().data);
     for (size_t a = 0; a < offs.size();) {  // runs of consecutive elements, one region each
       size_t z = a + 1;
       while (z < offs.size() && offs[z] == offs[z - 1] + 1) ++z;
@@ -1939,14 +2251,27 @@ class PastKeysGarbage {
       a = z;
     }
 #else
-    (void)t;
+    (void)base;
     (void)offs;
+    (void)es;
 #endif
   }
+  size_t count() const { return saved_.size(); }
+
+ private:
   struct Saved { Tensor* t; int64_t off; double old; };
+  std::mt19937_64 rng_;
   std::vector<Saved> saved_;
   std::vector<std::pair<std::byte*, size_t>> regions_;
-  size_t count_ = 0;
+};
+
+// Garbage in the elements of k and v that only keys past their sequence's length use.
+class PastKeysGarbage : public Garbage {
+ public:
+  PastKeysGarbage(Case& c, uint64_t seed) : Garbage(seed) {
+    values(c.k, past_offsets(c, c.k, c.d.Dk));
+    values(c.v, past_offsets(c, c.v, c.d.Dv));
+  }
 };
 
 // An invalid seqlens_k (negative, past Nk, wrong shape, rank or dtype, null): attention,
@@ -1997,6 +2322,126 @@ void run_bad_seqlens(Case& c, bool bad_scale) {
         [&] { return "attention_backward: sdpa::Error(\"" + what + "\") for seqlens_k but a gradient buffer changed"; });
 }
 
+// An invalid score modifier (md bit 7, BadMod): attention and validate throw sdpa::Error and write
+// nothing, and so does attention_backward (given the out and lse of a valid forward) on backward
+// calls; the kDsinks* kinds break only the backward's Gradients::dsinks (dsinks untouched too).
+void run_bad_modifiers(Case& c, bool bad_scale) {
+  const Modifiers& m = *c.mods;
+  const char* what_bad = kBadModNames[static_cast<int>(m.bad)];
+  g_case = describe(c);
+  std::mt19937_64 rng(m.bad_seed);
+  const int64_t Hq = c.d.Hq, B = c.rank == 4 ? c.d.B : 1;
+  const bool f32 = c.compute() == DType::kFloat32;
+  sdpa::Options bad = c.opt;
+  std::optional<Tensor> made;  // the tensor behind a broken view
+  bool must_throw = true;
+  const auto small = [&](DType dt, std::vector<int64_t> shape, bool input = true) -> Tensor& {
+    made.emplace(dt, std::move(shape), Role::kAny, input, LayoutSpec::plain());
+    for (int64_t n = 0; input && n < made->numel(); ++n) made->set_flat(n, 0.25);
+    return *made;
+  };
+  static const DType kBadDtype[] = {DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kBool};
+  const double kNonFinite[] = {kNaN, kInf, -kInf, f32 ? 1e39 : kNaN};  // 1e39: finite, but not in float32
+  const auto with_value = [&](std::optional<sdpa::TensorView>& slot) {
+    if (Hq == 0) { must_throw = false; return; }
+    Tensor& t = small(rng() % 2 ? DType::kFloat64 : DType::kFloat32, {Hq});
+    t.set_flat(static_cast<int64_t>(rng() % static_cast<uint64_t>(Hq)), kNonFinite[rng() % 4]);
+    slot = t.view();
+  };
+  const auto with_dtype = [&](std::optional<sdpa::TensorView>& slot) {
+    sdpa::TensorView v = small(DType::kFloat32, {Hq}).view();
+    v.dtype = kBadDtype[rng() % 4];
+    slot = v;
+  };
+  const auto with_null = [&](std::optional<sdpa::TensorView>& slot) {
+    if (Hq == 0) { must_throw = false; return; }
+    sdpa::TensorView v = small(DType::kFloat32, {Hq}).view();
+    v.data = nullptr;
+    slot = v;
+  };
+  switch (m.bad) {
+    case BadMod::kCapNegative: bad.softcap = rng() % 2 ? -1.0 : -1e-30; break;
+    case BadMod::kCapNaN: bad.softcap = kNaN; break;
+    case BadMod::kCapInf: bad.softcap = rng() % 2 ? kInf : -kInf; break;
+    case BadMod::kCapRange: bad.softcap = f32 ? (rng() % 2 ? 1e39 : 1e-40) : -DBL_MIN; break;  // float32: not a normal float32
+    case BadMod::kOrderEnum: bad.softcap_order = static_cast<sdpa::Options::SoftcapOrder>(2 + rng() % 200); break;
+    case BadMod::kSlopesShape: bad.alibi_slopes = small(DType::kFloat32, {Hq + 1}).view(); break;
+    case BadMod::kSlopesBatch: bad.alibi_slopes = small(DType::kFloat64, {B + 2, Hq}).view(); break;
+    case BadMod::kSlopesRank: bad.alibi_slopes = small(DType::kFloat32, {1, 1, Hq}).view(); break;
+    case BadMod::kSlopesDtype: with_dtype(bad.alibi_slopes); break;
+    case BadMod::kSlopesValue: with_value(bad.alibi_slopes); break;
+    case BadMod::kSlopesNull: with_null(bad.alibi_slopes); break;
+    case BadMod::kSinksShape: bad.sinks = small(DType::kFloat64, {Hq + 1}).view(); break;
+    case BadMod::kSinksRank: bad.sinks = small(DType::kFloat32, {1, Hq}).view(); break;
+    case BadMod::kSinksDtype: with_dtype(bad.sinks); break;
+    case BadMod::kSinksValue: with_value(bad.sinks); break;
+    case BadMod::kSinksNull: with_null(bad.sinks); break;
+    default: break;
+  }
+  auto throws = [&](const char* call, const std::function<void()>& fn, std::string& what) {
+    try {
+      fn();
+    } catch (const sdpa::Error& e) {
+      what = e.what();
+      return true;
+    } catch (const std::exception& e) {
+      check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
+    }
+    return false;
+  };
+  std::string what;
+  // The out and lse of a valid forward (the case's own modifiers; scale 1 where the case's is
+  // out of range), for attention_backward.
+  sdpa::Options ok = c.opt;
+  ok.backend = Backend::kReference;
+  if (bad_scale) ok.scale = 1.0;
+  if (m.bad == BadMod::kDsinksNoSinks) ok.sinks.reset();
+  if (m.bad < BadMod::kDsinksNoSinks) {
+    if (!must_throw) return;  // nothing to break (Hq = 0)
+    Outs o = make_outs(c, c.want_weights, c.want_lse, true);
+    const auto snap = std::make_tuple(o.out.snapshot(), o.weights ? o.weights->snapshot() : std::vector<std::byte>{},
+                                      o.lse ? o.lse->snapshot() : std::vector<std::byte>{});
+    const bool threw = throws("attention", [&] { sdpa::attention(c.inputs(), o.outputs(), bad); }, what);
+    check(threw, "error_expected", [&] { return std::string("attention: no sdpa::Error for an invalid modifier: ") + what_bad; });
+    const bool untouched = o.out.same_bytes(std::get<0>(snap)) && (!o.weights || o.weights->same_bytes(std::get<1>(snap))) &&
+                           (!o.lse || o.lse->same_bytes(std::get<2>(snap)));
+    check(untouched, "error_untouched", [&] { return "sdpa::Error(\"" + what + "\") for a modifier but an output buffer changed"; });
+    check(throws("validate", [&] { sdpa::validate(c.inputs(), bad); }, what), "error_expected",
+          [&] { return std::string("validate: no sdpa::Error for an invalid modifier: ") + what_bad; });
+    if (!c.backward) return;
+  }
+  Outs fo = make_outs(c, false, true, false);
+  expect_no_throw("attention (valid modifiers)", [&] { sdpa::attention(c.inputs(), fo.outputs(), ok); });
+  Tensor dout(c.dtype, c.out_shape(), Role::kUnitLast, true, LayoutSpec::plain());
+  for (int64_t n = 0; n < dout.numel(); ++n) dout.set_flat(n, 1.0);
+  Grads g = make_grads(c, c.out_ls, true);
+  sdpa::Gradients gr = g.gradients();
+  sdpa::Options bo = bad;
+  bo.backend = Backend::kReference;
+  if (bad_scale) bo.scale = 1.0;
+  if (m.bad >= BadMod::kDsinksNoSinks) {
+    bo = ok;
+    Tensor& ds = small(DType::kFloat32, {m.bad == BadMod::kDsinksShape ? Hq + 1 : Hq}, false);
+    gr.dsinks = ds.view();
+    if (m.bad == BadMod::kDsinksDtype) gr.dsinks->dtype = kBadDtype[rng() % 4];
+    if (m.bad == BadMod::kDsinksStride0) {
+      gr.dsinks->strides[0] = 0;
+      must_throw = Hq > 1 || !ok.sinks;  // one element may have any stride; without sinks dsinks is an Error
+    }
+    if (!must_throw) return;
+  }
+  const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+  const auto s3 = g.dsinks ? g.dsinks->snapshot() : std::vector<std::byte>{};
+  const auto s4 = made && !(m.bad < BadMod::kDsinksNoSinks) ? made->snapshot() : std::vector<std::byte>{};
+  const bool bthrew = throws("attention_backward", [&] {
+    sdpa::attention_backward(c.inputs(), fo.out.view(), fo.lse->view(), dout.view(), gr, bo);
+  }, what);
+  check(bthrew, "error_expected", [&] { return std::string("attention_backward: no sdpa::Error for an invalid modifier: ") + what_bad; });
+  check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2) && (!g.dsinks || g.dsinks->same_bytes(s3)) &&
+            (s4.empty() || made->same_bytes(s4)),
+        "error_untouched", [&] { return "attention_backward: sdpa::Error(\"" + what + "\") for a modifier but a gradient buffer changed"; });
+}
+
 void run_case(FuzzedDataProvider& f) {
   Case c;
   Invalid invalid = Invalid::kNone;
@@ -2018,6 +2463,11 @@ void run_case(FuzzedDataProvider& f) {
   // need a valid forward).
   if (c.bad_sl != BadSeqlens::kNone) {
     run_bad_seqlens(c, bad_scale);
+    return;
+  }
+  // An invalid score modifier (kExtModifiers, md bit 7).
+  if (c.mods && c.mods->bad != BadMod::kNone) {
+    run_bad_modifiers(c, bad_scale);
     return;
   }
 
@@ -2264,9 +2714,10 @@ void run_case(FuzzedDataProvider& f) {
   }
   bool lse_pinf = false;
   for (int64_t n = 0; n < lse.numel(); ++n) lse_pinf |= lse.flat(n) == kInf;
-  Grads g = make_grads(c, c.out_ls);
+  Grads g = make_grads(c, c.out_ls, true);
   if (lse_pinf) {  // (e)
     const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+    const auto s3 = g.dsinks ? g.dsinks->snapshot() : std::vector<std::byte>{};
     bool threw = false;
     try {
       sdpa::attention_backward(c.inputs(), o.out.view(), lse.view(), dout.view(), g.gradients(), c.opt);
@@ -2274,13 +2725,16 @@ void run_case(FuzzedDataProvider& f) {
       threw = true;
     }
     check(threw, "lse_inf_backward", [&] { return std::string("attention_backward with +inf in lse (the forward overflowed) did not throw"); });
-    check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched", [] { return std::string("backward Error but a gradient changed"); });
+    check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2) && (!g.dsinks || g.dsinks->same_bytes(s3)), "error_untouched",
+          [] { return std::string("backward Error but a gradient changed"); });
     return;
   }
   run_backward(c, c.inputs(), o.out, lse, dout, g, c.opt);
   const sdpa::KernelPath bwd_path = sdpa::last_kernel_path();
   check_kernel_path(c, bwd_path, "attention_backward");
-  for (const auto& tn : {std::pair<const Tensor*, const char*>{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}}) {
+  for (const auto& tn : {std::pair<const Tensor*, const char*>{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"},
+                         {g.dsinks ? &*g.dsinks : nullptr, "dsinks"}}) {
+    if (tn.first == nullptr) continue;
     const char* name = tn.second;
     const std::string r = tn.first->guards_and_written();
     check(r.empty() || r.rfind("guards", 0) != 0, "guards", [&] { return std::string(name) + ": " + r; });
@@ -2383,6 +2837,17 @@ void run_case(FuzzedDataProvider& f) {
           }
       std::vector<uint8_t> dk_aff = key_hit, dv_aff = key_hit;
       if (which == 0) std::fill(dv_aff.begin(), dv_aff.end(), 0);  // dv_j does not read v
+      // dsinks_h: the heads of rows whose dout was poisoned; with kReference and kNaive, which
+      // recompute each row's lse from q and k (src/reference_backward.cc), also the heads of the
+      // rows a poisoned q or k reaches (row_hit).
+      std::vector<uint8_t> ds_aff(static_cast<size_t>(d.Hq), 0);
+      const bool recomputes = c.opt.backend == Backend::kReference || c.opt.backend == Backend::kNaive;
+      for (int64_t b = 0; b < d.B; ++b)
+        for (int64_t h = 0; h < d.Hq; ++h)
+          for (int64_t i = 0; i < d.Nq; ++i) {
+            const size_t row = static_cast<size_t>((b * d.Hq + h) * d.Nq + i);
+            if ((which == 3 && hit[row]) || ((which == 1 || which == 2) && recomputes && row_hit[row])) ds_aff[static_cast<size_t>(h)] = 1;
+          }
       // The first difference between the gradients the poison must not reach ("" if none).
       const auto compare = [&](const Grads& base_g, const Grads& pois_g) -> std::string {
         const GradVals a = gvals(pois_g), base = gvals(base_g);
@@ -2401,6 +2866,9 @@ void run_case(FuzzedDataProvider& f) {
         std::string r = cmp_all(0, d.B * d.Hq * d.Nq, d.Dk, row_hit);
         if (r.empty()) r = cmp_all(1, d.B * d.Hkv * d.Nk, d.Dk, dk_aff);
         if (r.empty()) r = cmp_all(2, d.B * d.Hkv * d.Nk, d.Dv, dv_aff);
+        // dsinks_h reads only sink_h, lse, out and dout (the header's formula): a poisoned q, k or
+        // v changes none of it (kFlash), a poisoned dout only the head of its rows.
+        if (r.empty() && !a.g[3].empty()) r = cmp_all(3, d.Hq, 1, ds_aff);
         return r;
       };
       const std::string why = compare(g, gp);
@@ -2459,6 +2927,39 @@ std::string rows_bitwise(const char* name, const Tensor& packed, int64_t r0, con
   return "";
 }
 
+// The options of a varlen, paged or KVCache call, from a shorter menu than decode()'s (no mask):
+// causal, window, backend, scale, dropout. Returns the options byte: its bits 5-7 are the caller's.
+uint8_t decode_short_options(FuzzedDataProvider& f, sdpa::Options& o) {
+  static const int64_t kWin[] = {-1, -1, 0, 1, 3, 16, 100, INT64_MAX, int64_t{1} << 62};
+  const uint8_t of = f.ConsumeIntegral<uint8_t>();
+  o.causal = static_cast<Causal>(of % 3);
+  if (of & 4) o.window = {pick(f, kWin), pick(f, kWin)};
+  const uint8_t be = f.ConsumeIntegral<uint8_t>();
+  o.backend = be < 140 ? Backend::kFlash : be < 180 ? Backend::kAuto : be < 220 ? Backend::kReference : Backend::kNaive;
+  if (of & 8) {
+    static const double kScales[] = {1, 0.5, 0.125, -1, 0, 1e-3, 2, 8, 30, 1e30};
+    o.scale = kScales[f.ConsumeIntegralInRange<int>(0, 9)];
+  }
+  if (of & 16) {
+    static const double kP[] = {0.1, 0.5, 0.9, 0.25};
+    o.dropout_p = kP[f.ConsumeIntegralInRange<int>(0, 3)];
+    o.seed = f.ConsumeIntegral<uint64_t>();
+  }
+  return of;
+}
+
+// Not-tame inputs of run_varlen, run_paged and run_kvcache: 1 to 6 special values (special(), per
+// dtype) planted at elements the input picks of three tensors (which % 3 picks the tensor).
+void plant_specials(FuzzedDataProvider& f, const std::array<Tensor*, 3>& ts) {
+  const int n = f.ConsumeIntegralInRange<int>(1, 6);
+  for (int s = 0; s < n; ++s) {
+    const uint8_t which = f.ConsumeIntegral<uint8_t>();
+    const uint32_t where = f.ConsumeIntegral<uint32_t>();
+    Tensor& t = *ts[which % 3];
+    if (t.numel() > 0) t.set_flat(where % t.numel(), special(f.ConsumeIntegral<uint8_t>(), t.dtype()));
+  }
+}
+
 enum class VarBad : uint8_t {
   kNone, kFirstNonzero, kDecreasing, kLastShort, kLastLong, kCuDtype, kCuRank, kCountMismatch, kCuEmpty, kCuNull,
   kNegative, kOutShape, kLseShape, kKDtype, kQRank,
@@ -2515,23 +3016,9 @@ void run_varlen(FuzzedDataProvider& f) {
   d.Nq = cu_q.back();
   d.Nk = cu_k.back();
 
-  // Options, as decode() draws them (no weights: varlen has none).
+  // Options (no weights: varlen has none).
   sdpa::Options& o = c.opt;
-  static const int64_t kWin[] = {-1, -1, 0, 1, 3, 16, 100, INT64_MAX, int64_t{1} << 62};
-  const uint8_t of = f.ConsumeIntegral<uint8_t>();
-  o.causal = static_cast<Causal>(of % 3);
-  if (of & 4) o.window = {pick(f, kWin), pick(f, kWin)};
-  const uint8_t be = f.ConsumeIntegral<uint8_t>();
-  o.backend = be < 140 ? Backend::kFlash : be < 180 ? Backend::kAuto : be < 220 ? Backend::kReference : Backend::kNaive;
-  if (of & 8) {
-    static const double kScales[] = {1, 0.5, 0.125, -1, 0, 1e-3, 2, 8, 30, 1e30};
-    o.scale = kScales[f.ConsumeIntegralInRange<int>(0, 9)];
-  }
-  if (of & 16) {
-    static const double kP[] = {0.1, 0.5, 0.9, 0.25};
-    o.dropout_p = kP[f.ConsumeIntegralInRange<int>(0, 3)];
-    o.seed = f.ConsumeIntegral<uint64_t>();
-  }
+  const uint8_t of = decode_short_options(f, o);
   c.want_lse = (of & 128) || c.backward;
   const uint8_t cf = f.ConsumeIntegral<uint8_t>();
   const DType cu_dt = cf & 1 ? DType::kInt32 : DType::kInt64;
@@ -2559,15 +3046,7 @@ void run_varlen(FuzzedDataProvider& f) {
   fill_values(c.q, rng, sigma, 0);
   fill_values(c.k, rng, sigma, 0);
   fill_values(c.v, rng, 1.0, 0);
-  if (!c.tame) {
-    const int n = f.ConsumeIntegralInRange<int>(1, 6);
-    for (int s = 0; s < n; ++s) {
-      const uint8_t which = f.ConsumeIntegral<uint8_t>();
-      const uint32_t where = f.ConsumeIntegral<uint32_t>();
-      Tensor& t = which % 3 == 0 ? c.q : which % 3 == 1 ? c.k : c.v;
-      if (t.numel() > 0) t.set_flat(where % t.numel(), special(f.ConsumeIntegral<uint8_t>(), t.dtype()));
-    }
-  }
+  if (!c.tame) plant_specials(f, {&c.q, &c.k, &c.v});
 
   const IndexTensor cuq(cu_dt, cu_q, cu_stride, cu_mis), cuk(cu_dt, cu_k, cu_stride, cu_mis);
   sdpa::VarlenInputs in{c.q.view(), c.k.view(), c.v.view(), cuq.view(), cuk.view()};
@@ -2592,7 +3071,7 @@ void run_varlen(FuzzedDataProvider& f) {
   };
   auto make_vgrads = [&](const LayoutSpec& ls) {
     return Grads{Tensor(c.dtype, {d.Nq, d.Hq, d.Dk}, Role::kUnitLast, false, ls), Tensor(c.kv, {d.Nk, d.Hkv, d.Dk}, Role::kUnitLast, false, ls),
-                 Tensor(c.kv, {d.Nk, d.Hkv, d.Dv}, Role::kUnitLast, false, ls)};
+                 Tensor(c.kv, {d.Nk, d.Hkv, d.Dv}, Role::kUnitLast, false, ls), std::nullopt};
   };
   bool bad_scale = false;
   if (o.scale) bad_scale = c.compute() == DType::kFloat32 && std::fabs(*o.scale) > FLT_MAX;  // not drawn today
@@ -2797,6 +3276,674 @@ void run_varlen(FuzzedDataProvider& f) {
   }
 }
 
+// ---- attention_paged (ext bit 6) and KVCache (ext bit 7) ----
+//
+// Both are judged against the same call made dense: a Case (rank 4) whose k and v hold each
+// sequence's keys gathered in order into (B, Hkv, Nk, D), Nk = max_pages · page_size, keys past
+// a sequence's length NaN, with Inputs::seqlens_k. So every oracle above applies to it as to a
+// dense call with seqlens_k (edge semantics, the tolerance rule), and the header's promise is one
+// comparison: the paged results are bit for bit the dense call's capped at KernelPath::kSimd.
+
+// The work of a paged or KVCache input: each valid call runs 3 paged calls, the dense one,
+// kReference and kNaive, and the oracle over B · Hq · Nq · max_pages · page_size scores; a quarter
+// of a dense call's budget keeps these inputs no slower than the others.
+constexpr int64_t kPagedWorkBudget = kWorkBudget / 4;
+
+// paged_dense: `full` (a paged or KVCache call's out, weights and lse) against attention() on c
+// capped at kSimd, bit for bit; then (unless `oracle` is false: a KVCache step too large for it)
+// the edge semantics, and on tame inputs the tolerance rule.
+void check_paged_dense(const Case& c, const Outs& full, const char* call, bool oracle = true) {
+  Outs dense = make_outs(c, true, true, false);
+  sdpa::set_max_kernel_path(sdpa::KernelPath::kSimd);
+  run_forward(c, c.inputs(), dense, c.opt);
+  sdpa::set_max_kernel_path(c.path_cap);
+  std::string why;
+  check(full.bitwise_equal(dense, why), "paged_dense", [&] {
+    return std::string(call) + " differs from attention() on the gathered keys with seqlens_k (capped at kSimd): " + why;
+  });
+  if (!oracle) return;
+  check_edge_semantics(c, full);
+  if (c.tame) check_tolerance(c, full);
+}
+
+// A sequence's length at a page's edges (0, 1, page_size ± 1, two pages ± 1), full, or random.
+int64_t page_edge_length(std::mt19937_64& rng, int64_t ps, int64_t Nk) {
+  int64_t x;
+  switch (rng() % 11) {
+    case 0: x = 0; break;
+    case 1: x = 1; break;
+    case 2: x = ps - 1; break;
+    case 3: x = ps; break;
+    case 4: x = ps + 1; break;
+    case 5: x = 2 * ps - 1 + static_cast<int64_t>(rng() % 3); break;
+    case 6: x = Nk; break;
+    case 7: x = Nk - 1; break;
+    case 8: x = Nk - ps + 1; break;
+    default: x = static_cast<int64_t>(rng() % static_cast<uint64_t>(Nk + 1)); break;
+  }
+  return std::clamp<int64_t>(x, 0, Nk);
+}
+
+// A block table (B, cols), int32 or int64, unit last stride, row stride rs (cols plus a gap, its
+// negative, or 0: one row for every sequence), at 0-3 bytes of misalignment, in IndexTensor's
+// exactly-sized buffer (stride 1): entry (b, j) is element at(b, j) of it.
+struct BlockTable {
+  int64_t B = 0, cols = 0, rs = 0, base = 0;
+  std::unique_ptr<IndexTensor> mem;
+  BlockTable(DType dt, int64_t B_, int64_t cols_, int64_t rs_, int mis) : B(B_), cols(cols_), rs(rs_) {
+    const int64_t n = B == 0 || cols == 0 ? 0 : (B - 1) * std::abs(rs) + cols;
+    base = rs < 0 && B > 0 ? (B - 1) * -rs : 0;
+    mem = std::make_unique<IndexTensor>(dt, std::vector<int64_t>(static_cast<size_t>(n), -1), 1, mis);
+  }
+  int64_t size() const { return static_cast<int64_t>(mem->vals.size()); }
+  int64_t at(int64_t b, int64_t j) const { return base + b * rs + j; }
+  int64_t get(int64_t b, int64_t j) const { return mem->vals[static_cast<size_t>(at(b, j))]; }
+  void set_elem(int64_t i, int64_t x) { mem->set(i, mem->dtype == DType::kInt32 ? static_cast<int32_t>(x) : x); }
+  sdpa::TensorView view() const {
+    sdpa::TensorView t;
+    t.dtype = mem->dtype;
+    t.rank = 2;
+    t.shape[0] = B;
+    t.shape[1] = cols;
+    t.strides[0] = rs;
+    t.strides[1] = 1;
+    t.data = size() == 0 ? nullptr : mem->data + base * (mem->dtype == DType::kInt32 ? 4 : 8);
+    return t;
+  }
+  std::string describe() const {
+    std::ostringstream s;
+    s << "block_table: " << (mem->dtype == DType::kInt32 ? "int32" : "int64") << " (" << B << ", " << cols << ") strides (" << rs
+      << ", 1) misalign " << mem->misalign << " rows [";
+    for (int64_t b = 0; b < B && b < 8; ++b) {
+      s << (b ? "; " : "");
+      for (int64_t j = 0; j < cols && j < 40; ++j) s << (j ? " " : "") << get(b, j);
+    }
+    s << "]";
+    return s.str();
+  }
+};
+
+// The pool elements (sorted offsets) of the rows no sequence reads: rows past every reader's
+// length, and pages no table row uses (read[p * page_size + r] says which rows are read).
+std::vector<int64_t> unread_offsets(const Tensor& pool, const std::vector<uint8_t>& read) {
+  std::vector<int64_t> offs;
+  const int64_t rows = pool.numel() == 0 ? 0 : pool.shape()[0] * pool.shape()[1], per_row = pool.shape()[2] * pool.shape()[3];
+  for (int64_t r = 0; r < rows; ++r)
+    if (!read[static_cast<size_t>(r)])
+      for (int64_t x = 0; x < per_row; ++x) offs.push_back(pool.offset_of_flat(r * per_row + x));
+  std::sort(offs.begin(), offs.end());
+  return offs;
+}
+
+enum class PagedBad : uint8_t {
+  kNone, kEntryPastPool, kEntryNegative, kTooShort, kTableDtype, kTableBatch, kTableLastStride, kTableRank, kTableNull,
+  kPoolsDiffer, kPageSizeZero, kPoolDk, kPoolHeads, kPoolDtype, kCount
+};
+const char* const kPagedBadNames[] = {"none", "block_table entry >= num_pages", "block_table entry negative",
+                                      "table too short for seqlens_k", "block_table dtype", "block_table batch",
+                                      "block_table last stride 2", "block_table rank 1", "block_table null",
+                                      "v_pages num_pages differs", "page_size 0", "k_pages Dk", "v_pages heads",
+                                      "v_pages dtype"};
+static_assert(sizeof(kPagedBadNames) / sizeof(kPagedBadNames[0]) == static_cast<size_t>(PagedBad::kCount));
+
+// Runs `fn` that must throw sdpa::Error (error_expected) naming `want` (error_names: every
+// string in it is in the message), writing none of o's buffers (error_untouched).
+void expect_error(const char* call, const std::function<void()>& fn, const Outs* o, const std::vector<std::string>& want,
+                  const std::string& what_bad) {
+  const auto s0 = o ? o->out.snapshot() : std::vector<std::byte>{};
+  const auto s1 = o && o->weights ? o->weights->snapshot() : std::vector<std::byte>{};
+  const auto s2 = o && o->lse ? o->lse->snapshot() : std::vector<std::byte>{};
+  std::string what;
+  bool threw = false;
+  try {
+    fn();
+  } catch (const sdpa::Error& e) {
+    threw = true;
+    what = e.what();
+  } catch (const std::exception& e) {
+    check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
+  }
+  check(threw, "error_expected", [&] { return std::string(call) + ": no sdpa::Error for: " + what_bad; });
+  for (const std::string& w : want)
+    check(what.find(w) != std::string::npos, "error_names",
+          [&] { return std::string(call) + ": the Error for " + what_bad + " does not name \"" + w + "\": " + what; });
+  if (o)
+    check(o->out.same_bytes(s0) && (!o->weights || o->weights->same_bytes(s1)) && (!o->lse || o->lse->same_bytes(s2)),
+          "error_untouched", [&] { return std::string(call) + ": sdpa::Error(\"" + what + "\") but an output buffer changed"; });
+}
+
+void run_paged(FuzzedDataProvider& f) {
+  Case c;  // the call made dense: k, v (B, Hkv, Nk, D) gathered from the pool, seqlens_k
+  const bool fancy = decode_flags(f, c);
+  c.backward = false;  // attention_paged is forward only
+  c.rank = 4;
+  const uint8_t inv = f.ConsumeIntegral<uint8_t>();
+  PagedBad bad = inv < 200 ? PagedBad::kNone : static_cast<PagedBad>(1 + inv % (static_cast<int>(PagedBad::kCount) - 1));
+  Dims& d = c.d;
+  static const int64_t kB[] = {1, 1, 1, 2, 2, 3, 3, 4, 5, 0};
+  static const int64_t kHkv[] = {1, 1, 2, 3};
+  static const int64_t kGroup[] = {1, 1, 2, 4, 5, 8};
+  static const int64_t kNq[] = {0, 1, 1, 1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 65};
+  static const int64_t kPs[] = {1, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 32, 48, 64, 127, 128, 129, 256};
+  static const int64_t kD[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 64, 65, 128};
+  d.B = pick(f, kB);
+  d.Hkv = pick(f, kHkv);
+  d.Hq = d.Hkv * pick(f, kGroup);
+  d.Nq = pick(f, kNq);
+  int64_t ps = pick(f, kPs);
+  const uint8_t sz = f.ConsumeIntegral<uint8_t>();
+  // max_pages: a few pages, or (1 in 8) past 2048 keys, where the kernels split the keys.
+  const bool long_keys = sz % 8 == 7;
+  int64_t cols = long_keys ? (2048 + 64 * (sz >> 3 & 3)) / ps + 1 : (sz >> 3) % 7;
+  d.Dk = pick(f, kD);
+  d.Dv = pick(f, kD);
+  const uint8_t pl = f.ConsumeIntegral<uint8_t>();  // bits 0-1, 2-3: the k, v pools' layouts; 4-5 spare pages; 6-7 sharing
+  const uint8_t tb = f.ConsumeIntegral<uint8_t>();  // the table: int32 (bit 0), row stride (1-2), misalignment (3-4), extra columns (5-6)
+  const uint8_t sb = f.ConsumeIntegral<uint8_t>();  // seqlens_k: int32 (bit 0), stride (1-2), misalignment (3-4)
+  if (!long_keys && ((tb >> 5) & 3) > 1) cols += ((tb >> 5) & 3) - 1;  // columns past every sequence's pages
+  if (long_keys) { d.B = std::min<int64_t>(d.B, 2); d.Hq = d.Hkv; d.Nq = std::min<int64_t>(d.Nq, 2); }
+  // Bound the work (kPagedWorkBudget). Long keys stay long.
+  for (;;) {
+    d.Nk = cols * ps;
+    if (work_of(d) <= kPagedWorkBudget) break;
+    if (d.Hq > d.Hkv) { d.Hq = d.Hkv; continue; }
+    int64_t* biggest = &d.Dk;
+    for (int64_t* x : {&d.Dv, &d.Nq, long_keys ? &d.B : &cols, long_keys ? &d.B : &ps}) if (*x > *biggest) biggest = x;
+    *biggest = std::max<int64_t>(1, *biggest / 2);
+  }
+  const uint8_t of = decode_short_options(f, c.opt);
+  c.want_weights = of & 64;
+  c.want_lse = of & 128;
+  // Pools: token-major C order, head-major (KVCache's layout), or any layout with a unit last stride.
+  const auto pool_layout = [&](int kind) {
+    LayoutSpec ls;
+    if (kind == 1) ls.perm = 1;  // memory (num_pages, Hkv, page_size, D)
+    if (kind >= 2) ls = decode_layout(f, true);
+    ls.zero = 0;  // every pool row its own memory
+    if (skipping("paged_empty_pool_view")) {  // F15 (fixed; SDPA_FUZZ_SKIP only): no null data, no huge strides
+      ls.null_empty = false;
+      ls.empty_stride_seed = 0;
+    }
+    return ls;
+  };
+  const LayoutSpec lk = pool_layout(pl & 3), lv = pool_layout(pl >> 2 & 3), lq = decode_layout(f, fancy);
+  c.out_ls = decode_layout(f, fancy);
+  c.w_ls = decode_layout(f, fancy);
+  c.l_ls = decode_layout(f, fancy);
+  std::mt19937_64 rng(f.ConsumeIntegral<uint64_t>());
+  static const double kSigma[] = {1, 1, 0.1, 3, 30, 300};
+  const uint8_t vf = f.ConsumeIntegral<uint8_t>();
+
+  // Lengths, then the pages: each sequence's in a shuffled order, some sharing a prefix of
+  // another's (read-only), or (row stride 0) one table row for all.
+  std::vector<int64_t> L(static_cast<size_t>(d.B));
+  for (auto& x : L) x = page_edge_length(rng, ps, d.Nk);
+  const int rs_kind = (tb >> 1) & 3;
+  const int64_t rs = rs_kind == 0 ? cols : rs_kind == 1 ? cols + 1 + static_cast<int64_t>(rng() % 3)
+                     : rs_kind == 2 ? -(cols + static_cast<int64_t>(rng() % 2)) : 0;
+  std::vector<int64_t> used(static_cast<size_t>(d.B));
+  int64_t max_used = 0;
+  for (int64_t b = 0; b < d.B; ++b) max_used = std::max(max_used, used[b] = (L[b] + ps - 1) / ps);
+  std::vector<std::vector<int32_t>> pages(static_cast<size_t>(d.B));
+  std::vector<int64_t> share(static_cast<size_t>(d.B), 0), from(static_cast<size_t>(d.B), 0);  // a prefix of sequence from[b]'s
+  int64_t own = 0;
+  for (int64_t b = 0; b < d.B; ++b) {
+    if (rs == 0 && d.B > 1) { share[b] = b > 0 ? used[b] : 0; from[b] = 0; }
+    else if (b > 0 && (pl >> 6) && rng() % 4 < (pl >> 6)) {
+      from[b] = static_cast<int64_t>(rng() % static_cast<uint64_t>(b));
+      share[b] = std::min(used[b], used[from[b]]) - static_cast<int64_t>(rng() % 2);
+      share[b] = std::max<int64_t>(0, share[b]);
+    }
+    own += (rs == 0 && d.B > 1) ? (b == 0 ? max_used : 0) : used[b] - share[b];
+  }
+  int64_t num_pages = own + ((pl >> 4) & 3);
+  if (num_pages == 0 && d.B > 0 && cols > 0 && skipping("paged_empty_pool")) num_pages = 1;  // F14 (fixed; SDPA_FUZZ_SKIP only)
+  std::vector<int32_t> order(static_cast<size_t>(num_pages));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  size_t next = 0;
+  for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t n = rs == 0 && d.B > 1 && b == 0 ? max_used : used[b];
+    for (int64_t j = 0; j < n; ++j) pages[b].push_back(j < share[b] ? pages[from[b]][j] : order[next++]);
+  }
+  const DType tdt = tb & 1 ? DType::kInt32 : DType::kInt64;
+  // F13 (fixed; SDPA_FUZZ_SKIP=paged_misaligned_table): aligned tables only when skipped.
+  BlockTable table(tdt, d.B, cols, rs, skipping("paged_misaligned_table") ? 0 : (tb >> 3) & 3);
+  std::vector<uint8_t> entry_read(static_cast<size_t>(table.size()), 0);
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t j = 0; j < static_cast<int64_t>(pages[b].size()); ++j) {
+      table.set_elem(table.at(b, j), pages[b][j]);
+      if (j < used[b]) entry_read[static_cast<size_t>(table.at(b, j))] = 1;
+    }
+  // Entries no sequence reads (past its pages, and the gaps between rows): out of range, -1.
+  std::vector<int64_t> table_unread;
+  for (int64_t i = 0; i < table.size(); ++i) {
+    if (entry_read[static_cast<size_t>(i)]) continue;
+    table_unread.push_back(i);
+    const int64_t k = static_cast<int64_t>(rng() % 6);
+    const int64_t huge = tdt == DType::kInt32 ? INT32_MAX : int64_t{1} << 40, low = tdt == DType::kInt32 ? INT32_MIN : INT64_MIN;
+    table.set_elem(i, k == 0 ? -1 : k == 1 ? num_pages : k == 2 ? num_pages + 7 : k == 3 ? huge : k == 4 ? low : -2);
+  }
+  std::vector<uint8_t> row_read(static_cast<size_t>(num_pages * ps), 0);
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t j = 0; j < L[b]; ++j) row_read[static_cast<size_t>(pages[b][j / ps] * ps + j % ps)] = 1;
+
+  // The pools: random values, specials (not tame), NaN in every row no sequence reads.
+  Tensor kp(c.kv, {num_pages, ps, d.Hkv, d.Dk}, Role::kUnitLast, false, lk);
+  Tensor vp(c.kv, {num_pages, ps, d.Hkv, d.Dv}, Role::kUnitLast, false, lv);
+  c.q.init(c.dtype, {d.B, d.Hq, d.Nq, d.Dk}, Role::kUnitLast, true, lq);
+  fill_values(c.q, rng, kSigma[vf % 6], (vf >> 3) % 3);
+  fill_values(kp, rng, kSigma[vf % 6], (vf >> 3) % 3);
+  fill_values(vp, rng, 1.0, 0);
+  if (!c.tame) plant_specials(f, {&c.q, &kp, &vp});
+  const std::vector<int64_t> k_unread = unread_offsets(kp, row_read), v_unread = unread_offsets(vp, row_read);
+  for (int64_t o : k_unread) kp.set_off(o, kNaN);
+  for (int64_t o : v_unread) vp.set_off(o, kNaN);
+  // The dense call: each sequence's keys gathered in order; keys past its length NaN.
+  c.k.init(c.kv, {d.B, d.Hkv, d.Nk, d.Dk}, Role::kUnitLast, true, LayoutSpec::plain());
+  c.v.init(c.kv, {d.B, d.Hkv, d.Nk, d.Dv}, Role::kUnitLast, true, LayoutSpec::plain());
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.Hkv; ++h)
+      for (int64_t j = 0; j < d.Nk; ++j) {
+        const int64_t row = j < L[b] ? pages[b][j / ps] * ps + j % ps : -1;
+        for (int64_t e = 0; e < d.Dk; ++e)
+          c.k.set_flat(((b * d.Hkv + h) * d.Nk + j) * d.Dk + e, row < 0 ? kNaN : kp.flat((row * d.Hkv + h) * d.Dk + e));
+        for (int64_t e = 0; e < d.Dv; ++e)
+          c.v.set_flat(((b * d.Hkv + h) * d.Nk + j) * d.Dv + e, row < 0 ? kNaN : vp.flat((row * d.Hkv + h) * d.Dv + e));
+      }
+  c.seqlens = L;
+  const int sl_st = (sb >> 1) & 3;
+  c.sl = std::make_shared<IndexTensor>(sb & 1 ? DType::kInt32 : DType::kInt64, L, sl_st == 1 ? 2 : sl_st == 2 ? -1 : 1, (sb >> 3) & 3);
+  c.sl_view = c.sl->view();
+  if (c.tame && c.opt.scale && !(std::fabs(*c.opt.scale) <= 1e3)) c.tame = false;
+
+  sdpa::PagedInputs in;
+  in.q = c.q.view();
+  in.k_pages = kp.view();
+  in.v_pages = vp.view();
+  in.block_table = table.view();
+  in.seqlens_k = *c.sl_view;
+  std::ostringstream pd;
+  pd << "attention_paged: page_size " << ps << ", num_pages " << num_pages << ", pages per sequence:";
+  for (int64_t b = 0; b < d.B; ++b) {
+    pd << " [";
+    for (size_t j = 0; j < pages[b].size() && j < 40; ++j) pd << (j ? " " : "") << pages[b][j];
+    if (pages[b].size() > 40) pd << " ... (" << pages[b].size() << ")";
+    pd << "]" << (share[b] > 0 ? " (" + std::to_string(share[b]) + " shared with sequence " + std::to_string(from[b]) + ")" : "");
+  }
+  pd << "\n" << kp.describe("k_pages") << "\n" << vp.describe("v_pages") << "\n" << table.describe() << "\n";
+  g_case = describe(c) + pd.str();
+  if (g_print) std::fprintf(stderr, "attention_fuzz: paged case\n%s", g_case.c_str());
+  sdpa::set_num_threads(c.threads);
+  // While a paged call runs: garbage in the rows no sequence reads and, under ASan, those bytes and
+  // the table entries no sequence reads unaddressable.
+  const auto unread_fenced = [&](Garbage& g) {
+    g.values(kp, k_unread);
+    g.values(vp, v_unread);
+    g.fence(table.mem->data, table_unread, tdt == DType::kInt32 ? 4 : 8);
+  };
+  const auto paged = [&](const Outs& o, uint64_t seed) {
+    Garbage g(seed);
+    unread_fenced(g);
+    expect_no_throw("attention_paged", [&] { sdpa::attention_paged(in, o.outputs(), c.opt); });
+  };
+
+  if (bad != PagedBad::kNone) {
+    Outs o = make_outs(c, c.want_weights, c.want_lse, true);
+    sdpa::PagedInputs bin = in;
+    std::vector<std::string> want;
+    std::optional<IndexTensor> bad_sl;
+    bool must_throw = true;
+    // A table entry a sequence reads made invalid: the Error names the first such entry in the
+    // order the table is read (sequence by sequence), and its sequence.
+    const auto bad_entry = [&](int64_t x) {
+      std::vector<std::pair<int64_t, int64_t>> cand;
+      for (int64_t b = 0; b < d.B; ++b)
+        for (int64_t j = 0; j < used[b]; ++j) cand.push_back({b, j});
+      if (cand.empty()) return false;
+      const auto [b0, j0] = cand[rng() % cand.size()];
+      table.set_elem(table.at(b0, j0), x);
+      for (const auto& [b, j] : cand) {
+        const int64_t e = table.get(b, j);
+        if (e < 0 || e >= num_pages) {
+          want = {"block_table[" + std::to_string(b) + "][" + std::to_string(j) + "] = " + std::to_string(e), "sequence " + std::to_string(b)};
+          break;
+        }
+      }
+      return true;
+    };
+    switch (bad) {
+      case PagedBad::kEntryPastPool: must_throw = bad_entry(rng() % 2 ? num_pages : tdt == DType::kInt32 ? INT32_MAX : int64_t{1} << 40); break;
+      case PagedBad::kEntryNegative: must_throw = bad_entry(rng() % 2 ? -1 : tdt == DType::kInt32 ? INT32_MIN : INT64_MIN); break;
+      case PagedBad::kTooShort: {
+        if (d.B == 0) { must_throw = false; break; }
+        std::vector<int64_t> L2 = L;
+        const size_t b = static_cast<size_t>(rng() % static_cast<uint64_t>(d.B));
+        L2[b] = d.Nk + 1 + static_cast<int64_t>(rng() % static_cast<uint64_t>(ps));
+        bad_sl.emplace(c.sl->dtype, L2, c.sl->stride, c.sl->misalign);
+        bin.seqlens_k = bad_sl->view();
+        want = {"seqlens_k[" + std::to_string(b) + "] = " + std::to_string(L2[b])};
+        // A pool of no pages (every other length 0): the Error names the sequence that has keys
+        // and its length ("block_table[b][0] ... is not a page of k_pages (num_pages = 0);
+        // sequence b has L keys", F14's fix) before the length's range.
+        if (num_pages == 0) want = {"sequence " + std::to_string(b), std::to_string(L2[b]) + " keys"};
+        break;
+      }
+      case PagedBad::kTableDtype: bin.block_table.dtype = tb & 64 ? DType::kFloat32 : DType::kBool; break;
+      case PagedBad::kTableBatch: bin.block_table.shape[0] = d.B + 1; break;
+      case PagedBad::kTableLastStride: bin.block_table.strides[1] = 2; must_throw = cols > 1; break;
+      case PagedBad::kTableRank: bin.block_table.rank = 1; break;
+      case PagedBad::kTableNull: bin.block_table.data = nullptr; must_throw = d.B > 0 && cols > 0; break;
+      case PagedBad::kPoolsDiffer: bin.v_pages.shape[tb & 128 ? 1 : 0] += 1; break;
+      case PagedBad::kPageSizeZero: bin.k_pages.shape[1] = bin.v_pages.shape[1] = 0; break;
+      case PagedBad::kPoolDk: bin.k_pages.shape[3] += 1; break;
+      case PagedBad::kPoolHeads: bin.v_pages.shape[2] += 1; break;
+      case PagedBad::kPoolDtype: bin.v_pages.dtype = c.kv == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; break;
+      default: must_throw = false; break;
+    }
+    if (!must_throw) return;  // nothing to break in this call (no page read, one column)
+    g_case += std::string("invalid argument: ") + kPagedBadNames[static_cast<int>(bad)] + "\n" + table.describe() + "\n";
+    if (g_print) std::fprintf(stderr, "attention_fuzz: paged invalid argument: %s\n", kPagedBadNames[static_cast<int>(bad)]);
+    Garbage g(0x9a6edull + inv);
+    unread_fenced(g);
+    expect_error("attention_paged", [&] { sdpa::attention_paged(bin, o.outputs(), c.opt); }, &o, want, kPagedBadNames[static_cast<int>(bad)]);
+    return;
+  }
+
+  Outs o = make_outs(c, c.want_weights, c.want_lse, true);
+  paged(o, 0x9a6e0ull + vf);
+  check_outs_written(o);
+  {  // repeatable, across thread counts (and other garbage in the unread rows)
+    sdpa::set_num_threads(3 - c.threads);
+    Outs o2 = make_outs(c, c.want_weights, c.want_lse, false);
+    paged(o2, 0x9a6e1ull + vf);
+    sdpa::set_num_threads(c.threads);
+    std::string why;
+    check(o.bitwise_equal(o2, why), "repeatable", [&] { return "two identical attention_paged calls (threads 1 and 2) differ: " + why; });
+  }
+  Outs full = make_outs(c, true, true, false);
+  paged(full, 0x9a6e2ull + vf);
+  std::string why;
+  check(o.bitwise_equal(full, why), "weights_invariant", [&] { return "the same paged call with weights and lse requested differs: " + why; });
+  check_paged_dense(c, full, "attention_paged");
+}
+
+// A KVCache driven by a short script on 2-3 interleaved sequences (new_sequence, append of 0-4
+// tokens or a prompt across pages, attention, free; appends to a full pool and calls with an
+// unknown sequence that must be Errors changing nothing), against a model of its pages and
+// lengths (kvcache_model) and, at every attention, the same call made dense on the tokens the
+// script appended (paged_dense).
+void run_kvcache(FuzzedDataProvider& f) {
+  Case base;  // dtypes, threads, tame, caps
+  const bool fancy = decode_flags(f, base);
+  base.backward = false;
+  static const int64_t kHkv[] = {1, 1, 2, 3};
+  static const int64_t kGroup[] = {1, 1, 2, 4};
+  static const int64_t kD[] = {0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 32};
+  static const int64_t kPs[] = {1, 1, 2, 3, 4, 5, 7, 8, 16, 17, 32};
+  const int64_t Hkv = pick(f, kHkv), Hq = Hkv * pick(f, kGroup), Dk = pick(f, kD), Dv = pick(f, kD), ps = pick(f, kPs);
+  const int64_t num_pages = f.ConsumeIntegralInRange<int64_t>(0, 12);
+  std::mt19937_64 rng(f.ConsumeIntegral<uint64_t>());
+  static const double kSigma[] = {1, 1, 0.1, 3, 30, 300};
+  const double sigma = kSigma[f.ConsumeIntegral<uint8_t>() % 6];
+  sdpa::set_num_threads(base.threads);
+  std::ostringstream log;
+  log << "KVCache(num_pages " << num_pages << ", page_size " << ps << ", Hkv " << Hkv << ", Dk " << Dk << ", Dv " << Dv << ", "
+      << dtype_long(base.kv) << "), q " << dtype_long(base.dtype) << " Hq " << Hq << ", threads " << base.threads << ", "
+      << (base.tame ? "tame" : "not tame") << ", kernel path cap " << path_name(base.path_cap) << (base.avx2 ? ", SIMD capped at AVX2" : "") << "\nscript:";
+  g_case = log.str();
+  // Constructor arguments the header forbids.
+  const uint8_t kf = f.ConsumeIntegral<uint8_t>();
+  if (kf % 4 != 0) {
+    const int64_t a = kf % 4 == 1 ? 0 : ps, h = kf % 4 == 2 ? 0 : Hkv;
+    const DType dt = kf % 4 == 3 ? (kf & 4 ? DType::kBool : DType::kInt32) : base.kv;
+    expect_error("KVCache()", [&] { sdpa::KVCache bad(num_pages, a, h, Dk, Dv, dt); }, nullptr, {}, "page_size 0, num_kv_heads 0 or dtype");
+  }
+  sdpa::KVCache cache(num_pages, ps, Hkv, Dk, Dv, base.kv);
+
+  struct Seq {
+    bool live = false;
+    int64_t L = 0;
+    std::vector<int32_t> pages;
+    std::vector<double> k, v;  // the tokens appended, (L, Hkv, D) token-major
+  };
+  std::vector<Seq> model;
+  std::set<int32_t> free_pages;
+  for (int32_t p = 0; p < num_pages; ++p) free_pages.insert(p);
+  const auto live = [&] {
+    std::vector<int64_t> r;
+    for (size_t s = 0; s < model.size(); ++s) if (model[s].live) r.push_back(static_cast<int64_t>(s));
+    return r;
+  };
+  // kvcache_model: the cache's ids, lengths, pages and free count are the model's.
+  const auto state_matches = [&](const std::string& after) {
+    const std::vector<int64_t> ids = live();
+    check(cache.sequences() == ids && cache.free_pages() == static_cast<int64_t>(free_pages.size()), "kvcache_model", [&] {
+      return "after " + after + ": " + std::to_string(cache.sequences().size()) + " sequences and " + std::to_string(cache.free_pages()) +
+             " free pages, the model " + std::to_string(ids.size()) + " and " + std::to_string(free_pages.size());
+    });
+    const auto list = [](const std::vector<int32_t>& v) {
+      std::string r;
+      for (int32_t x : v) r += (r.empty() ? "" : " ") + std::to_string(x);
+      return "[" + r + "]";
+    };
+    for (int64_t s : ids)
+      check(cache.length(s) == model[s].L && cache.pages(s) == model[s].pages, "kvcache_model", [&] {
+        return "after " + after + ": sequence " + std::to_string(s) + " has length " + std::to_string(cache.length(s)) + " and pages " +
+               list(cache.pages(s)) + ", the model " + std::to_string(model[s].L) + " and " + list(model[s].pages);
+      });
+  };
+  // An id no live sequence has: never issued, freed, negative.
+  const auto unknown_id = [&](uint8_t x) -> int64_t {
+    for (size_t s = 0; s < model.size() && x % 4 == 0; ++s) if (!model[s].live) return static_cast<int64_t>(s);
+    return x % 4 == 1 ? -1 : x % 4 == 2 ? INT64_MAX : static_cast<int64_t>(model.size()) + x % 7;
+  };
+  int64_t last_n = 1;
+  const int nops = f.ConsumeIntegralInRange<int>(1, 10);
+  for (int step = 0; step < nops && f.remaining_bytes() > 0; ++step) {
+    const uint8_t op = f.ConsumeIntegral<uint8_t>();
+    std::vector<int64_t> ids = live();
+    const int64_t pick_live = ids.empty() ? -1 : ids[(op >> 3) % ids.size()];
+    // op bits 5-7 all set: the call names an unknown sequence (append, attention, free).
+    const bool unknown = (op >> 5) == 7;
+    int kind = op % 8;
+    if (kind <= 1 && ids.size() >= 3) kind = 2;  // at most 3 live sequences: an append instead
+    if (ids.empty() && !unknown && kind >= 2) kind = 0;  // nothing to append to or attend yet
+    switch (kind) {
+      case 0:
+      case 1: {  // new_sequence
+        {
+          size_t want = 0;
+          while (want < model.size() && model[want].live) ++want;
+          if (want == model.size()) model.emplace_back();
+          model[want] = Seq{true, 0, {}, {}, {}};
+          const int64_t id = cache.new_sequence();
+          log << " new_sequence() = " << id << ";";
+          g_case = log.str();
+          check(id == static_cast<int64_t>(want), "kvcache_model", [&] { return "new_sequence() = " + std::to_string(id) + ", the lowest free id is " + std::to_string(want); });
+          state_matches("new_sequence");
+        }
+        break;
+      }
+      case 2:
+      case 3:
+      case 4: {  // append n tokens; to an unknown sequence, mismatched, or past a full pool: an Error
+        static const int64_t kN[] = {1, 1, 1, 2, 3, 4, 0};
+        const uint8_t nb = f.ConsumeIntegral<uint8_t>();
+        const int64_t n = nb % 8 == 7 ? std::max<int64_t>(0, 2 * ps + 1 - static_cast<int64_t>(nb >> 6)) : kN[(nb >> 3) % 7];
+        const int mis = nb % 8 == 6 ? 1 + (nb >> 6) % 3 : 0;  // 1 k's dtype, 2 v's Dv, 3 v's token count
+        const int64_t s = unknown ? unknown_id(nb) : pick_live;
+        Tensor kt(base.kv, {n, Hkv, Dk}, Role::kUnitLast, true, decode_layout(f, fancy));
+        Tensor vt(base.kv, {n + (mis == 3), Hkv, Dv + (mis == 2)}, Role::kUnitLast, true, decode_layout(f, fancy));
+        fill_values(kt, rng, sigma, 0);
+        fill_values(vt, rng, 1.0, 0);
+        if (!base.tame) plant_specials(f, {&kt, &vt, &kt});
+        sdpa::TensorView kv = kt.view();
+        if (mis == 1) kv.dtype = base.kv == DType::kFloat64 ? DType::kFloat32 : DType::kFloat64;
+        const bool known = s >= 0 && s < static_cast<int64_t>(model.size()) && model[static_cast<size_t>(s)].live;
+        const int64_t need = known ? (model[s].L + n + ps - 1) / ps - static_cast<int64_t>(model[s].pages.size()) : 0;
+        log << " append(" << s << ", " << n << " tokens" << (mis ? std::string(", mismatched ") + (mis == 1 ? "k dtype" : mis == 2 ? "v Dv" : "v tokens") : "") << ");";
+        g_case = log.str() + "\n" + kt.describe("k tokens") + "\n" + vt.describe("v tokens") + "\n";
+        if (!known || mis || need > static_cast<int64_t>(free_pages.size())) {
+          std::vector<std::string> want;
+          if (!known) want = {std::to_string(s)};
+          else if (!mis) want = {"full"};
+          expect_error("KVCache::append", [&] { cache.append(s, kv, vt.view()); }, nullptr, want,
+                       !known ? "an unknown sequence" : mis ? "mismatched tokens" : "a full pool");
+          state_matches("a failed append");
+          break;
+        }
+        expect_no_throw("KVCache::append", [&] { cache.append(s, kv, vt.view()); });
+        Seq& q = model[s];
+        for (int64_t p = 0; p < need; ++p) {
+          q.pages.push_back(*free_pages.begin());  // the lowest free page first (the header)
+          free_pages.erase(free_pages.begin());
+        }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t h = 0; h < Hkv; ++h) {
+            for (int64_t e = 0; e < Dk; ++e) q.k.push_back(kt.at4(0, i, h, e));
+            for (int64_t e = 0; e < Dv; ++e) q.v.push_back(vt.at4(0, i, h, e));
+          }
+        q.L += n;
+        last_n = std::max<int64_t>(1, n);
+        state_matches("append");
+        break;
+      }
+      case 5:
+      case 6: {  // attention of 0-3 sequences (one may repeat, or be unknown: an Error)
+        const uint8_t ab = f.ConsumeIntegral<uint8_t>();
+        std::vector<int64_t> seqs;
+        const int nb = ids.empty() ? 0 : 1 + ab % 3;
+        for (int b = 0; b < nb; ++b) seqs.push_back(ids[static_cast<size_t>(rng() % ids.size())]);
+        const int64_t unk = unknown_id(ab >> 2);
+        if (unknown) seqs.insert(seqs.begin() + static_cast<std::ptrdiff_t>(rng() % (seqs.size() + 1)), unk);
+        static const int64_t kNq[] = {1, 1, 1, 2, 3, 0};
+        Case dc;
+        dc.dtype = base.dtype;
+        dc.kv = base.kv;
+        dc.rank = 4;
+        dc.tame = base.tame;
+        dc.threads = base.threads;
+        dc.avx2 = base.avx2;
+        dc.path_cap = base.path_cap;
+        Dims& d = dc.d;
+        d.Hq = Hq;
+        d.Hkv = Hkv;
+        d.Nq = (ab >> 2) % 7 == 6 ? last_n : kNq[(ab >> 2) % 7 % 6];
+        d.Dk = Dk;
+        d.Dv = Dv;
+        const auto set_nk = [&] {
+          size_t max_pages = 0;
+          for (int64_t s : seqs) if (s != unk || !unknown) max_pages = std::max(max_pages, model[static_cast<size_t>(s)].pages.size());
+          d.Nk = static_cast<int64_t>(max_pages) * ps;
+          d.B = static_cast<int64_t>(seqs.size());
+        };
+        set_nk();
+        // Bound the work as run_paged does: fewer queries, then fewer entries (a script may hold
+        // 3 prompts of 65 tokens with 12 query heads); past a dense call's budget the oracle is
+        // left out (the dense comparison stays).
+        while (work_of(d) > kPagedWorkBudget && d.Nq > 1) d.Nq /= 2;
+        while (work_of(d) > kPagedWorkBudget && seqs.size() > 1 && !unknown) {
+          seqs.pop_back();
+          set_nk();
+        }
+        const bool oracle = work_of(d) <= kWorkBudget;
+        const uint8_t of = decode_short_options(f, dc.opt);
+        if ((of & 32) == 0) dc.opt.causal = Causal::kBottomRight;  // mostly a decode / prefill step
+        dc.want_weights = of & 64;
+        dc.want_lse = of & 128;
+        if (dc.tame && dc.opt.scale && !(std::fabs(*dc.opt.scale) <= 1e3)) dc.tame = false;
+        dc.q.init(dc.dtype, {d.B, d.Hq, d.Nq, d.Dk}, Role::kUnitLast, true, decode_layout(f, fancy));
+        fill_values(dc.q, rng, sigma, 0);
+        if (!base.tame) plant_specials(f, {&dc.q, &dc.q, &dc.q});
+        dc.out_ls = decode_layout(f, fancy);
+        dc.w_ls = decode_layout(f, fancy);
+        dc.l_ls = decode_layout(f, fancy);
+        log << " attention({";
+        for (size_t b = 0; b < seqs.size(); ++b) log << (b ? ", " : "") << seqs[b];
+        log << "}, Nq " << d.Nq << ");";
+        if (unknown) {
+          g_case = log.str() + "\n";
+          Outs o = make_outs(dc, dc.want_weights, dc.want_lse, true);
+          expect_error("KVCache::attention", [&] { cache.attention(dc.q.view(), seqs, o.outputs(), dc.opt); }, &o,
+                       {std::to_string(unk)}, "an unknown sequence");
+          break;
+        }
+        // The dense call: the tokens appended so far, gathered; keys past each length NaN.
+        dc.k.init(dc.kv, {d.B, Hkv, d.Nk, Dk}, Role::kUnitLast, true, LayoutSpec::plain());
+        dc.v.init(dc.kv, {d.B, Hkv, d.Nk, Dv}, Role::kUnitLast, true, LayoutSpec::plain());
+        for (int64_t b = 0; b < d.B; ++b) {
+          const Seq& q = model[seqs[b]];
+          dc.seqlens.push_back(q.L);
+          for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t j = 0; j < d.Nk; ++j) {
+              for (int64_t e = 0; e < Dk; ++e) dc.k.set_flat(((b * Hkv + h) * d.Nk + j) * Dk + e, j < q.L ? q.k[(j * Hkv + h) * Dk + e] : kNaN);
+              for (int64_t e = 0; e < Dv; ++e) dc.v.set_flat(((b * Hkv + h) * d.Nk + j) * Dv + e, j < q.L ? q.v[(j * Hkv + h) * Dv + e] : kNaN);
+            }
+        }
+        dc.sl = std::make_shared<IndexTensor>(DType::kInt64, dc.seqlens, 1, 0);
+        dc.sl_view = dc.sl->view();
+        g_case = log.str() + "\n" + describe(dc);
+        if (g_print) std::fprintf(stderr, "attention_fuzz: KVCache case\n%s", g_case.c_str());
+        // Under ASan the cache's rows these sequences do not read are unaddressable during the call.
+        std::vector<uint8_t> row_read(static_cast<size_t>(num_pages * ps), 0);
+        for (int64_t s : seqs)
+          for (int64_t j = 0; j < model[s].L; ++j) row_read[static_cast<size_t>(model[s].pages[j / ps] * ps + j % ps)] = 1;
+        const auto attend = [&](const Outs& o) {
+          Garbage g(0);
+          for (const sdpa::TensorView& t : {cache.k_pages(), cache.v_pages()}) {
+            std::vector<int64_t> offs;
+            for (int64_t p = 0; p < num_pages; ++p)
+              for (int64_t r = 0; r < ps; ++r)
+                if (!row_read[static_cast<size_t>(p * ps + r)])
+                  for (int64_t h = 0; h < Hkv; ++h)
+                    for (int64_t e = 0; e < t.shape[3]; ++e) offs.push_back(p * t.strides[0] + r * t.strides[1] + h * t.strides[2] + e);
+            std::sort(offs.begin(), offs.end());
+            g.fence(static_cast<std::byte*>(t.data), offs, esize(t.dtype));
+          }
+          expect_no_throw("KVCache::attention", [&] { cache.attention(dc.q.view(), seqs, o.outputs(), dc.opt); });
+        };
+        Outs o = make_outs(dc, dc.want_weights, dc.want_lse, true);
+        attend(o);
+        check_outs_written(o);
+        {
+          sdpa::set_num_threads(3 - base.threads);
+          Outs o2 = make_outs(dc, dc.want_weights, dc.want_lse, false);
+          attend(o2);
+          sdpa::set_num_threads(base.threads);
+          std::string why;
+          check(o.bitwise_equal(o2, why), "repeatable", [&] { return "two identical KVCache::attention calls (threads 1 and 2) differ: " + why; });
+        }
+        Outs full = make_outs(dc, true, true, false);
+        attend(full);
+        std::string why;
+        check(o.bitwise_equal(full, why), "weights_invariant", [&] { return "the same KVCache::attention call with weights and lse requested differs: " + why; });
+        check_paged_dense(dc, full, "KVCache::attention", oracle);
+        break;
+      }
+      case 7: {  // free, or a call with an unknown sequence (free, length, pages): an Error
+        const uint8_t fb = f.ConsumeIntegral<uint8_t>();
+        if (!unknown) {
+          log << " free(" << pick_live << ");";
+          g_case = log.str();
+          expect_no_throw("KVCache::free", [&] { cache.free(pick_live); });
+          for (int32_t p : model[pick_live].pages) free_pages.insert(p);
+          model[pick_live] = Seq{};
+          state_matches("free");
+          break;
+        }
+        const int64_t s = unknown_id(fb);
+        log << " " << (fb & 0x30 ? "length(" : "free(") << s << ") (unknown);";
+        g_case = log.str();
+        if (fb & 0x30) expect_error("KVCache::length", [&] { (void)cache.length(s); }, nullptr, {std::to_string(s)}, "an unknown sequence");
+        else expect_error("KVCache::free", [&] { cache.free(s); }, nullptr, {std::to_string(s)}, "an unknown sequence");
+        state_matches("a failed call");
+        break;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
@@ -2833,6 +3980,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     data += n;
     size -= n;
   }
+  g_mods = (ext & kExtModsMask) == kExtModifiers;
+  g_md = g_md_seed = 0;
+  if (g_mods) {  // two more prefix bytes (after sk, sk_seed)
+    if (size >= 1) g_md = data[0];
+    if (size >= 2) g_md_seed = data[1];
+    const size_t n = std::min<size_t>(size, 2);
+    data += n;
+    size -= n;
+  }
   g_storage = ext & 3;
   const int cap = (ext >> 2) & 3;
   g_path_cap = cap == 1 ? sdpa::KernelPath::kAvx512Bf16 : cap == 2 ? sdpa::KernelPath::kSimd : sdpa::KernelPath::kAmxBf16;
@@ -2847,6 +4003,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     if (g_varlen) {
       run_varlen(f);
+    } else if ((ext & kExtModeBits) == kExtPaged) {
+      run_paged(f);
+    } else if ((ext & kExtModeBits) == kExtKVCache) {
+      run_kvcache(f);
     } else if (mode < 12) {
       run_huge(f);
     } else {
