@@ -20,7 +20,6 @@ step (forward + backward) in bfloat16 against torch's."""
 import argparse
 import os
 import sys
-import time
 
 
 def parse():
@@ -43,6 +42,7 @@ if args.no_avx512:
 import numpy as np  # noqa: E402
 
 import sdpa  # noqa: E402
+from cpu import median_time  # noqa: E402  (bench/cpu.py: the script's folder is on sys.path)
 
 try:
     import torch  # noqa: E402
@@ -64,16 +64,6 @@ def numpy_attention(q, k, v, causal):
         s = np.where(np.tril(np.ones((nq, nk), bool), nk - nq), s, np.float32(-np.inf))
     s = np.exp(s - s.max(-1, keepdims=True))
     return (s / s.sum(-1, keepdims=True)) @ v
-
-
-def median_time(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
 
 
 CASES = [  # B, Hq, Hkv, Nq, Nk, D, causal
