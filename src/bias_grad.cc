@@ -20,10 +20,6 @@ void bias_gradients(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
   const View4& g = *bp.dbias;  // the mask's shape, 1 where it broadcasts
   const int64_t rows = g.shape[0] * g.shape[1] * g.shape[2];
-  // The scores' index range that reads mask index m along a dim of full extent n.
-  const auto readers = [](int64_t m, int64_t extent, int64_t n) {
-    return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
-  };
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), rows)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {

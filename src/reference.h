@@ -1,6 +1,9 @@
 // The materialising kernels: a float64 oracle and its same-precision twin.
 #pragma once
 
+#include <cstdint>
+#include <utility>
+
 #include "problem.h"
 
 namespace sdpa::internal {
@@ -47,6 +50,11 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
 // oracle, Acc = float the float32 compute type's.
 template <typename Acc>
 void bias_gradients(const BackwardProblem& bp);
+// The scores' index range [first, last) along one dim (of full extent n) that reads index m of
+// a mask dim of the given extent: all n where the mask broadcasts (extent 1), else m alone.
+inline std::pair<int64_t, int64_t> readers(int64_t m, int64_t extent, int64_t n) {
+  return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
+}
 // The same sums for kAuto / kFlash in the compute type T: p from the given lse, K and V of a kv
 // head converted once per chunk of mask rows.
 template <typename T>

@@ -41,27 +41,16 @@ HWY_INLINE void ProductsAlongKeys(D d, const T* HWY_RESTRICT a, int64_t depth, c
   }
 }
 
-// Row (b, h, n) of v, width elements, as T: a copy where v holds T (rows have unit stride),
-// else one conversion per element.
+// Row (b, h, n) of v, width elements, as T (rows-inl.h's WidenRow: a copy where v holds T, exact
+// SIMD widening of 16-bit storage). An empty row is not addressed at all (its data may be null).
 template <typename T>
-void read_row(const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, T* out) {
-  if (width == 0) return;
-  if (v.dtype == dtype_of<T>()) {
-    const T* src = v.at<T>(b, h, n);
-    std::copy(src, src + width, out);
-    return;
-  }
-  for (int64_t c = 0; c < width; ++c) out[c] = v.load<T>(b, h, n, c);
+void read_row(const View4& v, int64_t b, int64_t h, int64_t n, int64_t width, T* HWY_RESTRICT out) {
+  if (width > 0) WidenRow(hn::ScalableTag<T>(), v.dtype, v.ptr(b, h, n, 0), width, out);
 }
 
 // Mask rows (along Nq) per unit: K and V are transposed once for them, which costs as much as
 // 1/kChunk of the unit's products (measured: 16 spent half the pass transposing).
 constexpr int64_t kChunk = 64;
-
-// The scores' index range that reads mask index m along a dim of full extent n.
-inline std::pair<int64_t, int64_t> readers(int64_t m, int64_t extent, int64_t n) {
-  return extent == 1 ? std::pair<int64_t, int64_t>{0, n} : std::pair<int64_t, int64_t>{m, m + 1};
-}
 
 // One thread's buffers: the kv head's K and V transposed (Dk × stride, Dv × stride; stride
 // leaves a vector past any key a load starts at), a reader row's products, slopes, dropout
