@@ -17,8 +17,9 @@ for arg in "$@"; do
 done
 
 # 1. Debian packages: compilers (clang + LLVM OpenMP for the ThreadSanitizer build), CMake, Highway
-#    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP.
-packages=(build-essential cmake ninja-build python3-venv clang libclang-rt-14-dev libomp-dev
+#    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP; ccache (the Python package and the
+#    Release build then compile the kernels once).
+packages=(build-essential cmake ninja-build ccache python3-venv clang libclang-rt-14-dev libomp-dev
           libhwy-dev libcli11-dev libgtest-dev libbenchmark-dev)
 missing=()
 for p in "${packages[@]}"; do
