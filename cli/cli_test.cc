@@ -157,6 +157,30 @@ TEST_F(CliTest, ScoreModifiersByHand) {
   EXPECT_FALSE(fs::exists(path("out2.npy")));
 }
 
+// --block-mask and --block-size: query 0 sees keys 0, 1 and query 1 keys 2, 3 (blocks of 1 x 2).
+TEST_F(CliTest, BlockMaskByHand) {
+  save("q.npy", array<double>(DType::kFloat64, {2, 1}, {1, 2}));
+  save("k.npy", array<double>(DType::kFloat64, {4, 1}, {1, -1, 0.5, 2}));
+  save("v.npy", array<double>(DType::kFloat64, {4, 1}, {1, 10, 100, 1000}));
+  save("blocks.npy", array<uint8_t>(DType::kBool, {2, 2}, {1, 0, 0, 1}));
+  const Result r = sdpa("run --q q.npy --k k.npy --v v.npy --scale 1 --block-mask blocks.npy --block-size 1,2 -o out.npy");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const double q[2] = {1, 2}, k[4] = {1, -1, 0.5, 2}, value[4] = {1, 10, 100, 1000};
+  for (int i = 0; i < 2; ++i) {
+    double sum = 0, weighted = 0;
+    for (int j = 2 * i; j < 2 * i + 2; ++j) {
+      sum += std::exp(q[i] * k[j]);
+      weighted += std::exp(q[i] * k[j]) * value[j];
+    }
+    EXPECT_NEAR(read_npy(path("out.npy")).values<double>()[static_cast<size_t>(i)], weighted / sum, 1e-9);
+  }
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --block-mask blocks.npy -o out2.npy"),
+                        "block_mask has shape (2, 2)", "blocks.npy");
+  expect_one_line_error(sdpa("run --q q.npy --k k.npy --v v.npy --block-mask blocks.npy --block-size 0 -o out2.npy"),
+                        "--block-size must be", "'0'");
+  EXPECT_FALSE(fs::exists(path("out2.npy")));
+}
+
 TEST_F(CliTest, Seed001CausalMaskExample) {
   save_seed_001(DType::kFloat64);
   save("mask.npy", array<uint8_t>(DType::kBool, {2, 2}, {1, 0, 1, 1}));

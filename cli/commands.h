@@ -28,6 +28,8 @@ struct RunOptions {
   double softcap = 0;                        // 0: off
   std::string softcap_order = "before_bias";  // or after_bias
   std::string alibi_slopes, sinks;            // .npy files; empty: none
+  std::string block_mask;                     // .npy file (bool); empty: none
+  std::string block_size = "128";             // "B" or "BQ,BK"
   std::string out;
   std::string weights;  // empty: not written
   std::string lse;      // empty: not written

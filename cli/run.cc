@@ -53,6 +53,26 @@ sdpa::Window parse_window(const std::string& text) {
   return w;
 }
 
+// --block-size: "B" (both) or "BQ,BK", positive integers (the library checks the range too).
+std::pair<int64_t, int64_t> parse_block_size(const std::string& text) {
+  const auto fail = [&] {
+    throw std::runtime_error("--block-size must be one positive integer B or two BQ,BK, got '" + text + "'");
+  };
+  const auto parse = [&](std::string_view part) {
+    int64_t value = 0;
+    const auto [end, ec] = std::from_chars(part.data(), part.data() + part.size(), value);
+    if (ec != std::errc() || end != part.data() + part.size() || part.empty() || value < 1) fail();
+    return value;
+  };
+  const std::string_view all(text);
+  const size_t comma = all.find(',');
+  if (comma == std::string_view::npos) {
+    const int64_t b = parse(all);
+    return {b, b};
+  }
+  return {parse(all.substr(0, comma)), parse(all.substr(comma + 1))};
+}
+
 // The shortest text that reads back as x: "1e+300", "0.1".
 std::string number_string(double x) {
   char text[32];
@@ -215,6 +235,13 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->type_name("FILE");
   run->add_option("--sinks", o.sinks, "Attention-sink logits (Hq,): one more term in each row's softmax sum")
       ->type_name("FILE");
+  run->add_option("--block-mask", o.block_mask,
+                  "Block-sparse attention: bool (..., ceil(Nq/BQ), ceil(Nk/BK)); a false block's keys are blocked "
+                  "for its queries, and the kernels skip the tiles it empties")
+      ->type_name("FILE");
+  run->add_option("--block-size", o.block_size, "Rows and keys per block of --block-mask: B, or BQ,BK")
+      ->type_name("B|BQ,BK")
+      ->capture_default_str();
   run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in q's dtype")
       ->type_name("FILE")
       ->required();
@@ -279,6 +306,14 @@ void run_command(const RunOptions& o) {
     if (sinks->is_float()) convert_float(*sinks, sdpa::DType::kFloat64);
     options.sinks = sinks->array.view();
   }
+  std::optional<Input> block_mask;
+  if (!o.block_mask.empty()) {
+    block_mask = read_input("block_mask", o.block_mask);
+    const auto [bq, bk] = parse_block_size(o.block_size);
+    options.block_mask = block_mask->array.view();
+    options.block_q = bq;
+    options.block_k = bk;
+  }
   // float32 and float64 inputs meet in float64. float16 and bfloat16 are never converted (that
   // would change what is computed): beside them the library's rule holds as it is, q, k and v
   // one dtype or float32 q over float16 or bfloat16 k and v, and its error names the files.
@@ -309,6 +344,7 @@ void run_command(const RunOptions& o) {
     if (seqlens) files += ", seqlens_k = " + o.seqlens_k;
     if (slopes) files += ", alibi_slopes = " + o.alibi_slopes;
     if (sinks) files += ", sinks = " + o.sinks;
+    if (block_mask) files += ", block_mask = " + o.block_mask;
     return std::runtime_error(std::string(e.what()) + " (" + files + ")");
   };
   sdpa::Inputs inputs{q.array.view(), k.array.view(), v.array.view(), std::nullopt};

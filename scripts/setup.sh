@@ -32,6 +32,11 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}"
 fi
 
+# One C++ compiler for the Python package and the C++ build: with the same compiler, path and
+# flags, ccache compiles the library once for both (pip's build alone picked g++, CMake's c++,
+# and ccache hashes the compiler's name).
+export CC="${CC:-gcc}" CXX="${CXX:-g++}"
+
 # 2. The Python environment .venv with the package installed (and the sdpa CLI on its PATH).
 python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv

@@ -21,7 +21,8 @@ TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1);
 
 // The options of sequence b of `sequences` packed ones (each a problem with batch 1): per-batch
 // ALiBi slopes (sequences, Hq) become row b as (1, Hq); Error naming alibi_slopes when their
-// first dim is neither 1 nor `sequences`. Other options are shared.
+// first dim is neither 1 nor `sequences`; a block_mask is an Error (its blocks would differ per
+// sequence). Other options are shared.
 Options sequence_options(const Options& options, int64_t b, int64_t sequences);
 
 }  // namespace sdpa::internal

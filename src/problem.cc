@@ -296,6 +296,37 @@ void read_modifiers(const Options& opt, Problem& p) {
   }
 }
 
+// ceil(n / block) without the overflow of n + block - 1.
+int64_t ceil_blocks(int64_t n, int64_t block) { return n / block + (n % block != 0); }
+
+// Options::block_mask: bool, (..., ceil(Nq / block_q), ceil(Nk / block_k)), its leading dims
+// broadcasting to (B, Hq); r is q's rank.
+void read_block_mask(const TensorView& m, const Options& opt, int r, Problem& p) {
+  if (opt.block_q < 1 || opt.block_k < 1) {
+    fail("block_q=" + std::to_string(opt.block_q) + " and block_k=" + std::to_string(opt.block_k) +
+         " must be at least 1 (rows and keys per block of block_mask)");
+  }
+  check_basic("block_mask", m, 2, r);
+  if (m.dtype != DType::kBool) {
+    fail(std::string("block_mask has dtype ") + dtype_name(m.dtype) + " but must be bool");
+  }
+  const int64_t blocks[4] = {p.B, p.Hq, ceil_blocks(p.Nq, opt.block_q), ceil_blocks(p.Nk, opt.block_k)};
+  View4 bv = to_view4(m);
+  bool fits = true;
+  for (int d = 0; d < 4; ++d) fits &= bv.shape[d] == blocks[d] || (d < 2 && bv.shape[d] == 1);
+  if (!fits) {
+    const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
+    fail("block_mask has shape " + m.shape_string() + ", which does not broadcast to " +
+         shape_string(blocks + (4 - r), r) + " = " + target + " with QB = ceil(Nq / block_q) = ceil(" +
+         std::to_string(p.Nq) + " / " + std::to_string(opt.block_q) + ") and KB = ceil(Nk / block_k) = ceil(" +
+         std::to_string(p.Nk) + " / " + std::to_string(opt.block_k) + ")");
+  }
+  for (int d = 0; d < 2; ++d) bv.shape[d] = blocks[d];  // broadcast dims already have stride 0
+  p.block_mask = bv;
+  p.block_q = opt.block_q;
+  p.block_k = opt.block_k;
+}
+
 // The checks of q, k, v, the mask and the options: everything but the outputs.
 Problem make_input_problem(const Inputs& in, const Options& opt) {
   const TensorView &q = in.q, &k = in.k, &v = in.v;
@@ -382,6 +413,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
     if (m.dtype != DType::kBool) check_mask_values(m);
     p.mask = mv;
   }
+  if (opt.block_mask) read_block_mask(*opt.block_mask, opt, r, p);
   if (in.seqlens_k) p.seqlens_k = read_seqlens(*in.seqlens_k, p.B, p.Nk, r);
 
   if (opt.scale) {

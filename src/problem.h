@@ -155,6 +155,9 @@ struct Problem {
 
   View4 q, k, v, out;
   std::optional<View4> mask;     // broadcast to (B, Hq, Nq, Nk)
+  // Options::block_mask (bool), broadcast to (B, Hq, ceil(Nq / block_q), ceil(Nk / block_k)).
+  std::optional<View4> block_mask;
+  int64_t block_q = 1, block_k = 1;
   std::optional<View4> weights;  // (B, Hq, Nq, Nk)
   std::optional<View4> lse;      // (B, Hq, Nq, 1)
 
@@ -191,9 +194,26 @@ struct Problem {
   // element) and work must follow the elements.
   bool scores_are_biases_only() const { return Dk == 0 && Dv == 0; }
 
-  // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool.
+  // Whether the block mask lets row i of (b, h) see key j (true without one).
+  bool block_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    return !block_mask || *block_mask->at<uint8_t>(b, h, i / block_q, j / block_k) != 0;
+  }
+  // Whether it lets row i of (b, h) see some key of [j0, j1) (its blocks that overlap them).
+  bool block_allows_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const {
+    if (j0 >= j1) return false;
+    if (!block_mask) return true;
+    const uint8_t* row = block_mask->at<uint8_t>(b, h, i / block_q, 0);
+    for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb) {
+      if (row[kb * block_mask->strides[3]] != 0) return true;
+    }
+    return false;
+  }
+
+  // The mask's additive bias at (b, h, i, j): a float mask's value, or 0 / -inf for bool; -inf
+  // where the block mask blocks (a blocked block is a bool mask's 0 over the block).
   template <typename T>
   T mask_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
+    if (!block_allows(b, h, i, j)) return -std::numeric_limits<T>::infinity();
     if (!mask) return T(0);
     if (mask->dtype == DType::kBool) {
       return *mask->at<uint8_t>(b, h, i, j) ? T(0) : -std::numeric_limits<T>::infinity();

@@ -102,9 +102,9 @@ void lse_of_biases(const Problem& p) {
       for (int64_t i = 0; i < p.Nq; ++i) {
         const KeyRange range = p.key_range(b, i);
         double lse = neg_inf;
-        if (!range.empty() && ((p.mask && p.mask->strides[3] != 0) || p.has_alibi())) {
-          // The scores vary along the keys (the mask's row exists in memory; ALiBi's distances):
-          // walk them.
+        if (!range.empty() && ((p.mask && p.mask->strides[3] != 0) || p.has_alibi() || p.block_mask)) {
+          // The scores vary along the keys (the mask's row exists in memory; ALiBi's distances;
+          // the block mask's blocks): walk them.
           double row_max = lse, sum = 0;
           for (int64_t j = range.begin; j < range.end; ++j) row_max = std::max(row_max, p.score(0.0, b, h, i, j));
           for (int64_t j = range.begin; j < range.end && row_max > lse; ++j) {

@@ -76,6 +76,10 @@ TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
 }
 
 Options sequence_options(const Options& options, int64_t b, int64_t sequences) {
+  if (options.block_mask) {
+    fail("block_mask is not available for packed sequences (attention_varlen, cu_seqlens_q): their blocks would "
+         "differ per sequence; pass a block mask per sequence in separate calls, or pad to a dense batch");
+  }
   if (!options.alibi_slopes || options.alibi_slopes->rank != 2) return options;
   TensorView t = *options.alibi_slopes;
   if (t.shape[0] != 1 && t.shape[0] != sequences) {

@@ -155,6 +155,29 @@ struct Options {
   std::optional<TensorView> alibi_slopes = std::nullopt;
   // Attention sinks: (Hq,), float32 or float64, finite (a learned logit per query head), any stride.
   std::optional<TensorView> sinks = std::nullopt;
+
+  // Block-sparse attention (BigBird's, Longformer's and FlexAttention's block masks): a bool
+  // block_mask of shape (..., ceil(Nq / block_q), ceil(Nk / block_k)) whose leading dims
+  // broadcast to the scores' (B, Hq) as a mask's do. Query row i and key j lie in block
+  // (i / block_q, j / block_k), counted as stored (causal's alignment does not move blocks);
+  // where that block is false (0) the key is blocked for the row on top of every other mask:
+  // its weight is exactly 0, as under a bool mask, and a row left with no key gives out = 0,
+  // lse = -inf (or the sink). block_q, block_k >= 1.
+  //   Nq = 4, Nk = 6, block_q = 2, block_k = 3, block_mask = {{1, 0}, {1, 1}}, no causal
+  //   (x: attended, .: blocked):   x x x . . .
+  //                                x x x . . .
+  //                                x x x x x x
+  //                                x x x x x x
+  //   (tests/block_mask_test.cc checks this picture)
+  // The fused kernels skip whole tiles: in the forward (decode and weights included), a tile
+  // of 128 keys that the block mask blocks for every row of a kernel block of rows is neither
+  // scored nor read (its keys and values are not touched); the backward skips the score tiles
+  // such tiles and rows would make (it still reads every key and value once, checking for
+  // non-finite values). A block_k that is a multiple of 128 therefore skips exactly the false
+  // blocks; smaller blocks are also masked key by key inside tiles they share with allowed ones.
+  // Results equal those of the same call with the equivalent bool mask (block_mask_test.cc).
+  std::optional<TensorView> block_mask = std::nullopt;
+  int64_t block_q = 128, block_k = 128;
 };
 
 // Dtypes. q, k, v share one dtype: float32, float64, bfloat16 or float16; or q is float32 and

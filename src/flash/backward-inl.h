@@ -260,11 +260,13 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   const RowInterval rows = rows_seeing_keys(p, b, j0, j0 + nk);
   for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
     for (int64_t i0 = rows.first; i0 < rows.last; i0 += kTileKeys) {
-      // Rows of this tile that see any key of the block; the others contribute nothing.
+      // Rows of this tile that see any key of the block (and whose block mask allows one); the
+      // others contribute nothing.
       int64_t first = -1, last = -1;
       for (int64_t i = i0; i < std::min(rows.last, i0 + kTileKeys); ++i) {
         const KeyRange kr = p.key_range(b, i);
-        if (std::max(kr.begin, j0) < std::min(kr.end, j0 + nk) && rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
+        if (p.block_allows_any(b, h, i, std::max(kr.begin, j0), std::min(kr.end, j0 + nk)) &&
+            rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
           if (first < 0) first = i;
           last = i;
         }
@@ -385,6 +387,8 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
     const bool partial = j0 < bs.span.max_begin || j0 + n > bs.span.min_end;
+    // A tile the block mask blocks for every lane adds ds = 0 to dq: skipped unread.
+    if (p.block_mask && !lanes_see_keys(p, blk.b, bs.lanes, blk.rows, j0, j0 + n)) continue;
     T* pt = s.pt.get();
     T* dpt = s.dpt.get();
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());  // (dq += ds · k)

@@ -161,6 +161,8 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    // A tile the block mask blocks for every row changes no sum: skipped unread.
+    if (p.block_mask && !lanes_see_keys(p, blk.b, lanes, R, j0, j0 + n)) continue;
     const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
     const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
@@ -261,6 +263,7 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
+    if (p.block_mask && !lanes_see_keys(p, blk.b, lanes, R, j0, j0 + n)) continue;  // weights stay 0
     const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), st);
     for (int64_t r = 0; r < R; ++r) {

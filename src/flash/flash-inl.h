@@ -485,6 +485,16 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     // The group's keys of this tile, read (widened, for 16-bit storage) once for all its blocks.
     const int64_t k0 = std::max(t, begin), k1 = std::min(t + kTileKeys, end);
     const BlockRows& blk = blks[0];  // every block of a group reads the same kv head
+    // The blocks that see a key of the tile under the block mask (all without one): a block
+    // that sees none would add nothing (its max, sum and output stay bit for bit), and a tile
+    // that no block sees is not read.
+    bool sees[kMaxGroupBlocks];
+    bool any_sees = false;
+    for (size_t g = 0; g < count; ++g) {
+      sees[g] = !p.block_mask || lanes_see_keys(p, blk.b, states[g].lanes, blks[g].rows, k0, k1);
+      any_sees |= sees[g];
+    }
+    if (!any_sees) continue;
     bool pairs = false, widen_keys = false;  // widened unless every block scores from bfloat16 pairs
     for (size_t g = 0; g < count; ++g) (states[g].qp != nullptr ? pairs : widen_keys) = true;
     const bool keys_in_range = pairs && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
@@ -493,6 +503,7 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
     const bool v_bad = FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
+      if (!sees[g]) continue;
       BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, keys_in_range, values,
                     v_bad ? s.v_bad.data() : nullptr);
     }
@@ -517,6 +528,7 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
+    if (p.block_mask && !lanes_see_keys(p, blk.b, bs.lanes, blk.rows, j0, j0 + n)) continue;  // weights stay 0
     const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
     const Rows<T> keys = keys_in_range ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, keys_in_range, s.mask_rows.get());

@@ -77,6 +77,17 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
   return span;
 }
 
+// Whether some lane may see a key of [j0, j1): one inside its own range that the block mask
+// allows (Problem::block_allows_any). Without a block mask, whether some lane's range meets them.
+// A tile that no lane sees changes none of their sums, so kernels skip it unread.
+inline bool lanes_see_keys(const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0, int64_t j1) {
+  for (int64_t l = 0; l < count; ++l) {
+    const int64_t lo = std::max(j0, lanes[l].begin), hi = std::min(j1, lanes[l].end);
+    if (p.block_allows_any(b, lanes[l].h, lanes[l].i, lo, hi)) return true;
+  }
+  return false;
+}
+
 // The query rows [first, last) of batch b that may see a key of [j0, j1) under causal, window
 // and the sequence's length: both ends of key_range(b, i) are non-decreasing in i, so the rows
 // whose range ends after j0 are a suffix, those whose range begins before j1 a prefix, and the

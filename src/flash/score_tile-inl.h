@@ -272,9 +272,28 @@ HWY_INLINE void AddAlibiRow(D d, const Problem& p, int64_t b, const LaneRow& lan
   }
 }
 
+// The block mask on a tile (Problem::block_allows): -inf at the keys of [j0, j0 + n) whose
+// block the lane's row blocks, a run of keys per block, in either layout (s: the stride).
+template <TileLayout layout, typename T>
+void BlockMaskTile(const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0, int64_t n,
+                   T* HWY_RESTRICT tile, int64_t s) {
+  const View4& bm = *p.block_mask;
+  for (int64_t r = 0; r < count; ++r) {
+    const uint8_t* row = bm.at<uint8_t>(b, lanes[r].h, lanes[r].i / p.block_q, 0);
+    for (int64_t j = j0; j < j0 + n;) {
+      const int64_t kb = j / p.block_k, end = std::min(j0 + n, (kb + 1) * p.block_k);
+      for (; row[kb * bm.strides[3]] == 0 && j < end; ++j) {
+        (layout == TileLayout::kKeyMajor ? tile[(j - j0) * s + r] : tile[r * s + (j - j0)]) =
+            -std::numeric_limits<T>::infinity();
+      }
+      j = end;
+    }
+  }
+}
+
 // The scores of a tile from its scaled dot products: the softcap, causal/window edges (when
-// `edges`: tiles inside every row's keys need none), ALiBi and the mask, in Problem::score's
-// order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows is Mq × kTileKeys
+// `edges`: tiles inside every row's keys need none), ALiBi, the mask and the block mask, in
+// Problem::score's order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows is Mq × kTileKeys
 // scratch; kRowMajor ignores QV and mask_rows. slope (null: not wanted; the backward's) gets
 // the softcap's ∂score/∂x in the tile's layout, where there is a softcap.
 template <size_t QV, TileLayout layout, class D, typename T = hn::TFromD<D>>
@@ -303,6 +322,7 @@ HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lane
     }
     if (p.has_alibi()) AddAlibiKeyMajor(d, p, b, lanes, count, j0, n, tile, stride);
     if (p.mask) AddMaskKeyMajor<QV>(d, p, b, lanes, count, j0, n, tile, stride, mask_rows);
+    if (p.block_mask) BlockMaskTile<layout>(p, b, lanes, count, j0, n, tile, s);
   } else {
     for (int64_t r = 0; r < count; ++r) {
       T* row = tile + r * s;
@@ -314,6 +334,7 @@ HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lane
       if (p.has_alibi()) AddAlibiRow(d, p, b, lanes[r], j0, n, row);
       if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
     }
+    if (p.block_mask) BlockMaskTile<layout>(p, b, lanes, count, j0, n, tile, s);
   }
   if (p.softcap != 0 && p.cap_after_bias) cap_tile(/*keep_blocked=*/true);
 }
