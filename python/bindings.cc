@@ -100,11 +100,15 @@ sdpa::Options::SoftcapOrder parse_softcap_order(const std::string& name) {
 
 // The score modifiers (the last arguments of every function below) added to opt.
 sdpa::Options with_mods(sdpa::Options opt, double softcap, const std::string& softcap_order,
-                        const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks) {
+                        const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
+                        const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
   opt.softcap = softcap;
   opt.softcap_order = parse_softcap_order(softcap_order);
   if (alibi_slopes) opt.alibi_slopes = to_view(*alibi_slopes, "alibi_slopes");
   if (sinks) opt.sinks = to_view(*sinks, "sinks");
+  if (block_mask) opt.block_mask = to_view(*block_mask, "block_mask");
+  opt.block_q = block_q;
+  opt.block_k = block_k;
   return opt;
 }
 
@@ -113,14 +117,14 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
                const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
                double dropout_p, std::optional<uint64_t> seed,
-               double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks) {
+               double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (weights) outs.weights = to_view(*weights, "weights");
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks);
+  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -131,7 +135,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
                         int64_t window_right, const std::string& backend, double dropout_p,
-                        std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
+                        std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                         const std::optional<Array>& dsinks, const std::optional<Array>& dbias) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
@@ -141,7 +145,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
   if (dbias) grads.dbias = to_view(*dbias, "dbias");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks);
+  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -149,12 +153,12 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
 void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray& v, const ConstArray& cu_q,
                       const ConstArray& cu_k, const Array& out, const std::optional<Array>& lse,
                       std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
-                      const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks) {
+                      const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
                               to_view(cu_k, "cu_seqlens_k")};
   sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks);
+  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_varlen(in, outs, opt);
 }
@@ -164,7 +168,7 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
                                const ConstArray& dout, const Array& dq, const Array& dk, const Array& dv,
                                std::optional<double> scale, const std::string& causal, int64_t window_left,
                                int64_t window_right, const std::string& backend, double dropout_p,
-                               std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
+                               std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                                const std::optional<Array>& dsinks) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
                               to_view(cu_k, "cu_seqlens_k")};
@@ -172,7 +176,7 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
                          dout_view = to_view(dout, "dout");
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks);
+  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_varlen_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -180,13 +184,13 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
 void attention_paged(const ConstArray& q, const ConstArray& k_pages, const ConstArray& v_pages, const ConstArray& table,
                      const ConstArray& seqlens_k, const std::optional<ConstArray>& cu_seqlens_q, const Array& out,
                      const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
-                     int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks) {
+                     int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
   sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
                        to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt};
   if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks);
+  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_paged(in, outs, opt);
 }
@@ -220,29 +224,29 @@ NB_MODULE(_core, m) {
         nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
         nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none());
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
         nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none());
   m.def("attention_varlen", &attention_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none());
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
   m.def("attention_varlen_backward", &attention_varlen_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("dsinks").none() = nb::none());
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128, nb::arg("dsinks").none() = nb::none());
   m.def("attention_paged", &attention_paged, nb::arg("q"), nb::arg("k_pages"), nb::arg("v_pages"),
         nb::arg("block_table"), nb::arg("seqlens_k"), nb::arg("cu_seqlens_q").none(), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none());
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
@@ -269,18 +273,18 @@ NB_MODULE(_core, m) {
       .def("attention",
            [](const sdpa::KVCache& c, const ConstArray& q, const std::vector<int64_t>& seqs, const Array& out,
               const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
-              int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks) {
+              int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
              sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
              if (lse) outs.lse = to_view(*lse, "lse");
              const sdpa::TensorView qv = to_view(q, "q");
-             const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks);
+             const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
              nb::gil_scoped_release release;
              c.attention(qv, seqs, outs, opt);
            },
            nb::arg("q"), nb::arg("seqs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(),
            nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
            nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-           nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none());
+           nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

@@ -14,7 +14,8 @@
 //
 // Every operator ends with the score modifiers, defaulted: softcap (0 = off), softcap_after_bias
 // (SoftcapOrder::kAfterBias), alibi_slopes? ((Hq,) or (B, Hq)) and sinks? ((Hq,)), float32 or
-// float64; the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
+// float64; attention and attention_backward then take block_mask? (bool), block_q and block_k
+// (Options::block_mask; default 128); the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
 // (0,) without sinks), and the autograd kernels give sinks that gradient. attention_backward
 // ends with mask_grad (default false): true returns the float mask's gradient as a fifth result
 // (shaped like the mask, its dtype; (0,) otherwise), which attention's autograd kernel asks for
@@ -94,6 +95,8 @@ struct Mods {
   double softcap = 0.0;
   bool after_bias = false;
   std::optional<Tensor> alibi_slopes, sinks;
+  std::optional<Tensor> block_mask = std::nullopt;  // attention and attention_backward only
+  int64_t block_q = 128, block_k = 128;
 };
 
 sdpa::Options options(c10::string_view causal, std::optional<double> scale, int64_t window_left, int64_t window_right,
@@ -103,6 +106,9 @@ sdpa::Options options(c10::string_view causal, std::optional<double> scale, int6
   opt.softcap_order = mods.after_bias ? sdpa::Options::SoftcapOrder::kAfterBias : sdpa::Options::SoftcapOrder::kBeforeBias;
   if (mods.alibi_slopes) opt.alibi_slopes = view(*mods.alibi_slopes, "alibi_slopes");
   if (mods.sinks) opt.sinks = view(*mods.sinks, "sinks");
+  if (mods.block_mask) opt.block_mask = view(*mods.block_mask, "block_mask");
+  opt.block_q = mods.block_q;
+  opt.block_k = mods.block_k;
   opt.scale = scale;
   opt.causal = parse_causal(causal);
   opt.window = {window_left, window_right};
@@ -146,13 +152,15 @@ Tensor empty_dsinks(const Tensor& q, const std::optional<Tensor>& sinks) {
 std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                          const std::optional<Tensor>& mask, c10::string_view causal,
                                          std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                         double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                         double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                                         const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   auto [out, lse] = empty_outputs(q, v);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention(in, outs, opt); });
   return {out, lse};
 }
@@ -162,7 +170,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
     const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    bool mask_grad) {
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
@@ -174,7 +182,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
   if (mask_grad) grads.dbias = view(dbias, "dbias");
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
   return {dq, dk, dv, dsinks, dbias};
 }
@@ -273,16 +282,19 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale,
                                int64_t window_left, int64_t window_right, double dropout_p,
-                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
     // Saved through autograd, so that an in-place change of an input or of the returned out
     // makes backward raise instead of using stale data.
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
-                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor())});
+                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
+    ctx->saved_data["block_q"] = block_q;
+    ctx->saved_data["block_k"] = block_k;
     // A float mask that requires grad (a learned bias) gets its gradient (dbias).
     ctx->saved_data["mask_grad"] = mask && mask->requires_grad();
     ctx->mark_non_differentiable({lse});
@@ -296,9 +308,12 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
     auto [dq, dk, dv, dsinks, dbias] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
                                                 o.window_left, o.window_right, o.dropout_p, optional(s[6]), o.softcap,
-                                                o.softcap_after_bias, optional(s[7]), optional(s[8]), mask_grad);
+                                                o.softcap_after_bias, optional(s[7]), optional(s[8]), optional(s[9]),
+                                                ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(),
+                                                mask_grad);
     return {dq,       dk,       dv,       mask_grad ? dbias : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[8].defined() ? dsinks : Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[8].defined() ? dsinks : Tensor(),
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -314,16 +329,18 @@ bool records(std::initializer_list<const Tensor*> inputs) {
 std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const std::optional<Tensor>& mask, c10::string_view causal,
                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                              double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                              double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                                              const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
   }
   const variable_list r = AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p,
-                                                   seed, softcap, softcap_after_bias, alibi_slopes, sinks);
+                                                   seed, softcap, softcap_after_bias, alibi_slopes, sinks, block_mask,
+                                                   block_q, block_k);
   return {r[0], r[1]};
 }
 
@@ -423,11 +440,14 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tenso
 TORCH_LIBRARY(sdpa, m) {
   // The score modifiers come last, defaulted.
 #define SDPA_MODS ", float softcap=0., bool softcap_after_bias=False, Tensor? alibi_slopes=None, Tensor? sinks=None"
+  // attention and attention_backward also take a block mask (the packed operators refuse one).
+#define SDPA_BLOCKS ", Tensor? block_mask=None, int block_q=128, int block_k=128"
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
-        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS ") -> (Tensor, Tensor)");
+        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        ", bool mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        SDPA_BLOCKS ", bool mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+#undef SDPA_BLOCKS
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         ") -> (Tensor, Tensor)");

@@ -17,9 +17,12 @@ import ml_dtypes
 import numpy as np
 
 from . import _core
+from .blocks import (block_mask_bigbird, block_mask_dilated, block_mask_documents, block_mask_from_mask,
+                     document_mask)
 
 __all__ = ["attention", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "attention_paged", "KVCache", "set_num_threads", "num_threads"]
+           "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
+           "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
@@ -335,10 +338,19 @@ def _prepared_seqlens(seqlens_k):
 _SOFTCAP_ORDERS = ("before_bias", "after_bias")
 
 
-def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype):
+def _block_sizes(block_size):
+    """(block_q, block_k) from an int or a pair of ints (_core checks that they are >= 1)."""
+    pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
+    if len(pair) != 2 or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in pair):
+        raise TypeError(f"block_size must be an int or a pair of ints (block_q, block_k), got {_describe(block_size)}")
+    return int(pair[0]), int(pair[1])
+
+
+def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128):
     """The score modifiers as _core's keyword arguments: softcap a real number (_core checks its
     range), the order one of _SOFTCAP_ORDERS, slopes and sinks real arrays in the compute dtype
-    `dtype` (_core checks shapes and values, naming the batch and heads)."""
+    `dtype` (_core checks shapes and values, naming the batch and heads), a bool block_mask
+    and its block sizes (_core checks its shape against them)."""
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number, got {_describe(softcap)}")
     if softcap_order not in _SOFTCAP_ORDERS:
@@ -349,12 +361,20 @@ def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype):
             a = _asarray(name, a)
             _check_real(name, a)
             mods[name] = np.ascontiguousarray(a, dtype=dtype)
+    block_q, block_k = _block_sizes(block_size)
+    if block_mask is not None:
+        bm = _asarray("block_mask", block_mask)
+        if bm.dtype != np.bool_:
+            raise TypeError(f"block_mask has dtype {bm.dtype} but must be bool (True: the block is computed)")
+        mods.update(block_mask=bm if _readable_in_place(bm) else np.ascontiguousarray(bm),
+                    block_q=block_q, block_k=block_k)
     return mods
 
 
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
-              softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
+              softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
+              block_size=128):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -472,6 +492,21 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
 
             so a row's weights sum to less than 1, lse includes the sink, and a row with no
             allowed key gives out = 0 and lse = sinks[h].
+        block_mask, block_size: block-sparse attention (BigBird, Longformer; the helpers
+            ``block_mask_bigbird``, ``block_mask_dilated`` and ``block_mask_from_mask`` build
+            them). block_mask is bool, (…, ceil(Nq / bq), ceil(Nk / bk)) with (bq, bk) =
+            block_size (an int for both, default 128), its leading dims broadcasting to
+            (B, Hq). Query i and key j lie in block (i // bq, j // bk); where it is False the
+            key is blocked for the query on top of every other mask (weight 0). The fused
+            kernels skip tiles of 128 keys that a whole block of rows blocks, reading neither
+            their keys nor their values, so a bk that is a multiple of 128 skips exactly the
+            False blocks. For Nq = 4, Nk = 6, block_size = (2, 3) (x = attend, . = blocked)::
+
+                block_mask = [[True, False],      k0 k1 k2 k3 k4 k5
+                              [True, True]]    q0  x  x  x  .  .  .
+                                               q1  x  x  x  .  .  .
+                                               q2  x  x  x  x  x  x
+                                               q3  x  x  x  x  x  x
 
     Returns:
         out, or a tuple (out, weights), (out, lse) or (out, weights, lse); out in q's dtype,
@@ -495,7 +530,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = _empty("out", lead + (v.shape[-1],), q.dtype)
@@ -521,7 +556,8 @@ def _backward_arrays(dout, out, lse, q, k, v, dtype):
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
-                       softcap_order="before_bias", alibi_slopes=None, sinks=None, return_dbias=False):
+                       softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
+                       block_size=128, return_dbias=False):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, then
     ``dsinks`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
     ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``), then ``dbias`` when
@@ -561,7 +597,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
             ``attention`` gives out (q's, after its dtype policy), lse to the compute dtype
             (float32 for float32, float16 and bfloat16 q; float64 for float64).
         q, k, v, mask, causal, scale, window, seqlens_k, dropout_p, seed, backend, softcap,
-            softcap_order, alibi_slopes, sinks: as in ``attention`` (keys past seqlens_k[b]
+            softcap_order, alibi_slopes, sinks, block_mask, block_size: as in ``attention``
+            (blocked blocks get no gradient and their score tiles are skipped; keys past seqlens_k[b]
             are not read and get dk = dv = 0; under a softcap dS is multiplied by its
             derivative 1 - tanh², and ALiBi slopes get no gradient)
             (with dropout, Z the kept/dropped factors: dv = (Z*P)ᵀ @ dout, dP = Z * (dout @ vᵀ)),
@@ -585,7 +622,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     dbias = None

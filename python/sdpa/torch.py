@@ -62,7 +62,7 @@ import os
 
 import torch
 
-from . import _CAUSAL, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
+from . import _CAUSAL, _block_sizes, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
 
 __all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged"]
 
@@ -108,13 +108,14 @@ def _dsinks(q, sinks):
 
 @torch.library.register_fake("sdpa::attention")
 def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
-      alibi_slopes=None, sinks=None):
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
 
 
 @torch.library.register_fake("sdpa::attention_backward")
 def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
-      softcap_after_bias=False, alibi_slopes=None, sinks=None, mask_grad=False):
+      softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
+      mask_grad=False):
     dbias = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias
 
@@ -181,6 +182,18 @@ def _mods(softcap, softcap_order, alibi_slopes, sinks):
                 t = t.float()
         tensors.append(t)
     return float(softcap), softcap_order == "after_bias", tensors[0], tensors[1]
+
+
+def _blocks(block_mask, block_size):
+    """The attention operators' block arguments: block_mask a bool CPU tensor (or None) and
+    (block_q, block_k) from block_size (an int or a pair). The operator checks the shape."""
+    if block_mask is None:
+        return (None, 128, 128)
+    if not isinstance(block_mask, torch.Tensor):
+        block_mask = torch.as_tensor(block_mask)
+    if block_mask.dtype != torch.bool or block_mask.device.type != "cpu":
+        raise TypeError(f"block_mask must be a bool CPU tensor, got {block_mask.dtype} on {block_mask.device}")
+    return (block_mask,) + _block_sizes(block_size)
 
 
 def _heads(t):
@@ -260,7 +273,7 @@ def _direct(query, key, value, attn_mask, enable_gqa):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                                 sinks=None):
+                                 sinks=None, block_mask=None, block_size=128):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
     doc for the limits). A float ``attn_mask`` that requires grad gets its gradient;
     ``dropout_p`` must be in [0, 1).
@@ -269,7 +282,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``softcap`` (Gemma's ``softcap·tanh(s / softcap)``; ``softcap_order``), ``alibi_slopes``
     ((H,) or (B, H), the query aligned bottom-right) and ``sinks`` ((H,) logits added to each
     row's softmax denominator; they get a gradient when they require one). H is the number of
-    query heads and B the product of the batch dims."""
+    query heads and B the product of the batch dims. ``block_mask`` (bool; (QB, KB), (H, QB, KB)
+    or (B, H, QB, KB) with QB = ceil(L / bq), KB = ceil(S / bk) for ``block_size`` = bq or
+    (bq, bk), default 128) makes it block-sparse as in ``sdpa.attention``: a False block's keys
+    are blocked for its queries, and the kernels skip the tiles it empties."""
     # The checks are written for speed (a decode step of a small model costs a few µs in all):
     # the common case passes them in a few attribute reads, anything else goes to the checks
     # that name the argument.
@@ -284,6 +300,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         dropout_p, scale, seed = _options(dropout_p, scale)
     mods = () if softcap == 0.0 and alibi_slopes is None and sinks is None and softcap_order == "before_bias" else \
         _mods(softcap, softcap_order, alibi_slopes, sinks)
+    if block_mask is not None:
+        mods = (mods or (0.0, False, None, None)) + _blocks(block_mask, block_size)
     causal = "top_left" if is_causal else "none"
     if _direct(query, key, value, attn_mask, enable_gqa):
         if attn_mask is not None:
