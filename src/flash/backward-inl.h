@@ -263,10 +263,27 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // Rows of this tile that see any key of the block (and whose block mask allows one); the
       // others contribute nothing.
       int64_t first = -1, last = -1;
+      // The block mask's answer for all of the block's keys, kept for the rows of one block of
+      // rows (rows up to qb_end): a division per block of rows, not per row.
+      int64_t qb_end = -1;
+      bool qb_sees = true;
       for (int64_t i = i0; i < std::min(rows.last, i0 + kTileKeys); ++i) {
         const KeyRange kr = p.key_range(b, i);
-        if (p.block_allows_any(b, h, i, std::max(kr.begin, j0), std::min(kr.end, j0 + nk)) &&
-            rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
+        const int64_t lo = std::max(kr.begin, j0), hi = std::min(kr.end, j0 + nk);
+        bool sees = lo < hi;
+        if (sees && p.block_mask) {
+          if (lo == j0 && hi == j0 + nk) {
+            if (i >= qb_end) {
+              const int64_t qb_begin = i - i % p.block_q;
+              qb_end = qb_begin + std::min(p.block_q, std::numeric_limits<int64_t>::max() - qb_begin);
+              qb_sees = p.block_allows_any(b, h, i, j0, j0 + nk);
+            }
+            sees = qb_sees;
+          } else {
+            sees = p.block_allows_any(b, h, i, lo, hi);
+          }
+        }
+        if (sees && rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
           if (first < 0) first = i;
           last = i;
         }

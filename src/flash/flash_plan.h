@@ -77,13 +77,39 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
   return span;
 }
 
-// Whether some lane may see a key of [j0, j1): one inside its own range that the block mask
-// allows (Problem::block_allows_any). Without a block mask, whether some lane's range meets them.
-// A tile that no lane sees changes none of their sums, so kernels skip it unread.
+// Whether some lane may see a key of [j0, j1) (j0 < j1): one inside its own range that the
+// block mask allows (Problem::block_allows_any's rule). A tile that no lane sees changes none
+// of their sums, so kernels skip it unread. Asked once per tile and block of lanes, so written
+// for speed: lanes come in increasing rows (their block of rows found by comparison, not
+// division), and a lane asking what the previous one asked (same head, block of rows and
+// keys: every lane of a block but the GQA heads' when block_q >= its rows) is not asked again.
 inline bool lanes_see_keys(const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0, int64_t j1) {
+  if (!p.block_mask) {
+    for (int64_t l = 0; l < count; ++l) {
+      if (std::max(j0, lanes[l].begin) < std::min(j1, lanes[l].end)) return true;
+    }
+    return false;
+  }
+  const View4& bm = *p.block_mask;
+  const int64_t kb0 = j0 / p.block_k, kb1 = (j1 - 1) / p.block_k;
+  int64_t qb = 0, qb_begin = 0, qb_end = 0;  // the current lane's block of rows, [qb_begin, qb_end)
+  int64_t last_h = -1, last_qb = -1, last_lo = -1, last_hi = -1;
   for (int64_t l = 0; l < count; ++l) {
-    const int64_t lo = std::max(j0, lanes[l].begin), hi = std::min(j1, lanes[l].end);
-    if (p.block_allows_any(b, lanes[l].h, lanes[l].i, lo, hi)) return true;
+    const LaneRow& r = lanes[l];
+    const int64_t lo = std::max(j0, r.begin), hi = std::min(j1, r.end);
+    if (lo >= hi) continue;
+    if (r.i < qb_begin || r.i >= qb_end) {
+      qb = r.i / p.block_q;
+      qb_begin = qb * p.block_q;
+      qb_end = qb_begin + std::min(p.block_q, std::numeric_limits<int64_t>::max() - qb_begin);
+    }
+    if (r.h == last_h && qb == last_qb && lo == last_lo && hi == last_hi) continue;  // asked: blocked
+    last_h = r.h, last_qb = qb, last_lo = lo, last_hi = hi;
+    const int64_t first = lo == j0 ? kb0 : lo / p.block_k, last = hi == j1 ? kb1 : (hi - 1) / p.block_k;
+    const uint8_t* row = bm.at<uint8_t>(b, r.h, qb, 0);
+    for (int64_t kb = first; kb <= last; ++kb) {
+      if (row[kb * bm.strides[3]] != 0) return true;
+    }
   }
   return false;
 }
