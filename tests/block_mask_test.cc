@@ -359,6 +359,39 @@ TEST(BlockMask, SkippedTilesAreNeverRead) {
   }
 }
 
+// A paged call (attention_paged, queries not packed) takes the block mask as the dense call on
+// the gathered keys does: its blocks count the table's max_pages · page_size keys.
+TEST(BlockMask, PagedEqualsTheDenseCall) {
+  constexpr int64_t D = 16, page = 64, pages = 5, Nk = page * pages;
+  std::mt19937 rng(5);
+  GuardedTensor kp(kF32, {pages, page, 1, D}), vp(kF32, {pages, page, 1, D});
+  fill_normal(kp, rng);
+  fill_normal(vp, rng);
+  const GuardedTensor k = tensor(kF32, {1, 1, Nk, D}, kp.values()), v = tensor(kF32, {1, 1, Nk, D}, vp.values());
+  std::vector<int32_t> table = {0, 1, 2, 3, 4};
+  std::vector<int64_t> lengths = {300};
+  for (int64_t Nq : {1, 150}) {
+    SCOPED_TRACE("Nq " + std::to_string(Nq));
+    GuardedTensor q(kF32, {1, 2, Nq, D});
+    fill_normal(q, rng);
+    GuardedTensor mask(DType::kBool, {2, blocks(Nq, 32), 3});  // per head; a quarter of the blocks false
+    for (int64_t e = 0; e < mask.numel(); ++e) mask.set(e, (e * 7 + 3) % 4 != 0);
+    sdpa::Options o;
+    o.block_mask = mask.view();
+    o.block_q = 32;
+    o.block_k = 128;
+    o.causal = Causal::kBottomRight;
+    GuardedTensor out(kF32, {1, 2, Nq, D}), lse(kF32, {1, 2, Nq}), want(kF32, {1, 2, Nq, D}), want_lse(kF32, {1, 2, Nq});
+    sdpa::PagedInputs in{q.view(), kp.view(), vp.view(), sdpa::TensorView::contiguous(table.data(), DType::kInt32, {1, pages}),
+                         sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {1})};
+    sdpa::attention_paged(in, {out.view(), std::nullopt, lse.view()}, o);
+    sdpa::Inputs dense{q.view(), k.view(), v.view(), std::nullopt, sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {1})};
+    sdpa::attention(dense, {want.view(), std::nullopt, want_lse.view()}, o);
+    EXPECT_TRUE(all_close("out", out.values(), want.values(), 0));
+    EXPECT_TRUE(all_close("lse", lse.values(), want_lse.values(), 0));
+  }
+}
+
 TEST(BlockMask, BadArgumentsAreErrorsNamingThem) {
   std::mt19937 rng(3);
   Tensors t{GuardedTensor(kF32, {2, 4, 100, 8}), GuardedTensor(kF32, {2, 2, 300, 8}),
