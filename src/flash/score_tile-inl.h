@@ -293,8 +293,8 @@ void BlockMaskTile(const Problem& p, int64_t b, const LaneRow* lanes, int64_t co
 
 // The scores of a tile from its scaled dot products: the softcap, causal/window edges (when
 // `edges`: tiles inside every row's keys need none), ALiBi, the mask and the block mask, in
-// Problem::score's order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows is Mq × kTileKeys
-// scratch; kRowMajor ignores QV and mask_rows. slope (null: not wanted; the backward's) gets
+// Problem::score's order. For kKeyMajor, stride is the block's Mq = QV · lanes and mask_rows
+// is Mq × kTileKeys scratch; kRowMajor ignores QV and mask_rows. slope (null: not wanted; the backward's) gets
 // the softcap's ∂score/∂x in the tile's layout, where there is a softcap.
 template <size_t QV, TileLayout layout, class D, typename T = hn::TFromD<D>>
 HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0,
