@@ -171,9 +171,10 @@ struct Options {
   //   (tests/block_mask_test.cc checks this picture)
   // The fused kernels skip whole tiles: in the forward (decode and weights included), a tile
   // of 128 keys that the block mask blocks for every row of a kernel block of rows is neither
-  // scored nor read (its keys and values are not touched); the backward skips the score tiles
-  // such tiles and rows would make (it still reads every key and value once, checking for
-  // non-finite values). A block_k that is a multiple of 128 therefore skips exactly the false
+  // scored nor read (its keys and values are not touched; one exception, fuzz finding F18: a row
+  // whose unnormalised output overflows is recomputed row by row, reading all its keys' k rows);
+  // the backward skips the score tiles such tiles and rows would make (it still reads every key
+  // and value once, checking for non-finite values). A block_k that is a multiple of 128 therefore skips exactly the false
   // blocks; smaller blocks are also masked key by key inside tiles they share with allowed ones.
   // Results equal those of the same call with the equivalent bool mask (block_mask_test.cc).
   std::optional<TensorView> block_mask = std::nullopt;
