@@ -174,8 +174,9 @@ struct Options {
   // scored nor read (its keys and values are not touched; one exception, fuzz finding F18: a row
   // whose unnormalised output overflows is recomputed row by row, reading all its keys' k rows);
   // the backward skips the score tiles such tiles and rows would make (it still reads every key
-  // and value once, checking for non-finite values). A block_k that is a multiple of 128 therefore skips exactly the false
-  // blocks; smaller blocks are also masked key by key inside tiles they share with allowed ones.
+  // and value once, checking for non-finite values). A block_k that is a multiple of 128
+  // therefore skips exactly the false blocks; smaller blocks are also masked key by key inside
+  // tiles they share with allowed ones.
   // Results equal those of the same call with the equivalent bool mask (block_mask_test.cc).
   std::optional<TensorView> block_mask = std::nullopt;
   int64_t block_q = 128, block_k = 128;
