@@ -200,6 +200,9 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q) = (" +
          std::to_string(in.q.shape[1]) + ", " + std::to_string(in.q.shape[0]) + ")");
   }
+  // The options' packed-sequence rules (a block_mask is refused) hold with no sequence too
+  // (fuzz finding F19), as in attention_varlen.
+  sequence_options(options, 0, B);
   std::vector<Problem> problems;
   problems.reserve(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {  // every sequence valid before any is computed

@@ -425,6 +425,14 @@ TEST(BlockMask, BadArgumentsAreErrorsNamingThem) {
                               sdpa::TensorView::contiguous(cu_k.data(), DType::kInt32, {3})};
   expect_sdpa_error([&] { sdpa::attention_varlen(in, {out.view()}, o); }, {"block_mask", "packed sequences"});
   EXPECT_TRUE(out.untouched());
+  // Packed paged queries too, even with no sequence (fuzz finding F19).
+  GuardedTensor pages(kF32, {1, 4, 2, 8}), q0(kF32, {0, 2, 8}), out0(kF32, {0, 2, 8});
+  std::vector<int32_t> table = {0}, none = {0};
+  std::vector<int64_t> lengths;
+  sdpa::PagedInputs paged{q0.view(), pages.view(), pages.view(), sdpa::TensorView::contiguous(table.data(), DType::kInt32, {0, 1}),
+                          sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {0}),
+                          sdpa::TensorView::contiguous(none.data(), DType::kInt32, {1})};
+  expect_sdpa_error([&] { sdpa::attention_paged(paged, {out0.view()}, o); }, {"block_mask", "packed sequences"});
 }
 
 }  // namespace
