@@ -19,10 +19,17 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1);
 // Columns [r0, r1) of lse (H, total_q).
 TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1);
 
-// The options of sequence b of `sequences` packed ones (each a problem with batch 1): per-batch
-// ALiBi slopes (sequences, Hq) become row b as (1, Hq); Error naming alibi_slopes when their
-// first dim is neither 1 nor `sequences`; a block_mask is an Error (its blocks would differ per
-// sequence). Other options are shared.
-Options sequence_options(const Options& options, int64_t b, int64_t sequences);
+// Packed sequences' options. packed_options checks them against all `sequences` (Hq query
+// heads; the longest sequence has max_q queries and max_k keys): per-batch ALiBi slopes are
+// (sequences or 1, Hq); a block_mask is (..., ceil(max_q / block_q), ceil(max_k / block_k)),
+// its leading dims broadcasting to (sequences, Hq). Error naming the argument otherwise. It
+// returns the options for the check of all rows as one sequence (no block_mask: its geometry
+// is not that one's).
+Options packed_options(const Options& options, int64_t sequences, int64_t Hq, int64_t max_q, int64_t max_k);
+// Sequence b's own options, once packed_options has checked them: ALiBi slopes (sequences, Hq)
+// become row b as (Hq,); the block_mask becomes its batch row b and, of that, the top-left
+// (ceil(nq / block_q), ceil(nk / block_k)) blocks, with nq and nk sequence b's own lengths.
+// Other options are shared.
+Options sequence_options(const Options& options, int64_t b, int64_t nq, int64_t nk);
 
 }  // namespace sdpa::internal

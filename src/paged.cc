@@ -3,6 +3,7 @@
 // batch, then the view is made paged (problem.h's View4::page_table): every row read goes
 // through the table, and the kernels keep their evenly spaced runs inside a page. Packed
 // queries (cu_seqlens_q) make one such problem per sequence, all run in one parallel region.
+#include <algorithm>
 #include <limits>
 #include <optional>
 #include <string>
@@ -200,9 +201,15 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q) = (" +
          std::to_string(in.q.shape[1]) + ", " + std::to_string(in.q.shape[0]) + ")");
   }
-  // The options' packed-sequence rules (a block_mask is refused) hold with no sequence too
-  // (fuzz finding F19), as in attention_varlen.
-  sequence_options(options, 0, B);
+  // The options checked against all sequences, with no sequence too (fuzz finding F19). Each
+  // sequence's keys are the max_pages · page_size rows of its block-table row.
+  int64_t max_q = 0;
+  for (int64_t b = 0; b < B; ++b) max_q = std::max(max_q, cu[b + 1] - cu[b]);
+  check_rank("k_pages", in.k_pages, 4, "(num_pages, page_size, Hkv, Dk)");
+  const int64_t max_pages = in.block_table.shape[1], page_size = std::max<int64_t>(in.k_pages.shape[1], 1);
+  const int64_t nk = max_pages > std::numeric_limits<int64_t>::max() / page_size ? std::numeric_limits<int64_t>::max()
+                                                                                 : max_pages * page_size;
+  packed_options(options, B, in.q.shape[1], max_q, nk);
   std::vector<Problem> problems;
   problems.reserve(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {  // every sequence valid before any is computed
@@ -214,7 +221,7 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     Outputs o;
     o.out = with_batch_of_one(rows_of(outs.out, cu[b], cu[b + 1]));
     if (outs.lse) o.lse = with_batch_of_one(cols_of(*outs.lse, cu[b], cu[b + 1]));
-    problems.push_back(paged_problem(s, o, sequence_options(options, b, B), b));
+    problems.push_back(paged_problem(s, o, sequence_options(options, b, cu[b + 1] - cu[b], nk), b));
     problems.back().dropout.batch_offset = b;
   }
   return problems;

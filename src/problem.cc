@@ -296,33 +296,42 @@ void read_modifiers(const Options& opt, Problem& p) {
   }
 }
 
-// ceil(n / block) without the overflow of n + block - 1.
+}  // namespace
+
 int64_t ceil_blocks(int64_t n, int64_t block) { return n / block + (n % block != 0); }
 
-// Options::block_mask: bool, (..., ceil(Nq / block_q), ceil(Nk / block_k)), its leading dims
-// broadcasting to (B, Hq); r is q's rank.
-void read_block_mask(const TensorView& m, const Options& opt, int r, Problem& p) {
+View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, int64_t B, int64_t Hq, int64_t Nq,
+                         int64_t Nk, const char* lengths) {
   if (opt.block_q < 1 || opt.block_k < 1) {
     fail("block_q=" + std::to_string(opt.block_q) + " and block_k=" + std::to_string(opt.block_k) +
          " must be at least 1 (rows and keys per block of block_mask)");
   }
-  check_basic("block_mask", m, 2, r);
+  check_basic("block_mask", m, 2, max_rank);
   if (m.dtype != DType::kBool) {
     fail(std::string("block_mask has dtype ") + dtype_name(m.dtype) + " but must be bool");
   }
-  const int64_t blocks[4] = {p.B, p.Hq, ceil_blocks(p.Nq, opt.block_q), ceil_blocks(p.Nk, opt.block_k)};
+  const int64_t blocks[4] = {B, Hq, ceil_blocks(Nq, opt.block_q), ceil_blocks(Nk, opt.block_k)};
   View4 bv = to_view4(m);
   bool fits = true;
   for (int d = 0; d < 4; ++d) fits &= bv.shape[d] == blocks[d] || (d < 2 && bv.shape[d] == 1);
   if (!fits) {
+    const int r = max_rank;
     const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
     fail("block_mask has shape " + m.shape_string() + ", which does not broadcast to " +
-         shape_string(blocks + (4 - r), r) + " = " + target + " with QB = ceil(Nq / block_q) = ceil(" +
-         std::to_string(p.Nq) + " / " + std::to_string(opt.block_q) + ") and KB = ceil(Nk / block_k) = ceil(" +
-         std::to_string(p.Nk) + " / " + std::to_string(opt.block_k) + ")");
+         shape_string(blocks + (4 - r), r) + " = " + target + " with QB = ceil(" + lengths + "Nq / block_q) = ceil(" +
+         std::to_string(Nq) + " / " + std::to_string(opt.block_q) + ") and KB = ceil(" + lengths +
+         "Nk / block_k) = ceil(" + std::to_string(Nk) + " / " + std::to_string(opt.block_k) + ")");
   }
   for (int d = 0; d < 2; ++d) bv.shape[d] = blocks[d];  // broadcast dims already have stride 0
-  p.block_mask = bv;
+  return bv;
+}
+
+namespace {
+
+// Options::block_mask: bool, (..., ceil(Nq / block_q), ceil(Nk / block_k)), its leading dims
+// broadcasting to (B, Hq); r is q's rank.
+void read_block_mask(const TensorView& m, const Options& opt, int r, Problem& p) {
+  p.block_mask = checked_block_mask(m, opt, r, p.B, p.Hq, p.Nq, p.Nk, "");
   p.block_q = opt.block_q;
   p.block_k = opt.block_k;
 }

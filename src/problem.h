@@ -287,6 +287,15 @@ struct Problem {
 // Checks dropout_p (in [0, 1)) and builds the keep/drop rule.
 Dropout make_dropout(double p, uint64_t seed);
 
+// ceil(n / block) without the overflow of n + block - 1.
+int64_t ceil_blocks(int64_t n, int64_t block);
+// Options::block_mask checked (bool, rank 2 .. max_rank, block_q and block_k >= 1) against
+// (B, Hq, ceil(Nq / block_q), ceil(Nk / block_k)) and broadcast to it; Error naming block_mask
+// otherwise (showing the target at max_rank dims), with `lengths` before Nq and Nk in its
+// arithmetic ("" or "the longest sequence's ").
+View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, int64_t B, int64_t Hq, int64_t Nq,
+                         int64_t Nk, const char* lengths);
+
 // Validates every argument and builds the Problem. Throws sdpa::Error naming the argument.
 Problem make_problem(const Inputs& inputs, const Outputs& outputs, const Options& options);
 

@@ -75,26 +75,47 @@ TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
   return v;
 }
 
-Options sequence_options(const Options& options, int64_t b, int64_t sequences) {
+Options packed_options(const Options& options, int64_t sequences, int64_t Hq, int64_t max_q, int64_t max_k) {
+  Options o = options;
   if (options.block_mask) {
-    fail("block_mask is not available for packed sequences (attention_varlen, cu_seqlens_q): their blocks would "
-         "differ per sequence; pass a block mask per sequence in separate calls, or pad to a dense batch");
+    checked_block_mask(*options.block_mask, options, 4, sequences, Hq, max_q, max_k, "the longest sequence's ");
+    o.block_mask.reset();  // all rows as one sequence: not its geometry
   }
-  if (!options.alibi_slopes || options.alibi_slopes->rank != 2) return options;
-  TensorView t = *options.alibi_slopes;
+  if (!options.alibi_slopes || options.alibi_slopes->rank != 2) return o;
+  const TensorView& t = *options.alibi_slopes;
   if (t.shape[0] != 1 && t.shape[0] != sequences) {
     fail("alibi_slopes has shape " + t.shape_string() + " but must be (Hq,) or (B, Hq) with B = " +
          std::to_string(sequences) + " sequences");
   }
-  if (t.shape[0] == 1) return options;
-  Options o = options;
-  if (sequences == 0) {  // no sequence reads a slope; checked above
-    o.alibi_slopes.reset();
+  if (sequences == 0) {
+    o.alibi_slopes.reset();  // no sequence reads a slope
     return o;
   }
-  if (t.data != nullptr && t.shape[1] > 0) t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
-  t.shape[0] = 1;
-  o.alibi_slopes = t;
+  return sequence_options(o, 0, 0, 0);  // row 0 stands for all: the check is of shapes and dtypes
+}
+
+Options sequence_options(const Options& options, int64_t b, int64_t nq, int64_t nk) {
+  Options o = options;
+  // Row b of a (B, ...) view whose first dim is B (not a broadcast 1), without its first dim.
+  const auto row = [b](TensorView t) {
+    if (t.shape[0] != 1 && t.data != nullptr && t.numel() > 0) {
+      t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+    }
+    for (int d = 1; d < t.rank; ++d) t.shape[d - 1] = t.shape[d], t.strides[d - 1] = t.strides[d];
+    --t.rank;
+    return t;
+  };
+  if (options.alibi_slopes && options.alibi_slopes->rank == 2) {
+    TensorView t = row(*options.alibi_slopes);  // (Hq,)
+    o.alibi_slopes = t;
+  }
+  if (options.block_mask) {
+    TensorView t = *options.block_mask;
+    if (t.rank == 4) t = row(t);  // (Hq or 1, QB, KB)
+    t.shape[t.rank - 2] = ceil_blocks(nq, options.block_q);  // the top-left corner, same strides
+    t.shape[t.rank - 1] = ceil_blocks(nk, options.block_k);
+    o.block_mask = t;
+  }
   return o;
 }
 
@@ -107,6 +128,19 @@ struct Packed {
   Inputs whole(const VarlenInputs& in) const {
     return {rows_of(in.q, 0, in.q.shape[0]), rows_of(in.k, 0, in.k.shape[0]), rows_of(in.v, 0, in.v.shape[0]),
             std::nullopt, std::nullopt};
+  }
+  // The options checked against all sequences, for the check of all rows as one sequence
+  // (packed_options), and sequence b's own.
+  Options options(const Options& o, const VarlenInputs& in) const {
+    int64_t max_q = 0, max_k = 0;
+    for (int64_t b = 0; b < sequences(); ++b) {
+      max_q = std::max(max_q, cu_q[b + 1] - cu_q[b]);
+      max_k = std::max(max_k, cu_k[b + 1] - cu_k[b]);
+    }
+    return packed_options(o, sequences(), in.q.shape[1], max_q, max_k);
+  }
+  Options options(const Options& o, int64_t b) const {
+    return sequence_options(o, b, cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]);
   }
   // Sequence b's own inputs (its q, k, v rows), as attention() takes them.
   Inputs inputs(const VarlenInputs& in, int64_t b) const {
@@ -165,11 +199,13 @@ void run_backward_sequences(const std::vector<BackwardProblem>& problems, Backen
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (n > 1)
   for (int64_t i = 0; i < n; ++i) {
     const ScopedThreadCount one(1);
+    note_kernel_path(KernelPath::kSimd);  // a pass that notes no path must not report a stale one (F20)
     run_backward(*small[static_cast<size_t>(i)], backend);
 #pragma omp critical(sdpa_varlen_path)
     path = std::max(path, last_kernel_path());
   }
   for (const BackwardProblem* bp : large) {
+    note_kernel_path(KernelPath::kSimd);
     run_backward(*bp, backend);
     path = std::max(path, last_kernel_path());
   }
@@ -185,14 +221,14 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
   // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
   internal::make_problem(pk.whole(inputs), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
                                             std::nullopt, outputs.lse},
-                         internal::sequence_options(options, 0, pk.sequences()));
+                         pk.options(options, inputs));
   std::vector<internal::Problem> problems;
   problems.reserve(static_cast<size_t>(pk.sequences()));
   for (int64_t b = 0; b < pk.sequences(); ++b) {  // every sequence valid before any is computed
     Outputs o;
     o.out = internal::rows_of(outputs.out, pk.cu_q[b], pk.cu_q[b + 1]);
     if (outputs.lse) o.lse = internal::cols_of(*outputs.lse, pk.cu_q[b], pk.cu_q[b + 1]);
-    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, internal::sequence_options(options, b, pk.sequences())));
+    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, pk.options(options, b)));
     problems.back().dropout.batch_offset = b;
   }
   internal::run_forward_many(problems, options.backend);
@@ -220,7 +256,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                   {internal::rows_of(grads.dq, 0, total_q),
                                    internal::rows_of(grads.dk, 0, grads.dk.shape[0]),
                                    internal::rows_of(grads.dv, 0, grads.dv.shape[0]), grads.dsinks},
-                                  internal::sequence_options(options, 0, pk.sequences()));
+                                  pk.options(options, inputs));
   // dsinks: each sequence's own (Hq,) row of float64 scratch, summed in sequence order below.
   const int64_t Hq = inputs.q.shape[1];
   std::vector<double> seq_dsinks(grads.dsinks ? static_cast<size_t>(pk.sequences() * Hq) : 0);
@@ -233,7 +269,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
     if (grads.dsinks) g.dsinks = TensorView::contiguous(seq_dsinks.data() + b * Hq, DType::kFloat64, {Hq});
     problems.push_back(internal::make_backward_problem(pk.inputs(inputs, b), internal::rows_of(out, q0, q1),
                                                        internal::cols_of(lse, q0, q1), internal::rows_of(dout, q0, q1), g,
-                                                       internal::sequence_options(options, b, pk.sequences())));
+                                                       pk.options(options, b)));
     problems.back().fwd.dropout.batch_offset = b;
   }
   internal::run_backward_sequences(problems, options.backend);

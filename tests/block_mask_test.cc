@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -392,6 +393,138 @@ TEST(BlockMask, PagedEqualsTheDenseCall) {
   }
 }
 
+// Packed sequences: sequence b reads the top-left (ceil(Nq_b / bq), ceil(Nk_b / bk)) blocks of
+// its row of a (..., ceil(max Nq_b / bq), ceil(max Nk_b / bk)) block mask, so each sequence of
+// attention_varlen (forward and backward) is bit for bit attention() on its own rows with that
+// corner, copied out here into a block mask of its own.
+namespace packed {
+
+// Rows [r0, r1) of a packed (total, H, D) float32 tensor, copied as (H, r1 - r0, D).
+GuardedTensor rows(const GuardedTensor& t, int64_t r0, int64_t r1) {
+  const int64_t H = t.shape()[1], D = t.shape()[2];
+  GuardedTensor s(t.dtype(), {H, r1 - r0, D});
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = r0; i < r1; ++i)
+      for (int64_t d = 0; d < D; ++d) s.set((h * (r1 - r0) + i - r0) * D + d, t.get((i * H + h) * D + d));
+  return s;
+}
+
+// The (H, n, D) values of a sequence's rows of a packed tensor, in C order.
+std::vector<double> packed_rows(const GuardedTensor& t, int64_t r0, int64_t r1) { return rows(t, r0, r1).values(); }
+
+// Sequence b's corner of a (S or 1, Hm, QB, KB) block mask, as (Hm, qb, kb).
+GuardedTensor corner(const GuardedTensor& bm, int64_t b, int64_t qb, int64_t kb) {
+  const auto& sh = bm.shape();
+  const int64_t Hm = sh[1], QB = sh[2], KB = sh[3], row = sh[0] == 1 ? 0 : b;
+  GuardedTensor c(DType::kBool, {Hm, qb, kb});
+  for (int64_t h = 0; h < Hm; ++h)
+    for (int64_t i = 0; i < qb; ++i)
+      for (int64_t j = 0; j < kb; ++j) c.set((h * qb + i) * kb + j, bm.get(((row * Hm + h) * QB + i) * KB + j));
+  return c;
+}
+
+}  // namespace packed
+
+TEST(BlockMask, VarlenSequencesReadTheirCorner) {
+  constexpr int64_t Hq = 4, Hkv = 2, D = 16, bq = 32, bk = 64;
+  const std::vector<int64_t> nq = {37, 130, 0, 5, 64}, nk = {200, 129, 7, 0, 64};
+  const int64_t S = static_cast<int64_t>(nq.size());
+  std::vector<int64_t> cu_q = {0}, cu_k = {0};
+  int64_t max_q = 0, max_k = 0;
+  for (int64_t b = 0; b < S; ++b) {
+    cu_q.push_back(cu_q.back() + nq[b]);
+    cu_k.push_back(cu_k.back() + nk[b]);
+    max_q = std::max(max_q, nq[b]);
+    max_k = std::max(max_k, nk[b]);
+  }
+  std::mt19937 rng(17);
+  GuardedTensor q(kF32, {cu_q.back(), Hq, D}), k(kF32, {cu_k.back(), Hkv, D}), v(kF32, {cu_k.back(), Hkv, D}),
+      dout(kF32, {cu_q.back(), Hq, D});
+  for (GuardedTensor* t : {&q, &k, &v, &dout}) fill_normal(*t, rng);
+  for (const int64_t heads : {int64_t{1}, Hq}) {  // (S, 1, QB, KB) and (1, Hq, QB, KB)
+    SCOPED_TRACE("block mask heads " + std::to_string(heads));
+    GuardedTensor bm(DType::kBool, {heads == 1 ? S : 1, heads, blocks(max_q, bq), blocks(max_k, bk)});
+    std::bernoulli_distribution keep(0.6);
+    for (int64_t e = 0; e < bm.numel(); ++e) bm.set(e, keep(rng) ? 1 : 0);
+    sdpa::Options o;
+    o.causal = Causal::kBottomRight;
+    o.block_mask = bm.view();
+    o.block_q = bq;
+    o.block_k = bk;
+    GuardedTensor out(kF32, {cu_q.back(), Hq, D}), lse(kF32, {Hq, cu_q.back()});
+    GuardedTensor dq(kF32, q.shape()), dk(kF32, k.shape()), dv(kF32, v.shape());
+    const sdpa::VarlenInputs in{q.view(), k.view(), v.view(),
+                                sdpa::TensorView::contiguous(cu_q.data(), DType::kInt64, {S + 1}),
+                                sdpa::TensorView::contiguous(cu_k.data(), DType::kInt64, {S + 1})};
+    sdpa::attention_varlen(in, {out.view(), lse.view()}, o);
+    sdpa::attention_varlen_backward(in, out.view(), lse.view(), dout.view(), {dq.view(), dk.view(), dv.view()}, o);
+    for (int64_t b = 0; b < S; ++b) {
+      SCOPED_TRACE("sequence " + std::to_string(b));
+      const GuardedTensor mb = packed::corner(bm, b, blocks(nq[b], bq), blocks(nk[b], bk));
+      sdpa::Options ob = o;
+      ob.block_mask = mb.view();
+      const GuardedTensor qb = packed::rows(q, cu_q[b], cu_q[b + 1]), kb = packed::rows(k, cu_k[b], cu_k[b + 1]),
+                          vb = packed::rows(v, cu_k[b], cu_k[b + 1]), gb = packed::rows(dout, cu_q[b], cu_q[b + 1]);
+      GuardedTensor ob_out(kF32, {Hq, nq[b], D}), ob_lse(kF32, {Hq, nq[b]});
+      GuardedTensor dqb(kF32, qb.shape()), dkb(kF32, kb.shape()), dvb(kF32, vb.shape());
+      const sdpa::Inputs ib{qb.view(), kb.view(), vb.view(), std::nullopt, std::nullopt};
+      sdpa::attention(ib, {ob_out.view(), std::nullopt, ob_lse.view()}, ob);
+      sdpa::attention_backward(ib, ob_out.view(), ob_lse.view(), gb.view(), {dqb.view(), dkb.view(), dvb.view()}, ob);
+      EXPECT_TRUE(all_close("out", packed::packed_rows(out, cu_q[b], cu_q[b + 1]), ob_out.values(), 0));
+      std::vector<double> lse_b;
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t i = cu_q[b]; i < cu_q[b + 1]; ++i) lse_b.push_back(lse.get(h * cu_q.back() + i));
+      EXPECT_TRUE(all_close("lse", lse_b, ob_lse.values(), 0));
+      EXPECT_TRUE(all_close("dq", packed::packed_rows(dq, cu_q[b], cu_q[b + 1]), dqb.values(), 0));
+      EXPECT_TRUE(all_close("dk", packed::packed_rows(dk, cu_k[b], cu_k[b + 1]), dkb.values(), 0));
+      EXPECT_TRUE(all_close("dv", packed::packed_rows(dv, cu_k[b], cu_k[b + 1]), dvb.values(), 0));
+    }
+  }
+}
+
+// Packed paged queries: sequence b is the unpacked paged call on its rows with its corner (its
+// keys are the table's max_pages · page_size).
+TEST(BlockMask, PackedPagedSequencesReadTheirCorner) {
+  constexpr int64_t Hq = 2, D = 16, page = 32, pages = 6, max_pages = 3, bq = 16, bk = 32;
+  std::mt19937 rng(23);
+  GuardedTensor kp(kF32, {pages, page, 1, D}), vp(kF32, {pages, page, 1, D});
+  fill_normal(kp, rng);
+  fill_normal(vp, rng);
+  const std::vector<int64_t> nq = {20, 1, 40};
+  const int64_t S = 3;
+  std::vector<int64_t> cu = {0, 20, 21, 61}, lengths = {70, 96, 33};
+  std::vector<int32_t> table = {0, 1, 2, 3, 4, 5, 5, 0, 1};
+  GuardedTensor q(kF32, {cu.back(), Hq, D});
+  fill_normal(q, rng);
+  GuardedTensor bm(DType::kBool, {S, 1, blocks(40, bq), blocks(max_pages * page, bk)});
+  for (int64_t e = 0; e < bm.numel(); ++e) bm.set(e, (e * 5 + 1) % 3 != 0);
+  sdpa::Options o;
+  o.causal = Causal::kBottomRight;
+  o.block_mask = bm.view();
+  o.block_q = bq;
+  o.block_k = bk;
+  GuardedTensor out(kF32, {cu.back(), Hq, D});
+  sdpa::PagedInputs in{q.view(), kp.view(), vp.view(),
+                       sdpa::TensorView::contiguous(table.data(), DType::kInt32, {S, max_pages}),
+                       sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {S}),
+                       sdpa::TensorView::contiguous(cu.data(), DType::kInt64, {S + 1})};
+  sdpa::attention_paged(in, {out.view()}, o);
+  for (int64_t b = 0; b < S; ++b) {
+    SCOPED_TRACE("sequence " + std::to_string(b));
+    const GuardedTensor mb = packed::corner(bm, b, blocks(nq[b], bq), blocks(max_pages * page, bk));
+    sdpa::Options ob = o;
+    ob.block_mask = mb.view();
+    GuardedTensor qb = packed::rows(q, cu[b], cu[b + 1]), ob_out(kF32, {1, Hq, nq[b], D});
+    sdpa::TensorView q4 = qb.view();  // (Hq, n, D) as (1, Hq, n, D)
+    q4 = sdpa::TensorView::contiguous(q4.data, kF32, {1, Hq, nq[b], D});
+    sdpa::PagedInputs one{q4, kp.view(), vp.view(),
+                          sdpa::TensorView::contiguous(table.data() + b * max_pages, DType::kInt32, {1, max_pages}),
+                          sdpa::TensorView::contiguous(lengths.data() + b, DType::kInt64, {1})};
+    sdpa::attention_paged(one, {ob_out.view()}, ob);
+    EXPECT_TRUE(all_close("out", packed::packed_rows(out, cu[b], cu[b + 1]), ob_out.values(), 0));
+  }
+}
+
 TEST(BlockMask, BadArgumentsAreErrorsNamingThem) {
   std::mt19937 rng(3);
   Tensors t{GuardedTensor(kF32, {2, 4, 100, 8}), GuardedTensor(kF32, {2, 2, 300, 8}),
@@ -416,23 +549,36 @@ TEST(BlockMask, BadArgumentsAreErrorsNamingThem) {
   expect_error(GuardedTensor(DType::kBool, {3}), 128, 128, {"block_mask", "rank 1"});
   expect_error(good, 0, 128, {"block_q=0", "at least 1"});
   expect_error(good, 128, -1, {"block_k=-1", "at least 1"});
-  // Packed sequences have no one block grid.
+  // Packed sequences: the longest one's blocks; with no sequence, (..., 0, 0) (fuzz finding F19).
   GuardedTensor q(kF32, {10, 2, 8}), k(kF32, {12, 2, 8}), v(kF32, {12, 2, 8}), out(kF32, {10, 2, 8});
   std::vector<int32_t> cu_q = {0, 4, 10}, cu_k = {0, 5, 12};
-  sdpa::Options o;
-  o.block_mask = good.view();
   const sdpa::VarlenInputs in{q.view(), k.view(), v.view(), sdpa::TensorView::contiguous(cu_q.data(), DType::kInt32, {3}),
                               sdpa::TensorView::contiguous(cu_k.data(), DType::kInt32, {3})};
-  expect_sdpa_error([&] { sdpa::attention_varlen(in, {out.view()}, o); }, {"block_mask", "packed sequences"});
-  EXPECT_TRUE(out.untouched());
-  // Packed paged queries too, even with no sequence (fuzz finding F19).
+  const auto varlen_error = [&](const GuardedTensor& bm, std::vector<std::string> words) {
+    sdpa::Options o;
+    o.block_mask = bm.view();
+    o.block_q = 4;
+    o.block_k = 4;
+    expect_sdpa_error([&] { sdpa::attention_varlen(in, {out.view()}, o); }, words);
+    EXPECT_TRUE(out.untouched());
+  };
+  varlen_error(GuardedTensor(DType::kBool, {3, 2}),  // ceil(6 / 4), ceil(7 / 4)
+               {"block_mask", "(3, 2)", "(2, 2, 2, 2) = (B, Hq, QB, KB)", "ceil(the longest sequence's Nq / block_q) = ceil(6 / 4)"});
+  varlen_error(GuardedTensor(DType::kBool, {3, 1, 2, 2}), {"block_mask", "(3, 1, 2, 2)", "(2, 2, 2, 2)"});
+  varlen_error(GuardedTensor(kF32, {2, 2}), {"block_mask", "bool"});
   GuardedTensor pages(kF32, {1, 4, 2, 8}), q0(kF32, {0, 2, 8}), out0(kF32, {0, 2, 8});
   std::vector<int32_t> table = {0}, none = {0};
   std::vector<int64_t> lengths;
   sdpa::PagedInputs paged{q0.view(), pages.view(), pages.view(), sdpa::TensorView::contiguous(table.data(), DType::kInt32, {0, 1}),
                           sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {0}),
                           sdpa::TensorView::contiguous(none.data(), DType::kInt32, {1})};
-  expect_sdpa_error([&] { sdpa::attention_paged(paged, {out0.view()}, o); }, {"block_mask", "packed sequences"});
+  sdpa::Options o;
+  o.block_mask = good.view();  // (1, 3): QB must be ceil(0 / 128) = 0
+  expect_sdpa_error([&] { sdpa::attention_paged(paged, {out0.view()}, o); },
+                    {"block_mask", "(1, 3)", "ceil(the longest sequence's Nq / block_q) = ceil(0 / 128)"});
+  const GuardedTensor empty(DType::kBool, {0, 1});  // QB = 0, KB = ceil(1 · 4 / 128)
+  o.block_mask = empty.view();
+  EXPECT_NO_THROW(sdpa::attention_paged(paged, {out0.view()}, o));
 }
 
 }  // namespace

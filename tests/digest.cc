@@ -6,6 +6,8 @@
 //   build/tests/sdpa_digest > new.txt;  (old build)/sdpa_digest > old.txt;  diff old.txt new.txt
 // (and the same with the argument avx2).
 // Public API only, so the same file builds against any commit.
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -25,10 +27,25 @@ uint16_t to_bf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 uint16_t to_f16(float f) {
+#if defined(__clang__) && __clang_major__ < 15  // clang 14 has no _Float16 on x86
+  // |f| rounded to float16's spacing at its exponent (nearbyint: ties to even), then packed.
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double a = std::fabs(static_cast<double>(f));
+  if (std::isinf(a)) return sign | 0x7c00;
+  int e = 0;
+  std::frexp(a, &e);                     // a = m · 2^e, m in [0.5, 1)
+  int exp = std::max(e - 1, -14);        // float16's exponent of a (-14 for subnormals)
+  double q = std::nearbyint(std::ldexp(a, 10 - exp));  // a in units of 2^(exp - 10)
+  if (q == 2048) q = 1024, ++exp;        // rounded up to the next power of two
+  if (exp > 15) return sign | 0x7c00;    // overflow
+  if (q < 1024) return sign | static_cast<uint16_t>(q);  // subnormal (or 0)
+  return sign | static_cast<uint16_t>((exp + 15) << 10 | (static_cast<int>(q) - 1024));
+#else
   const _Float16 h = static_cast<_Float16>(f);
   uint16_t u;
   std::memcpy(&u, &h, 2);
   return u;
+#endif
 }
 
 struct Buffer {

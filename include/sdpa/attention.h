@@ -171,13 +171,16 @@ struct Options {
   //   (tests/block_mask_test.cc checks this picture)
   // The fused kernels skip whole tiles: in the forward (decode and weights included), a tile
   // of 128 keys that the block mask blocks for every row of a kernel block of rows is neither
-  // scored nor read (its keys and values are not touched; one exception, fuzz finding F18: a row
-  // whose unnormalised output overflows is recomputed row by row, reading all its keys' k rows);
-  // the backward skips the score tiles such tiles and rows would make (it still reads every key
+  // scored nor read (its keys and values are not touched); the backward skips the score tiles such tiles and rows would make (it still reads every key
   // and value once, checking for non-finite values). A block_k that is a multiple of 128
   // therefore skips exactly the false blocks; smaller blocks are also masked key by key inside
   // tiles they share with allowed ones.
   // Results equal those of the same call with the equivalent bool mask (block_mask_test.cc).
+  // Packed sequences (attention_varlen, attention_paged with cu_seqlens_q): the block_mask is
+  // (..., ceil(max_b Nq_b / block_q), ceil(max_b Nk_b / block_k)), its leading dims broadcasting
+  // to (sequences, Hq), and sequence b reads the top-left (ceil(Nq_b / block_q),
+  // ceil(Nk_b / block_k)) blocks of its row, in its own positions (Nk_b of a paged sequence is
+  // max_pages · page_size): each sequence is the call on its own rows with that corner.
   std::optional<TensorView> block_mask = std::nullopt;
   int64_t block_q = 128, block_k = 128;
 };
@@ -270,6 +273,8 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
 // Each sequence is attention() of its own rows with the same options: causal and window align
 // to the sequence's own Nq and Nk, dropout draws for (seed, b, h, i, j) with b the sequence
 // and i, j the positions inside it. Nothing crosses a sequence's boundary. dtypes as attention().
+// Per-sequence options: alibi_slopes (B, Hq) give sequence b row b; a block_mask is read per
+// sequence as Options::block_mask says (a top-left corner of the longest sequence's blocks).
 // Without dropout each sequence's results are bit for bit those of attention() on its rows (with
 // dropout, sequence b draws as batch entry b of a dense call would); bitwise identical for any
 // thread count. The forward runs every sequence's blocks (and key chunks) in one parallel region,
