@@ -14,7 +14,7 @@
 //
 // Every operator ends with the score modifiers, defaulted: softcap (0 = off), softcap_after_bias
 // (SoftcapOrder::kAfterBias), alibi_slopes? ((Hq,) or (B, Hq)) and sinks? ((Hq,)), float32 or
-// float64; attention and attention_backward then take block_mask? (bool), block_q and block_k
+// float64; then block_mask? (bool), block_q and block_k
 // (Options::block_mask; default 128); the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
 // (0,) without sinks), and the autograd kernels give sinks that gradient. attention_backward
 // ends with mask_grad (default false): true returns the float mask's gradient as a fifth result
@@ -196,7 +196,7 @@ sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor&
 std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                 const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                                 std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                                double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                                double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk)");
   auto shape = q.sizes().vec();
@@ -205,7 +205,8 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
   const Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(compute_type(q)));  // (Hq, total_q)
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
   const sdpa::VarlenOutputs outs{view(out, "out"), view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_varlen(in, outs, opt); });
   return {out, lse};
 }
@@ -213,14 +214,15 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& cu_q, const Tensor& cu_k,
     const Tensor& out_, const Tensor& lse, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_varlen_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
   return {dq, dk, dv, dsinks};
 }
@@ -229,7 +231,7 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k
                                                const Tensor& block_table, const Tensor& seqlens_k,
                                                const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
                                                std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                               double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                               double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor q = unit_last(q_);
   auto [out, lse] = empty_outputs(q, v_pages);
   if (cu_seqlens_q) {  // packed queries (total_q, Hq, Dk): lse (Hq, total_q)
@@ -240,7 +242,8 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k
                        view(block_table, "block_table"), view(seqlens_k, "seqlens_k"), std::nullopt};
   if (cu_seqlens_q) in.cu_seqlens_q = view(*cu_seqlens_q, "cu_seqlens_q");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt, Mods{softcap, softcap_after_bias, alibi_slopes, sinks});
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_paged(in, outs, opt); });
   return {out, lse};
 }
@@ -348,14 +351,16 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                std::optional<double> scale, int64_t window_left, int64_t window_right,
-                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
     ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor()), alibi_slopes.value_or(Tensor()),
-                            sinks.value_or(Tensor())});
+                            sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
+    ctx->saved_data["block_q"] = block_q;
+    ctx->saved_data["block_k"] = block_k;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -366,9 +371,11 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
     auto [dq, dk, dv, dsinks] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale,
                                          o.window_left, o.window_right, o.dropout_p, optional(s[7]), o.softcap,
-                                         o.softcap_after_bias, optional(s[8]), optional(s[9]));
-    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[9].defined() ? dsinks : Tensor()};
+                                         o.softcap_after_bias, optional(s[8]), optional(s[9]), optional(s[10]),
+                                         ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt());
+    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[9].defined() ? dsinks : Tensor(),
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -376,16 +383,17 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                                      std::optional<double> scale, int64_t window_left,
                                                      int64_t window_right, double dropout_p,
-                                                     const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                                     const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
   }
   const variable_list r = VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right,
-                                                dropout_p, seed, softcap, softcap_after_bias, alibi_slopes, sinks);
+                                                dropout_p, seed, softcap, softcap_after_bias, alibi_slopes, sinks,
+                                                block_mask, block_q, block_k);
   return {r[0], r[1]};
 }
 
@@ -428,11 +436,11 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tenso
                                                     const Tensor& block_table, const Tensor& seqlens_k,
                                                     const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
                                                     std::optional<double> scale, int64_t window_left,
-                                                    int64_t window_right, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
+                                                    int64_t window_right, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto fwd = op("sdpa::attention_paged").typed<decltype(attention_paged_cpu)>();
   return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
-                  softcap, softcap_after_bias, alibi_slopes, sinks);
+                  softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
 }
 
 }  // namespace
@@ -440,23 +448,23 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tenso
 TORCH_LIBRARY(sdpa, m) {
   // The score modifiers come last, defaulted.
 #define SDPA_MODS ", float softcap=0., bool softcap_after_bias=False, Tensor? alibi_slopes=None, Tensor? sinks=None"
-  // attention and attention_backward also take a block mask (the packed operators refuse one).
+  // Then a block mask (packed sequences read it as Options::block_mask says).
 #define SDPA_BLOCKS ", Tensor? block_mask=None, int block_q=128, int block_k=128"
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         SDPA_BLOCKS ", bool mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-#undef SDPA_BLOCKS
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS ") -> (Tensor, Tensor)");
   m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
-        "float dropout_p, Tensor? seed" SDPA_MODS ") -> (Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
         "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right" SDPA_MODS
-        ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS ") -> (Tensor, Tensor)");
+#undef SDPA_BLOCKS
 #undef SDPA_MODS
   m.def("torch_version() -> str", [] { return std::string(SDPA_TORCH_VERSION); });
 }

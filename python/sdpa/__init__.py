@@ -648,7 +648,7 @@ def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      return_lse=False, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
-                     softcap_order="before_bias", alibi_slopes=None, sinks=None):
+                     softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None, block_size=128):
     """``attention`` on a batch of sequences of different lengths packed end to end, token-major
     (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
 
@@ -673,11 +673,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     i, j positions inside it. Nothing crosses a sequence's boundary. dtypes, scale, window,
     dropout, backend and the score modifiers as in ``attention`` (alibi_slopes (B, Hq) give
     sequence b row b); results are bitwise reproducible.
+
+    block_mask (bool) is (…, ceil(max_b Nq_b / bq), ceil(max_b Nk_b / bk)), its leading dims
+    broadcasting to (B, Hq): sequence b reads the top-left ceil(Nq_b / bq) × ceil(Nk_b / bk)
+    blocks of its row, in its own positions. For the sequences above, block_size=2 and
+    block_mask = [[True, False], [False, True]] (every sequence and head)::
+
+        seq 0 (2 queries, 3 keys) reads [[1, 0]]:   rows 0 1 see keys 0 1 (key 2 is in block 1)
+        seq 1 (3 queries, 4 keys) reads all four:   rows 0 1 see keys 0 1, row 2 keys 2 3
     """
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
     out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
     _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
@@ -687,7 +695,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                               window=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
-                              softcap_order="before_bias", alibi_slopes=None, sinks=None):
+                              softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
+                              block_size=128):
     """Gradients of ``attention_varlen``: returns ``(dq, dk, dv)`` shaped like the packed q, k, v
     (and dsinks, summed over the sequences, when ``sinks`` is given). dout and out are
     (total_q, Hq, Dv), lse (Hq, total_q), as ``attention_varlen(..., return_lse=True)`` returned
@@ -695,7 +704,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
@@ -733,7 +742,7 @@ def _paged_query(q, pool_dtype, nq_name="q", packed=False):
 
 def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, backend="auto", softcap=0.0, softcap_order="before_bias",
-                    alibi_slopes=None, sinks=None):
+                    alibi_slopes=None, sinks=None, block_mask=None, block_size=128):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
@@ -774,6 +783,11 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
                                                               up to 6, 7, 8; seq 1's row all 5)
 
     Each sequence's rows are bit for bit the call with q = its rows as (1, Hq, n_b, Dk).
+
+    Score modifiers as in ``attention``. A block_mask counts max_pages · page_size keys (the
+    table's row), and with packed queries it is (…, ceil(max_b n_b / bq), ceil(max_pages ·
+    page_size / bk)), of which sequence b reads its first ceil(n_b / bq) rows of blocks (as
+    ``attention_varlen`` reads one).
     """
     k_pages, v_pages = _pool_array("k_pages", k_pages), _pool_array("v_pages", v_pages)
     q = _paged_query(q, k_pages.dtype, packed=cu_seqlens_q is not None)
@@ -782,7 +796,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     cu_q = _prepared_indices("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets into q's rows")
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
     out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
     lse = _empty("lse", lse_shape, dtype) if return_lse else None

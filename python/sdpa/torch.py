@@ -122,20 +122,21 @@ def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, d
 
 @torch.library.register_fake("sdpa::attention_varlen")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
-      softcap_after_bias=False, alibi_slopes=None, sinks=None):
+      softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_compute_dtype(q.dtype))
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
 
 @torch.library.register_fake("sdpa::attention_varlen_backward")
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window_left, window_right, dropout_p,
-      seed, softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None):
+      seed, softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128,
+      block_k=128):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks)
 
 
 @torch.library.register_fake("sdpa::attention_paged")
 def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
-      softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None):
+      softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
 
@@ -344,7 +345,8 @@ def _index_tensor(name, t, meaning, ndim=1):
 
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
-                     dropout_p=0.0, softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
+                     dropout_p=0.0, softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None,
+                     block_mask=None, block_size=128):
     """``sdpa.attention_varlen`` on CPU tensors, with autograd (FlashAttention's
     ``flash_attn_varlen_func`` layout): query (total_q, Hq, Dk), key (total_k, Hkv, Dk), value
     (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k (B + 1,) integer tensors (or sequences);
@@ -353,33 +355,40 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     ``sdpa.attention``. With dropout_p > 0 the seed is drawn from torch's global generator
     (``torch.manual_seed`` reproduces it) and reused by the backward. softcap, softcap_order,
     alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (with a gradient) as in
-    ``scaled_dot_product_attention``."""
+    ``scaled_dot_product_attention``; block_mask and block_size as in ``sdpa.attention_varlen``
+    (each sequence reads the top-left corner of the longest sequence's blocks)."""
     _check_tensors(("query", "key", "value"), (query, key, value))
     cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
     cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,) offsets")
     dropout_p, scale, seed = _options(dropout_p, scale)
     left, right = _window_bounds(window)
+    mods = _mods(softcap, softcap_order, alibi_slopes, sinks)
+    if block_mask is not None:
+        mods += _blocks(block_mask, block_size)
     out, _ = _ops.attention_varlen(query, key, value, cu_q, cu_k, _causal_name(causal), scale, left, right, dropout_p,
-                                   seed, *_mods(softcap, softcap_order, alibi_slopes, sinks))
+                                   seed, *mods)
     return out
 
 
 def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                    sinks=None):
+                    sinks=None, block_mask=None, block_size=128):
     """``sdpa.attention_paged`` on CPU tensors (forward only: the result carries no gradient):
     query (B, Hq, Nq, Dk) against a paged KV cache, k_pages (num_pages, page_size, Hkv, Dk) and
     v_pages (num_pages, page_size, Hkv, Dv) (any strides with a contiguous last dim), block_table
     (B, max_pages) and seqlens_k (B,) integer tensors; returns out (B, Hq, Nq, Dv) in the query's
     dtype, and lse (B, Hq, Nq) with return_lse. With cu_seqlens_q ((B + 1,) offsets) the query
-    is packed, (total_q, Hq, Dk), out (total_q, Hq, Dv) and lse (Hq, total_q). causal, window
-    and scale as in ``sdpa.attention_paged``."""
+    is packed, (total_q, Hq, Dk), out (total_q, Hq, Dv) and lse (Hq, total_q). causal, window,
+    scale, the score modifiers and block_mask as in ``sdpa.attention_paged``."""
     _check_tensors(("query", "k_pages", "v_pages"), (query, k_pages, v_pages))
     table = _index_tensor("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     lengths = _index_tensor("seqlens_k", seqlens_k, "(B,) key lengths")
     cu_q = None if cu_seqlens_q is None else _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
     _, scale, _ = _options(0.0, scale)
     left, right = _window_bounds(window)
+    mods = _mods(softcap, softcap_order, alibi_slopes, sinks)
+    if block_mask is not None:
+        mods += _blocks(block_mask, block_size)
     out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
-                                    right, *_mods(softcap, softcap_order, alibi_slopes, sinks))
+                                    right, *mods)
     return (out, lse) if return_lse else out

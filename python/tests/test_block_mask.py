@@ -128,11 +128,77 @@ def test_errors_name_the_argument():
         sdpa.attention(q, k, v, block_mask=np.ones((1, 3), bool), block_size=(0, 128))
     with pytest.raises(TypeError, match="block_size"):
         sdpa.attention(q, k, v, block_mask=np.ones((1, 3), bool), block_size=1.5)
-    # Packed sequences have no one block grid: attention_varlen takes no block_mask (the C++
-    # call refuses one: tests/block_mask_test.cc).
-    with pytest.raises(TypeError, match="block_mask"):
-        sdpa.attention_varlen(q[0, :4, None], k[0, :4, None], v[0, :4, None], [0, 4], [0, 4],
-                              block_mask=np.ones((1, 1), bool))
+    # Packed sequences: the longest sequence's blocks.
+    with pytest.raises(ValueError, match=r"block_mask has shape \(2, 1\).*longest sequence's Nq / block_q\) = ceil\(4 / 4\)"):
+        sdpa.attention_varlen(q[0, :6, None], k[0, :6, None], v[0, :6, None], [0, 4, 6], [0, 2, 6],
+                              block_mask=np.ones((2, 1), bool), block_size=4)
+
+
+def _packed(rng, nq, nk, hq, hkv, d):
+    q = rng.standard_normal((sum(nq), hq, d)).astype(np.float32)
+    k = rng.standard_normal((sum(nk), hkv, d)).astype(np.float32)
+    v = rng.standard_normal((sum(nk), hkv, d)).astype(np.float32)
+    return q, k, v, np.cumsum([0] + nq), np.cumsum([0] + nk)
+
+
+def test_varlen_sequences_read_their_corner_forward_and_backward():
+    rng = np.random.default_rng(11)
+    nq, nk, bq, bk = [37, 0, 70, 5], [90, 12, 64, 0], 16, 32
+    q, k, v, cu_q, cu_k = _packed(rng, nq, nk, 4, 2, 8)
+    bm = rng.random((len(nq), 1, -(-max(nq) // bq), -(-max(nk) // bk))) < 0.6
+    out, lse = sdpa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, block_mask=bm, block_size=(bq, bk),
+                                     return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = sdpa.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, block_mask=bm,
+                                                block_size=(bq, bk))
+    for b in range(len(nq)):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        qb, kb, vb = (np.ascontiguousarray(x.transpose(1, 0, 2)) for x in (q[rq], k[rk], v[rk]))
+        corner = bm[b, :, :-(-nq[b] // bq), :-(-nk[b] // bk)]
+        ob, lb = sdpa.attention(qb, kb, vb, causal=True, block_mask=corner, block_size=(bq, bk), return_lse=True)
+        np.testing.assert_array_equal(out[rq], ob.transpose(1, 0, 2))
+        np.testing.assert_array_equal(lse[:, rq], lb)
+        g = sdpa.attention_backward(np.ascontiguousarray(dout[rq].transpose(1, 0, 2)), qb, kb, vb, ob, lb,
+                                    causal=True, block_mask=corner, block_size=(bq, bk))
+        for got, want in zip((dq[rq], dk[rk], dv[rk]), g):
+            np.testing.assert_array_equal(got, want.transpose(1, 0, 2))
+
+
+def test_the_varlen_docstring_picture():
+    doc = sdpa.attention_varlen.__doc__
+    assert "block_size=2" in doc and "block_mask = [[True, False], [False, True]]" in doc
+    rng = np.random.default_rng(2)
+    q, k, v, cu_q, cu_k = _packed(rng, [2, 3], [3, 4], 1, 1, 4)
+    lines = re.findall(r"seq (\d) \((\d) queries, (\d) keys\) reads .*?:\s+(.*)", doc)
+    assert len(lines) == 2
+    out = sdpa.attention_varlen(q, k, v, cu_q, cu_k, block_mask=[[True, False], [False, True]], block_size=2)
+    for b, n_q, n_k, seen in lines:
+        b, n_q, n_k = int(b), int(n_q), int(n_k)
+        # The rows and keys the picture names, as an element mask for the sequence's own call.
+        mask = np.zeros((n_q, n_k), bool)
+        for rows, keys in re.findall(r"rows? ([\d ]+?) (?:see )?keys ([\d ]+)", seen):
+            mask[np.ix_([int(r) for r in rows.split()], [int(c) for c in keys.split()])] = True
+        qb, kb, vb = (x[c[b]:c[b + 1], 0] for x, c in ((q, cu_q), (k, cu_k), (v, cu_k)))
+        np.testing.assert_array_equal(out[cu_q[b]:cu_q[b + 1], 0], sdpa.attention(qb, kb, vb, mask))
+
+
+def test_packed_paged_sequences_read_their_corner():
+    rng = np.random.default_rng(13)
+    page, pages, max_pages, bq, bk = 16, 6, 3, 8, 16
+    k_pages = rng.standard_normal((pages, page, 1, 8)).astype(np.float32)
+    v_pages = rng.standard_normal((pages, page, 1, 8)).astype(np.float32)
+    table = np.array([[0, 1, 2], [3, 4, 5], [5, 0, 1]])
+    lengths, nq = np.array([40, 48, 9]), [10, 1, 20]
+    cu = np.cumsum([0] + nq)
+    q = rng.standard_normal((cu[-1], 2, 8)).astype(np.float32)
+    bm = rng.random((3, 2, -(-max(nq) // bq), max_pages * page // bk)) < 0.6
+    out = sdpa.attention_paged(q, k_pages, v_pages, table, lengths, cu_seqlens_q=cu, causal=True, block_mask=bm,
+                               block_size=(bq, bk))
+    for b in range(3):
+        qb = np.ascontiguousarray(q[cu[b]:cu[b + 1]].transpose(1, 0, 2))[None]
+        want = sdpa.attention_paged(qb, k_pages, v_pages, table[b:b + 1], lengths[b:b + 1], causal=True,
+                                    block_mask=bm[b:b + 1, :, :-(-nq[b] // bq)], block_size=(bq, bk))
+        np.testing.assert_array_equal(out[cu[b]:cu[b + 1]], want[0].transpose(1, 0, 2))
 
 
 def test_torch_block_mask_with_autograd():
@@ -156,3 +222,34 @@ def test_torch_block_mask_with_autograd():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="block_mask must be a bool"):
         st.scaled_dot_product_attention(q, k, v, block_mask=bm.float())
+
+
+def test_torch_packed_block_masks_with_autograd():
+    torch = pytest.importorskip("torch")
+    import sdpa.torch as st
+
+    rng = np.random.default_rng(19)
+    nq, nk, bq, bk = [30, 3, 50], [40, 70, 9], 16, 16
+    q, k, v, cu_q, cu_k = _packed(rng, nq, nk, 2, 1, 8)
+    bm = rng.random((3, 1, -(-max(nq) // bq), -(-max(nk) // bk))) < 0.6
+    out, lse = sdpa.attention_varlen(q, k, v, cu_q, cu_k, causal=True, block_mask=bm, block_size=bq, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    want = sdpa.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, block_mask=bm,
+                                          block_size=bq)
+    tq, tk, tv = (torch.from_numpy(x).requires_grad_() for x in (q, k, v))
+    got = st.attention_varlen(tq, tk, tv, torch.from_numpy(cu_q), torch.from_numpy(cu_k), causal=True,
+                              block_mask=torch.from_numpy(bm), block_size=bq)
+    np.testing.assert_array_equal(got.detach().numpy(), out)
+    for g, w in zip(torch.autograd.grad(got, (tq, tk, tv), torch.from_numpy(dout)), want):
+        np.testing.assert_array_equal(g.numpy(), w)
+    # Packed paged queries: the same sequences from a pool of one-row pages.
+    table = np.full((3, max(nk)), -1)
+    for b in range(3):
+        table[b, :nk[b]] = np.arange(cu_k[b], cu_k[b + 1])
+    bm_paged = rng.random((1, 2, -(-max(nq) // bq), -(-max(nk) // bk))) < 0.6
+    paged = st.attention_paged(torch.from_numpy(q), torch.from_numpy(k[:, None]), torch.from_numpy(v[:, None]),
+                               torch.from_numpy(table), torch.tensor(nk), cu_seqlens_q=torch.from_numpy(cu_q),
+                               causal=True, block_mask=torch.from_numpy(bm_paged), block_size=bq)
+    np.testing.assert_array_equal(paged.numpy(), sdpa.attention_paged(q, k[:, None], v[:, None], table, nk,
+                                                                      cu_seqlens_q=cu_q, causal=True,
+                                                                      block_mask=bm_paged, block_size=bq))
