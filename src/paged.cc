@@ -135,7 +135,15 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
       checked.weights->shape[3] = 0;
     }
   }
-  Problem p = make_problem(dense, checked, options);
+  Options opts = options;
+  if (num_pages == 0 && options.block_mask) {
+    // The block mask counts the table's max_pages · page_size keys, as with pages; none of them
+    // is read here, so the problem of no keys gets its key blocks cut to none.
+    checked_block_mask(*options.block_mask, options, in.q.rank, B, in.q.shape[1], in.q.shape[2], max_pages * page_size,
+                       "");
+    opts.block_mask->shape[opts.block_mask->rank - 1] = 0;
+  }
+  Problem p = make_problem(dense, checked, opts);
   // The pages each sequence reads exist.
   if (B > 0 && max_pages > 0 && table.data == nullptr) fail("block_table has no data but shape " + table.shape_string());
   for (int64_t b = 0; b < B; ++b) {

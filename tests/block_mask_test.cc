@@ -579,6 +579,26 @@ TEST(BlockMask, BadArgumentsAreErrorsNamingThem) {
   const GuardedTensor empty(DType::kBool, {0, 1});  // QB = 0, KB = ceil(1 · 4 / 128)
   o.block_mask = empty.view();
   EXPECT_NO_THROW(sdpa::attention_paged(paged, {out0.view()}, o));
+  // No pages at all (a pool not allocated yet, every sequence empty): the mask still counts the
+  // table's keys, max_pages · page_size (fuzz: paged_blocks_no_pages).
+  GuardedTensor no_pages(kF32, {0, 4, 2, 8}), q1(kF32, {3, 2, 8}), out1(kF32, {3, 2, 8});
+  std::vector<int32_t> table1 = {-1, -1, -1, -1, -1};
+  std::vector<int64_t> lengths1 = {0};
+  std::vector<int32_t> cu1 = {0, 3};
+  sdpa::PagedInputs unallocated{q1.view(), no_pages.view(), no_pages.view(),
+                                sdpa::TensorView::contiguous(table1.data(), DType::kInt32, {1, 5}),
+                                sdpa::TensorView::contiguous(lengths1.data(), DType::kInt64, {1}),
+                                sdpa::TensorView::contiguous(cu1.data(), DType::kInt32, {2})};
+  GuardedTensor keys20(DType::kBool, {2, 3});  // ceil(3 / 2), ceil(5 · 4 / 8)
+  for (int64_t e = 0; e < keys20.numel(); ++e) keys20.set(e, e % 2);
+  o.block_mask = keys20.view();
+  o.block_q = 2;
+  o.block_k = 8;
+  EXPECT_NO_THROW(sdpa::attention_paged(unallocated, {out1.view()}, o));
+  for (double x : out1.values()) EXPECT_EQ(x, 0.0);
+  const GuardedTensor keys0(DType::kBool, {2, 0});
+  o.block_mask = keys0.view();
+  expect_sdpa_error([&] { sdpa::attention_paged(unallocated, {out1.view()}, o); }, {"block_mask", "(2, 0)", "ceil(20 / 8)"});
 }
 
 }  // namespace
