@@ -70,15 +70,36 @@
 //                     element only key tiles [128 t, 128 t + 128) use that the block mask blocks
 //                     for every row of every query head of the kv head (unread_tiles) changes no
 //                     bit; in ASan builds those bytes are poisoned during the call, so a read of a
-//                     tile the header says is skipped unread is an ASan report (tame inputs only
-//                     while the skip class blocks_unread_fallback is listed: see kSkipDefault)
+//                     tile the header says is skipped unread is an ASan report (tame or not: F18,
+//                     the overflow fallback's read of such tiles, is fixed)
 // An invalid block mask (dtype not bool, a last dim ± 1, a leading dim neither 1 nor B / Hq, rank
 // 0, 1 or above q's, block_q or block_k < 1, null data) goes through error_expected and
 // error_untouched for attention, validate and attention_backward, and error_names: the Error names
 // block_mask (block_q, block_k). BadBlocks::kVarlen makes the input an attention_varlen call
-// (run_varlen) with a block mask: attention_varlen, attention_varlen_backward and the same
-// sequences as a packed attention_paged call (cu_seqlens_q) must throw an Error naming
-// block_mask and write nothing. (run_huge, mode < 12, ignores the block mask.)
+// (run_varlen) with a block mask for packed sequences (run_varlen_blocks): bool, (..,
+// ceil(max_b Nq_b / block_q), ceil(max_b Nk_b / block_k)), leading dims broadcasting to
+// (sequences, Hq); sequence b reads the top-left (ceil(Nq_b / block_q), ceil(Nk_b / block_k))
+// blocks of its row. Two more input bytes pick a valid mask (make_block_mask's sizes, densities,
+// leading dims (QB, KB), (Hq | 1, ..), (S | 1, Hq | 1, ..), any layout) or an invalid one (QB or
+// KB ± 1, a leading dim neither 1 nor S / Hq, dtype, rank 0 or 1, the packed totals' blocks, null
+// data, the other call's KB); the same sequences also run as a packed attention_paged call (cu_seqlens_q;
+// pools of one-row pages over the packed k, v; a table with 0 or 1-130 unread columns past the
+// longest sequence, so that its Nk_b = max_pages · page_size gives another KB). Valid:
+//   varlen_blocks_equiv  attention_varlen's out, lse (attention_varlen_backward's dq, dk, dv) of
+//                     sequence b equal bit for bit (NaN = NaN) those of attention()
+//                     (attention_backward()) on views of the sequence's rows of the packed tensors
+//                     with its corner of the mask (a view of it or a copy) and the same options
+//                     (with dropout: as batch entry b, forward; b = 0 only, backward)
+//   paged_blocks_equiv  the packed attention_paged call's out, lse of sequence b equal bit for bit
+//                     those of the unpacked attention_paged call with q = its rows (1, Hq, Nq_b, Dk),
+//                     table row b, seqlens_k {Nk_b} and its corner (ceil(Nq_b / block_q),
+//                     ceil(max_pages / block_k)) (with dropout: batch entry b of rows 0..b)
+// besides unexpected_error (named paged_blocks_no_pages for the paged calls over a pool of no
+// pages: F21, fixed), guards, unwritten, repeatable, kernel_path and lse_inf_backward on the
+// packed calls. Invalid: attention_varlen, attention_varlen_backward and the packed
+// attention_paged throw an Error that writes nothing (error_expected, error_untouched) and names
+// block_mask, and for a shape that does not broadcast "the longest sequence's" lengths
+// (error_names); with no sequence too (F19). (run_huge, mode < 12, ignores the block mask.)
 //
 // Checks (each has a name; a failure prints the case and aborts, unless the check is listed
 // as KNOWN below, which records it and goes on):
@@ -113,8 +134,8 @@
 //   empty_lse         (f) ... and lse = log(number of allowed keys) + bias when Dk = 0
 //   kernel_path       sdpa::last_kernel_path() after a call: no better than the cap, available
 //                     on this CPU (with the SIMD targets not disabled), kSimd unless q, k and v
-//                     are all bfloat16 ("kernel_path_stale" for a varlen backward with 2 threads
-//                     and a sequence that notes no path: KNOWN, see kKnownDefault)
+//                     are all bfloat16 (a varlen backward with 2 threads and a sequence that notes
+//                     no path too: F20, fixed; its KNOWN name kernel_path_stale is gone)
 // With seqlens_k (ext bit 4) every check above uses the header's rule: batch entry b has keys
 // 0 .. L - 1 (L = seqlens_k[b]) and causal / window align to L, so keys past L count as blocked
 // (blocked_weight, masked_row, poison_*, masked_grad: dk = dv = 0 there); invalid values
@@ -142,8 +163,8 @@
 //                     the paged calls the pool rows no sequence reads hold garbage and the table
 //                     entries past each sequence's pages out-of-range values, and in ASan builds
 //                     both are poisoned (a read is an ASan report), the KVCache's unread rows too
-//   error_names       the Error for an invalid block mask names block_mask (block_q, block_k; see
-//                     above); for a bad block-table entry it names the entry and its sequence
+//   error_names       the Error for an invalid block mask names block_mask (block_q, block_k; on
+//                     packed sequences also "the longest sequence's": see above); for a bad block-table entry it names the entry and its sequence
 //                     ("block_table[b][j] = x", "sequence b"), for a table too short for a length
 //                     "seqlens_k[b] = L", for an unknown KVCache sequence its id
 //   kvcache_model     after each step the cache's ids (new_sequence: the lowest free), lengths,
@@ -221,16 +242,16 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 // F17 (resolved in 8fe379e: the header blocks a key whose kAfterBias argument is -inf in the
 // compute type, and kReference rounds that argument to it) is checked by the edge-semantics
 // checks as any -inf score (modified_score); its former KNOWN name cap_overflow is gone.
-// KNOWN: kernel_path_stale (open; found by the block-mask session, 2026-11-26, not yet in
-// FINDINGS.md): attention_varlen_backward with 2 threads and a sequence whose backward notes no
-// path (one that writes nothing, e.g. no query rows with no keys; or any sequence under
-// kReference / kNaive, whose backward notes none) reports the kernel path a previous call left in
-// an OpenMP worker's thread_local record (src/varlen.cc, run_backward_sequences: the worker runs
-// run_backward and then reads last_kernel_path()): e.g. kAmxBf16 for a float16 call capped at
-// kSimd, after a bfloat16 varlen backward. Needs the earlier call in the same process: replay
-// seed60 with ext 0x21 and its backward bit set, then the failing input. kernel_path is that
-// check's name elsewhere.
-const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path,kernel_path_stale";
+// kernel_path_stale (F20, fixed: src/varlen.cc's run_backward_sequences resets the thread's
+// kernel path before each sequence's run_backward) was KNOWN while open: attention_varlen_backward
+// with 2 threads and a sequence whose backward notes no path reported the path an earlier call left
+// in an OpenMP worker's thread_local record. Its failures are plain `kernel_path` failures now
+// (findings/kernel_path_stale-prelude, then findings/kernel_path_stale-naive, replay strict).
+// F21 (fixed in 5522985: paged_problem checks the block mask against max_pages · page_size
+// before it empties the rows view of a pool of no pages) was KNOWN as paged_blocks_no_pages while
+// open: attention_paged with a pool of no pages and a table of max_pages > 0 columns checked
+// Options::block_mask against Nk = 0 (findings/paged_blocks_no_pages-1 replays strict).
+const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path";
 // KNOWN: input classes that would crash or hang (so a check cannot even report): generation
 // of the classes listed is off (or, for bf16_dk0, changed). The names understood are
 //   huge_mask       (f) an empty mask with a huge dim (validation must not walk it)
@@ -262,30 +283,15 @@ const char* const kKnownDefault = "poison_fwd_dot_path,poison_bwd_dot_path,kerne
 //                   formed row addresses in it (View4::ptr, from ReadRows), an offset applied to a
 //                   null pointer (UBSan), as F12 in varlen. While listed, run_paged gives empty
 //                   pools a 1-element buffer and stride 0 (findings/paged_empty_pool_view-1)
-//   paged_blocks_empty  (open; found by the block-mask harness, not yet in FINDINGS.md): a
-//                   packed attention_paged call (cu_seqlens_q) of 0 sequences with a block mask
-//                   returns without an Error, where attention_varlen with 0 sequences refuses the
-//                   block mask (src/paged.cc's packed_problems calls sequence_options, which
-//                   refuses it, once per sequence; varlen.cc calls it once up front). While listed,
-//                   run_varlen's BadBlocks::kVarlen inputs check the packed paged call only when
-//                   there is a sequence
-//   blocks_unread_fallback  (open; found by the block-mask harness, not yet in FINDINGS.md):
-//                   the fused forward reads the k rows of key tiles the block mask blocks for
-//                   every row (the header: neither scored nor read) when a row's unnormalised
-//                   Σ p·v overflows and finish_block (src/flash/flash_plan.h) recomputes its
-//                   columns with attend_row -> softmax_row (src/reference.cc), which forms q·k for
-//                   every key of the row's causal / window range before the block mask's -inf
-//                   (with_bias) discards it: the results are right, the read is an ASan
-//                   use-after-poison in blocks_unread (and a fault where the caller unmapped
-//                   the skipped rows, as block_mask_test.cc's SkippedTilesAreNeverRead does).
-//                   Only not-tame inputs reach it (huge v, or dropout's 1 / (1 - p) on large
-//                   values); while listed, blocks_unread fences (ASan-poisons) the skipped tiles of
-//                   tame inputs only and checks the bits of the others with the garbage in place
 // (F16, all-bfloat16 calls with Dk = 0 or Dv = 0 on the AMX path, had the class amx_d0 until
 // its fix in 87159b8: such calls now run uncapped; findings/amx_d0_empty_rows-1 is its
-// regression input.)
+// regression input. F18's blocks_unread_fallback (blocks_unread fenced the skipped tiles of tame
+// inputs only, while the forward's overflow fallback read them) and F19's paged_blocks_empty (the
+// packed paged call of 0 sequences was not checked for the block mask's Error) are gone with their
+// fixes, as amx_d0: findings/blocks_unread_finish_block-1 and
+// findings/paged_block_mask_no_sequences-1 are their regression inputs.)
 // SDPA_FUZZ_SKIP="a,b" sets the list; SDPA_FUZZ_STRICT=1 empties it.
-const char* const kSkipDefault = "paged_blocks_empty,blocks_unread_fallback";  // F11-F16 fixed; these two open
+const char* const kSkipDefault = "";  // F11-F16, F18, F19 fixed
 // ---------------------------------------------------------------------------------------------
 
 std::set<std::string> g_known, g_skip;
@@ -789,13 +795,15 @@ const char* const kBadModNames[] = {"none", "softcap < 0", "softcap NaN", "softc
 static_assert(sizeof(kBadModNames) / sizeof(kBadModNames[0]) == static_cast<size_t>(BadMod::kCount));
 
 // What an invalid block mask (bm_seed's top three bits 0b111; bm_seed's low five bits pick the
-// kind) breaks. kVarlen makes the input an attention_varlen call (run_varlen) that carries a
-// (valid-looking) block mask: an Error, and so is the same call as a packed attention_paged one.
+// kind) breaks. kVarlen (bm_seed 0xe7, 0xef, 0xf7, 0xff) is no invalid kind of a dense call: it
+// makes the input an attention_varlen call (run_varlen) with a block mask for its packed sequences,
+// valid or invalid (run_varlen_blocks, PackedBad), and the same sequences as a packed
+// attention_paged call.
 enum class BadBlocks : uint8_t { kNone, kDtype, kShape, kLeadShape, kRank, kBlockQ, kBlockK, kNull, kVarlen, kCount };
 const char* const kBadBlocksNames[] = {"none", "block_mask dtype not bool", "block_mask (.., QB ± 1, KB) or (.., QB, KB ± 1)",
                                        "block_mask leading dim neither 1 nor B / Hq", "block_mask rank (0, 1 or > q's)",
                                        "block_q < 1", "block_k < 1", "block_mask null data",
-                                       "block_mask on attention_varlen / packed attention_paged"};
+                                       "block_mask on packed sequences (attention_varlen / packed attention_paged)"};
 static_assert(sizeof(kBadBlocksNames) / sizeof(kBadBlocksNames[0]) == static_cast<size_t>(BadBlocks::kCount));
 BadBlocks bad_blocks_of(uint8_t bm_seed) {
   return (bm_seed >> 5) == 7 ? static_cast<BadBlocks>(1 + (bm_seed & 31) % (static_cast<int>(BadBlocks::kCount) - 1)) : BadBlocks::kNone;
@@ -1955,11 +1963,13 @@ int64_t ceil_div(int64_t n, int64_t block) { return n / block + (n % block != 0)
 //                too (md, md_seed after those)
 // bm_seed seeds the PRNG for the rest: the sizes, the values (a true block is 1 or any of 1-255),
 // the layout (block_layout); its top three bits 0b111 make the mask invalid (bad_blocks_of).
-void decode_block_mask(Case& c) {
+// The block mask's sizes, leading dims and values (decode_block_mask's, and run_varlen's for
+// packed sequences): `rank` is q's (it bounds the leading dims), (B, Hq) what they broadcast to,
+// Nq and Nk the rows and keys the blocks cover. `max_elems` bounds the mask's elements (B · Hq ·
+// QB · KB): block_q or block_k (whichever gives more blocks) doubles until it fits.
+std::shared_ptr<BlockMask> make_block_mask(std::mt19937_64& rng, int size_kind, int density_kind, int lead_kind, int rank, int64_t B,
+                                           int64_t Hq, int64_t Nq, int64_t Nk, int64_t max_elems = INT64_MAX) {
   auto bl = std::make_shared<BlockMask>();
-  std::mt19937_64 rng(0xb10c4a5cull * (g_bm_seed + 1u) + g_bm);
-  const int64_t Nq = c.d.Nq, Nk = c.d.Nk, B = c.rank == 4 ? c.d.B : 1, Hq = c.rank >= 3 ? c.d.Hq : 1;
-  const int size_kind = g_bm & 3, density_kind = (g_bm >> 2) & 3, lead_kind = (g_bm >> 4) & 3;
   const auto relative = [&](int64_t n) {
     const int64_t r[] = {n, n + 1, n - 1, n / 2, n / 3};
     return std::max<int64_t>(1, r[rng() % 5]);
@@ -1984,14 +1994,21 @@ void decode_block_mask(Case& c) {
   };
   bl->bq = size_of(Nq, false);
   bl->bk = size_of(Nk, true);
+  if (max_elems != INT64_MAX) {
+    const long double lead = static_cast<long double>(std::max<int64_t>(1, B)) * std::max<int64_t>(1, Hq);
+    while (lead * ceil_div(Nq, bl->bq) * ceil_div(Nk, bl->bk) > max_elems) {
+      int64_t& b = ceil_div(Nq, bl->bq) >= ceil_div(Nk, bl->bk) ? bl->bq : bl->bk;
+      b = b > INT64_MAX / 2 ? INT64_MAX : 2 * b;
+    }
+  }
   const int64_t QB = ceil_div(Nq, bl->bq), KB = ceil_div(Nk, bl->bk);
   std::vector<int64_t> shape;
   switch (lead_kind) {
-    case 1: if (c.rank >= 3) shape = {Hq}; break;
-    case 2: if (c.rank == 4) shape = {B, 1}; else if (c.rank == 3) shape = {1}; break;
+    case 1: if (rank >= 3) shape = {Hq}; break;
+    case 2: if (rank == 4) shape = {B, 1}; else if (rank == 3) shape = {1}; break;
     case 3:
-      if (c.rank == 4) shape.push_back(rng() % 2 ? B : 1);
-      if (c.rank >= 3) shape.push_back(rng() % 2 ? Hq : 1);
+      if (rank == 4) shape.push_back(rng() % 2 ? B : 1);
+      if (rank >= 3) shape.push_back(rng() % 2 ? Hq : 1);
       break;
     default: break;
   }
@@ -2039,9 +2056,16 @@ void decode_block_mask(Case& c) {
   static const char* const kDensityNames[] = {"random", "sparse", "all true", "structured"};
   static const char* const kLeadNames[] = {"none", "per head", "per batch", "broadcast"};
   bl->how = std::string("sizes ") + kSizeNames[size_kind] + ", density " + kDensityNames[density_kind] + ", leading dims " + kLeadNames[lead_kind];
+  return bl;
+}
+
+void decode_block_mask(Case& c) {
+  std::mt19937_64 rng(0xb10c4a5cull * (g_bm_seed + 1u) + g_bm);
+  const int64_t B = c.rank == 4 ? c.d.B : 1, Hq = c.rank >= 3 ? c.d.Hq : 1;
+  std::shared_ptr<BlockMask> bl = make_block_mask(rng, g_bm & 3, (g_bm >> 2) & 3, (g_bm >> 4) & 3, c.rank, B, Hq, c.d.Nq, c.d.Nk);
   bl->bad = bad_blocks_of(g_bm_seed);
   bl->bad_seed = rng();
-  c.opt.block_mask = m.view();
+  c.opt.block_mask = bl->mask.view();
   c.opt.block_q = bl->bq;
   c.opt.block_k = bl->bk;
   c.blocks = bl;
@@ -2405,11 +2429,11 @@ void apply_invalid(Case& c, Invalid inv, sdpa::Inputs& in, sdpa::Outputs& outs, 
 // kernel_path: the path a call reports (sdpa::last_kernel_path) is no better than the cap,
 // available here (kernel_path_available: this CPU, the SIMD targets not disabled: so kSimd under
 // the AVX2 cap), and kSimd unless q, k and v are all bfloat16 (the header's KernelPath).
-void check_kernel_path(const Case& c, sdpa::KernelPath p, const char* call, const char* name = "kernel_path") {
+void check_kernel_path(const Case& c, sdpa::KernelPath p, const char* call) {
   if (g_print) std::fprintf(stderr, "attention_fuzz: %s ran on kernel path %s\n", call, path_name(p));
   const bool ok = static_cast<int>(p) <= static_cast<int>(c.path_cap) && sdpa::kernel_path_available(p) &&
                   (p == sdpa::KernelPath::kSimd || c.all_bf16());
-  check(ok, name, [&] {
+  check(ok, "kernel_path", [&] {
     return std::string(call) + " reports kernel path " + path_name(p) + " (cap " + path_name(c.path_cap) + ", available: " +
            (sdpa::kernel_path_available(p) ? "yes" : "no") + ", dtype " + dtype_str(c.dtype) + "/" + dtype_str(c.kv) + ")";
   });
@@ -2464,7 +2488,7 @@ class Garbage {
   Garbage& operator=(const Garbage&) = delete;
 
   // Elements of t at these offsets (sorted, distinct): garbage, then fenced.
-  void values(Tensor& t, const std::vector<int64_t>& offs, bool fenced = true) {
+  void values(Tensor& t, const std::vector<int64_t>& offs) {
     for (int64_t o : offs) {
       saved_.push_back({&t, o, t.get_off(o)});
       double x;
@@ -2478,7 +2502,7 @@ class Garbage {
       }
       t.set_off(o, x);
     }
-    if (fenced) fence(static_cast<std::byte*>(t.view().data), offs, esize(t.dtype()));
+    fence(static_cast<std::byte*>(t.view().data), offs, esize(t.dtype()));
   }
   // Elements of `es` bytes at these offsets (sorted, distinct) from base: fenced only (their
   // values stay as they are).
@@ -2916,12 +2940,10 @@ void check_blocks_forward(Case& c, const Outs& full) {
   const std::vector<uint8_t> unread = unread_tiles(c);
   Outs g2 = make_outs(c, true, true, false);
   size_t n = 0;
-  // blocks_unread_fallback (kSkipDefault): not-tame inputs get the garbage but no ASan fence.
-  const bool fenced = c.tame || !skipping("blocks_unread_fallback");
   {
     Garbage garbage(0xb10c0ffeull + g_bm_seed);
-    garbage.values(c.k, unread_offsets(c, unread, c.k, c.d.Dk), fenced);
-    garbage.values(c.v, unread_offsets(c, unread, c.v, c.d.Dv), fenced);
+    garbage.values(c.k, unread_offsets(c, unread, c.k, c.d.Dk));
+    garbage.values(c.v, unread_offsets(c, unread, c.v, c.d.Dv));
     n = garbage.count();
     if (n > 0) run_forward(c, c.inputs(), g2, c.opt);
   }
@@ -3490,6 +3512,549 @@ const char* const kVarBadNames[] = {"none", "cu_seqlens_q[0] != 0", "cu_seqlens_
                                     "k dtype", "q rank 2", "dq rows (backward)", "dout shape (backward)", "dv dtype (backward)"};
 static_assert(sizeof(kVarBadNames) / sizeof(kVarBadNames[0]) == static_cast<size_t>(VarBad::kCount));
 
+// ---- Block masks on packed sequences (kExtBlocks, BadBlocks::kVarlen) ----
+
+// Rows [r0, r1) of a packed (total, H, D) tensor as a (H, n, D) view of its buffer (no copy; as
+// the header cuts a sequence), or for `batch` > 0 a (batch, H, n, D) view of batch stride 0 (every
+// entry those rows: a dense call in which the sequence can stand at batch entry batch - 1). A view
+// without elements keeps the tensor's pointer (its data may be null).
+sdpa::TensorView packed_rows_view(const Tensor& t, int64_t r0, int64_t r1, int64_t batch = 0) {
+  const sdpa::TensorView p = t.view();
+  sdpa::TensorView v = p;
+  v.rank = 3;
+  v.shape[0] = p.shape[1];
+  v.shape[1] = r1 - r0;
+  v.shape[2] = p.shape[2];
+  v.strides[0] = p.strides[1];
+  v.strides[1] = p.strides[0];
+  v.strides[2] = p.strides[2];
+  if (v.shape[0] > 0 && v.shape[1] > 0 && v.shape[2] > 0) v.data = static_cast<std::byte*>(p.data) + r0 * p.strides[0] * esize(t.dtype());
+  if (batch > 0) {
+    for (int d = 3; d > 0; --d) v.shape[d] = v.shape[d - 1], v.strides[d] = v.strides[d - 1];
+    v.rank = 4;
+    v.shape[0] = batch;
+    v.strides[0] = 0;
+  }
+  return v;
+}
+
+int64_t view_numel(const sdpa::TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d < t.rank; ++d) n *= t.shape[d];
+  return n;
+}
+
+// Sequence b's block mask as the header reads it (Options::block_mask, packed sequences): of a
+// rank-4 (S or 1, Hq or 1, QB, KB) mask its row b (its first dim dropped), of any mask the top-left
+// (qb, kb) blocks, same strides: a view of the caller's mask.
+sdpa::TensorView corner_view(const sdpa::TensorView& m, int64_t b, int64_t qb, int64_t kb) {
+  sdpa::TensorView t = m;
+  if (t.rank == 4) {
+    if (t.shape[0] != 1 && t.data != nullptr && view_numel(t) > 0) t.data = static_cast<std::byte*>(t.data) + b * t.strides[0];
+    for (int d = 1; d < 4; ++d) t.shape[d - 1] = t.shape[d], t.strides[d - 1] = t.strides[d];
+    t.rank = 3;
+  }
+  t.shape[t.rank - 2] = qb;
+  t.shape[t.rank - 1] = kb;
+  return t;
+}
+
+// The same corner as a copy in its own layout (any but a stride-0 dim, which would alias its
+// elements), read element by element (Tensor::at4: the mask's dims right-aligned to (b, h, qb, kb),
+// extent-1 dims broadcast).
+Tensor corner_copy(const Tensor& m, int64_t b, int64_t qb, int64_t kb, LayoutSpec ls) {
+  ls.zero = 0;
+  std::vector<int64_t> shape = m.shape();
+  if (shape.size() == 4) shape.erase(shape.begin());
+  shape[shape.size() - 2] = qb;
+  shape[shape.size() - 1] = kb;
+  Tensor t(DType::kBool, shape, Role::kAny, true, ls);
+  for (int64_t n = 0; n < t.numel(); ++n) {
+    const int64_t j = n % kb, i = (n / kb) % qb, h = n / (kb * qb);
+    t.set_flat(n, m.at4(b, h, i, j) != 0 ? 1.0 : 0.0);
+  }
+  return t;
+}
+
+// `m` (.., QB, KB) widened to (.., QB, kb) columns (kb >= KB): the new columns random (a layout
+// without stride-0 dims, so that the first KB columns are m's).
+Tensor widened_mask(const Tensor& m, int64_t kb, std::mt19937_64& rng, LayoutSpec ls) {
+  ls.zero = 0;
+  std::vector<int64_t> shape = m.shape();
+  const int64_t KB = shape.back();
+  shape.back() = kb;
+  Tensor t(DType::kBool, shape, Role::kAny, true, ls);
+  for (int64_t n = 0; n < t.numel(); ++n) {
+    const int64_t j = n % kb, row = n / kb;
+    t.set_flat(n, j < KB ? (m.flat(row * KB + j) != 0 ? 1.0 : 0.0) : static_cast<double>(rng() % 2));
+  }
+  return t;
+}
+
+// What makes a packed call's block mask invalid (vb bits 2-4, BadBlocks::kVarlen inputs).
+enum class PackedBad : uint8_t { kQB, kKB, kLead, kDtype, kRank, kTotals, kNull, kOther, kCount };
+const char* const kPackedBadNames[] = {"QB ± 1", "KB ± 1", "a leading dim neither 1 nor S / Hq", "dtype not bool",
+                                       "rank 0 or 1", "QB, KB of the packed totals (ceil(total / block))", "null data",
+                                       "the other call's KB (varlen: max Nk_b; paged: max_pages · page_size)"};
+static_assert(sizeof(kPackedBadNames) / sizeof(kPackedBadNames[0]) == static_cast<size_t>(PackedBad::kCount));
+
+// An invalid block mask for a packed call whose valid mask is `good` ((.., QB, KB); S sequences,
+// Hq heads); `tot` the (QB, KB) of the packed totals, `other` the other call's valid mask. A kind
+// that would not break this call (the totals' or the other call's shape equal to this one's, an
+// empty mask for null data) is QB ± 1 instead. `made` holds the tensor behind the view.
+sdpa::TensorView broken_packed_mask(PackedBad kind, const Tensor& good, const Tensor& other, int64_t S, int64_t Hq,
+                                    const std::array<int64_t, 2>& tot, std::mt19937_64& rng, std::optional<Tensor>& made,
+                                    std::string& how) {
+  std::vector<int64_t> shape = good.shape();
+  const size_t r = shape.size();
+  const auto bool_tensor = [&](std::vector<int64_t> sh) -> sdpa::TensorView {
+    made.emplace(DType::kBool, std::move(sh), Role::kAny, true, block_layout(rng));
+    for (int64_t n = 0; n < made->numel(); ++n) made->set_flat(n, rng() % 2 ? 1.0 : 0.0);
+    return made->view();
+  };
+  if (kind == PackedBad::kTotals && shape[r - 2] == tot[0] && shape[r - 1] == tot[1]) kind = PackedBad::kQB;
+  if (kind == PackedBad::kOther && other.shape() == shape) kind = PackedBad::kQB;
+  if (kind == PackedBad::kNull && good.numel() == 0) kind = PackedBad::kQB;
+  how = kPackedBadNames[static_cast<int>(kind)];
+  switch (kind) {
+    case PackedBad::kQB:
+    case PackedBad::kKB: {
+      int64_t& n = shape[r - (kind == PackedBad::kQB ? 2 : 1)];
+      n = n > 0 && rng() % 2 ? n - 1 : n + 1;
+      return bool_tensor(shape);
+    }
+    case PackedBad::kLead: {
+      // (S, Hq)'s dim + 1 (+ 2 where that is 1); a rank-2 mask gets a leading dim S (per
+      // sequence, as rank 3: read as heads), or Hq + 1 where S is 1 or Hq.
+      const auto wrong = [](int64_t full) { return full + 1 == 1 ? int64_t{2} : full + 1; };
+      if (r == 4) {
+        const size_t x = rng() % 2;
+        shape[x] = wrong(x == 0 ? S : Hq);
+      } else if (r == 3) {
+        shape[0] = wrong(Hq);
+      } else {
+        shape.insert(shape.begin(), S != 1 && S != Hq ? S : wrong(Hq));
+      }
+      return bool_tensor(shape);
+    }
+    case PackedBad::kDtype: {
+      made.emplace(DType::kFloat64, shape, Role::kAny, true, LayoutSpec::plain());  // room for any dtype's view
+      for (int64_t n = 0; n < made->numel(); ++n) made->set_flat(n, 1.0);
+      sdpa::TensorView v = made->view();
+      static const DType kBad[] = {DType::kFloat32, DType::kFloat64, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64};
+      v.dtype = kBad[rng() % 6];
+      return v;
+    }
+    case PackedBad::kRank: {  // rank 0 or 1 (a TensorView holds at most rank 4, which is valid)
+      if (rng() % 2) return bool_tensor({shape.back()});
+      sdpa::TensorView v = bool_tensor({1});
+      v.rank = 0;
+      return v;
+    }
+    case PackedBad::kTotals:
+      shape[r - 2] = tot[0];
+      shape[r - 1] = tot[1];
+      return bool_tensor(shape);
+    case PackedBad::kNull: {
+      sdpa::TensorView v = good.view();
+      v.data = nullptr;
+      return v;
+    }
+    default:
+      return other.view();
+  }
+}
+
+// BadBlocks::kVarlen (kExtBlocks, bm_seed 0xe7 / 0xef / 0xf7 / 0xff): the attention_varlen call
+// run_varlen decoded (c, in: S = nq.size() sequences) with Options::block_mask, and the same
+// sequences as a packed attention_paged call (cu_seqlens_q; a pool of one-row pages over the
+// packed k, v, page r = packed key row r; an int32 table (S, max Nk_b + extra) whose row b lists
+// sequence b's rows, -1 after them; seqlens_k = Nk_b). Two more bytes from the input: `vb` and a
+// 32-bit seed (with bm, bm_seed: the mask's PRNG). bm bits 0-5 pick block_q / block_k, the density
+// and the leading dims as for a dense call (make_block_mask, with Nq = max_b Nq_b, Nk = max_b Nk_b,
+// (B, Hq) = (S, Hq)); vb bits 0-1 == 3: an invalid mask (bits 2-4: PackedBad), else a valid one;
+// bit 5: rank 3 instead of 4 for the leading-dim kinds that have a batch dim ((1, QB, KB), (Hq | 1,
+// QB, KB)); bit 6: the single-sequence calls get a copy of the corner instead of a view; bit 7: the
+// block table has 1-130 more columns than the longest sequence needs (never read), so the paged
+// call's KB = ceil(max_pages · page_size / block_k) exceeds varlen's.
+//   valid:   attention_varlen (and attention_varlen_backward with c.backward) and the packed
+//            attention_paged must not throw: unexpected_error, guards, unwritten, kernel_path,
+//            repeatable (threads 1 and 2), lse_inf_backward; and
+//            varlen_blocks_equiv  sequence b's out, lse (dq, dk, dv) bit for bit (NaN = NaN) those
+//                                 of attention() (attention_backward()) on views of its rows of the
+//                                 packed q, k, v (dout, and the single call's out and lse) with the
+//                                 corner (ceil(Nq_b / block_q), ceil(Nk_b / block_k)) of its row of
+//                                 the mask and the same options; with dropout the forward as batch
+//                                 entry b of a (b + 1, ..) call whose batch has stride 0 (the draws
+//                                 the header promises), the backward for b = 0 only (varlen_dense's
+//                                 rule)
+//            paged_blocks_equiv   sequence b's out, lse bit for bit those of an unpacked
+//                                 attention_paged call with q = its rows as (1, Hq, Nq_b, Dk) (a view),
+//                                 table row b, seqlens_k {Nk_b} and the corner (ceil(Nq_b / block_q),
+//                                 ceil(max_pages · page_size / block_k)) (the header's "each
+//                                 sequence is bit for bit the call with q = its rows"); with
+//                                 dropout batch entry b of a (b + 1, ..) call over table rows 0..b
+//                                 (q's batch stride 0)
+//   invalid: (PackedBad: QB or KB ± 1, a leading dim neither 1 nor S / Hq, dtype, rank 0 or 1, the
+//            totals' blocks, null data, the other call's KB) attention_varlen,
+//            attention_varlen_backward (given a valid forward's out and lse) and the packed
+//            attention_paged each throw an sdpa::Error that writes nothing (error_expected,
+//            error_untouched) and names block_mask, and for a shape that does not broadcast "the
+//            longest sequence's" lengths (error_names). With no sequence QB = KB = 0 for varlen,
+//            KB = ceil(max_pages / block_k) for paged (F19: that call validates the mask too).
+void run_varlen_blocks(FuzzedDataProvider& f, Case& c, const sdpa::VarlenInputs& in, const std::vector<int64_t>& nq,
+                       const std::vector<int64_t>& nk, const std::vector<int64_t>& cu_q, const std::vector<int64_t>& cu_k,
+                       const IndexTensor& cuq, const Tensor& dout, const std::string& described) {
+  const Dims& d = c.d;
+  const sdpa::Options& o = c.opt;
+  const DType ct = c.compute();
+  const int64_t S = static_cast<int64_t>(nq.size());
+  const uint8_t vb = f.ConsumeIntegral<uint8_t>();
+  const uint32_t vb_seed = f.ConsumeIntegral<uint32_t>();
+  std::mt19937_64 br(0xb10c7a51ull * (g_bm_seed + 1u) + g_bm + (uint64_t{vb_seed} << 16));
+  int64_t max_q = 0, max_k = 0;
+  for (int64_t b = 0; b < S; ++b) {
+    max_q = std::max(max_q, nq[static_cast<size_t>(b)]);
+    max_k = std::max(max_k, nk[static_cast<size_t>(b)]);
+  }
+  const int64_t extra = vb & 128 ? 1 + static_cast<int64_t>(br() % 130) : 0;
+  const int64_t maxp = max_k + extra;  // the block table's columns (pages of one row)
+  // The varlen mask (at most 2^20 elements: sizes double until it fits).
+  const std::shared_ptr<BlockMask> bl =
+      make_block_mask(br, g_bm & 3, (g_bm >> 2) & 3, (g_bm >> 4) & 3, vb & 32 ? 3 : 4, S, d.Hq, max_q, max_k, int64_t{1} << 20);
+  const int64_t bq = bl->bq, bk = bl->bk;
+  const int64_t QB = ceil_div(max_q, bq), KB = ceil_div(max_k, bk), KBp = ceil_div(maxp, bk);
+  // The paged call's mask: the same blocks, widened to its KB (columns of keys no sequence has).
+  std::optional<Tensor> pm_own;
+  if (KBp != KB) pm_own.emplace(widened_mask(bl->mask, KBp, br, block_layout(br)));
+  const Tensor& pm = pm_own ? *pm_own : bl->mask;
+  const bool invalid = (vb & 3) == 3;
+  const bool copy_corner = vb & 64;
+  sdpa::Options bo = o, po = o;
+  bo.block_mask = bl->mask.view();
+  po.block_mask = pm.view();
+  bo.block_q = po.block_q = bq;
+  bo.block_k = po.block_k = bk;
+
+  std::string desc = described + "with a block mask on the packed sequences (" + bl->how + "; " +
+                     (invalid ? "invalid" : "valid") + (copy_corner ? ", corners copied" : ", corners as views") +
+                     "): block_q=" + std::to_string(bq) + " block_k=" + std::to_string(bk) + ", QB = ceil(" + std::to_string(max_q) +
+                     " / block_q) = " + std::to_string(QB) + ", KB = ceil(" + std::to_string(max_k) + " / block_k) = " +
+                     std::to_string(KB) + "; " + bl->mask.describe("block_mask") + "\n";
+  desc += "packed attention_paged: table (" + std::to_string(S) + ", " + std::to_string(maxp) + ") (" + std::to_string(extra) +
+          " columns past the longest sequence), pages of 1 row, KB = " + std::to_string(KBp) +
+          (pm_own ? "; " + pm_own->describe("its block_mask (widened)") : std::string("; the same block_mask")) + "\n";
+  g_case = desc;
+  if (g_print) std::fprintf(stderr, "attention_fuzz: varlen case with a block mask (vb 0x%02x, seed 0x%08x; %zu input bytes left after them)\n%s", vb, vb_seed, f.remaining_bytes(), g_case.c_str());
+
+  sdpa::set_num_threads(c.threads);
+  const auto make_vouts = [&](bool fancy) {
+    Outs r;
+    r.out.init(c.dtype, {d.Nq, d.Hq, d.Dv}, Role::kUnitLast, false, fancy ? c.out_ls : LayoutSpec::plain());
+    if (c.want_lse) r.lse.emplace(ct, std::vector<int64_t>{d.Hq, d.Nq}, Role::kAny, false, fancy ? c.l_ls : LayoutSpec::plain());
+    return r;
+  };
+  const auto vouts = [](const Outs& r) {
+    sdpa::VarlenOutputs v;
+    v.out = r.out.view();
+    if (r.lse) v.lse = r.lse->view();
+    return v;
+  };
+  const auto pouts = [](const Outs& r) {
+    sdpa::Outputs v;
+    v.out = r.out.view();
+    if (r.lse) v.lse = r.lse->view();
+    return v;
+  };
+  const auto make_vgrads = [&](const LayoutSpec& ls) {
+    return Grads{Tensor(c.dtype, {d.Nq, d.Hq, d.Dk}, Role::kUnitLast, false, ls), Tensor(c.kv, {d.Nk, d.Hkv, d.Dk}, Role::kUnitLast, false, ls),
+                 Tensor(c.kv, {d.Nk, d.Hkv, d.Dv}, Role::kUnitLast, false, ls), std::nullopt};
+  };
+  const auto attempt = [&](const char* call, const std::function<void()>& fn, std::string& what) {
+    try {
+      fn();
+    } catch (const sdpa::Error& e) {
+      what = e.what();
+      return true;
+    } catch (const std::exception& e) {
+      check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
+    }
+    return false;
+  };
+  // lse (Hq, total_q) columns [q0, q0 + n) against a dense (.., Hq, n) lse's batch entry `at`.
+  const auto lse_bitwise = [&](const Tensor& packed, int64_t q0, const Tensor& dense, int64_t n, int64_t at) -> std::string {
+    for (int64_t h = 0; h < d.Hq; ++h)
+      for (int64_t i = 0; i < n; ++i) {
+        const double a = packed.flat(h * d.Nq + q0 + i), w = dense.flat((at * d.Hq + h) * n + i);
+        if (!(same_bits(a, w) || (std::isnan(a) && std::isnan(w))))
+          return "lse[" + std::to_string(h) + ", " + std::to_string(q0 + i) + "] = " + num(a) + " but the single call gives " + num(w);
+      }
+    return "";
+  };
+
+  // The packed attention_paged call's inputs.
+  std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(1, S * maxp)), -1);
+  for (int64_t b = 0; b < S; ++b)
+    for (int64_t j = 0; j < nk[static_cast<size_t>(b)]; ++j)
+      table[static_cast<size_t>(b * maxp + j)] = static_cast<int32_t>(cu_k[static_cast<size_t>(b)] + j);
+  const auto pool = [](const Tensor& t) {
+    sdpa::TensorView v = t.view(), r = v;
+    r.rank = 4;
+    r.shape[0] = v.shape[0]; r.shape[1] = 1; r.shape[2] = v.shape[1]; r.shape[3] = v.shape[2];
+    r.strides[0] = v.strides[0]; r.strides[1] = v.strides[0]; r.strides[2] = v.strides[1]; r.strides[3] = v.strides[2];
+    return r;
+  };
+  // Table rows [r0, r0 + rows) as a (rows, maxp) view.
+  const auto table_view = [&](int64_t r0, int64_t rows) {
+    sdpa::TensorView t;
+    t.data = table.data() + r0 * maxp;
+    t.dtype = DType::kInt32;
+    t.rank = 2;
+    t.shape[0] = rows;
+    t.shape[1] = maxp;
+    t.strides[0] = maxp;
+    t.strides[1] = 1;
+    return t;
+  };
+  const IndexTensor sl(DType::kInt64, nk, 1, 0);
+  sdpa::PagedInputs pin;
+  pin.q = c.q.view();
+  pin.k_pages = pool(c.k);
+  pin.v_pages = pool(c.v);
+  pin.block_table = table_view(0, S);
+  pin.seqlens_k = sl.view();
+  pin.cu_seqlens_q = cuq.view();
+  // Without the block mask the packed paged call must run, else this construction is not a valid
+  // call here (nothing to check of it).
+  bool paged_runs = false;
+  {
+    Outs p0 = make_vouts(false);
+    std::string why_not;
+    sdpa::Options no_mask = o;
+    paged_runs = !attempt("attention_paged", [&] { sdpa::attention_paged(pin, pouts(p0), no_mask); }, why_not);
+    if (g_print) std::fprintf(stderr, "attention_fuzz: packed attention_paged without the block mask %s%s\n", paged_runs ? "runs" : "throws: ", why_not.c_str());
+  }
+
+  if (invalid) {
+    const PackedBad kind = static_cast<PackedBad>((vb >> 2) & 7);
+    const std::array<int64_t, 2> tot_v{ceil_div(d.Nq, bq), ceil_div(d.Nk, bk)}, tot_p{ceil_div(d.Nq, bq), ceil_div(S * maxp, bk)};
+    std::optional<Tensor> made_v, made_p;
+    std::string how_v, how_p;
+    bo.block_mask = broken_packed_mask(kind, bl->mask, pm, S, d.Hq, tot_v, br, made_v, how_v);
+    po.block_mask = broken_packed_mask(kind, pm, bl->mask, S, d.Hq, tot_p, br, made_p, how_p);
+    const auto given = [](const sdpa::TensorView& v, const std::optional<Tensor>& made, const char* name) {
+      std::string s = made ? made->describe(name) + "\n" : std::string();
+      std::ostringstream sh;
+      for (int a = 0; a < v.rank; ++a) sh << (a ? ", " : "") << v.shape[a];
+      return s + name + " given: rank " + std::to_string(v.rank) + " shape (" + sh.str() + "), dtype " + dtype_long(v.dtype) +
+             (v.data ? "" : ", null data") + "\n";
+    };
+    g_case = desc + "invalid for attention_varlen: " + how_v + "\n" + given(*bo.block_mask, made_v, "varlen block_mask") +
+             "invalid for attention_paged: " + how_p + "\n" + given(*po.block_mask, made_p, "paged block_mask");
+    if (g_print) std::fprintf(stderr, "%s", g_case.c_str() + desc.size());
+    const std::string what_bad = std::string(kBadBlocksNames[static_cast<int>(BadBlocks::kVarlen)]) + ": ";
+    // A shape that does not broadcast: the Error names the longest sequence's lengths too.
+    const auto names = [&](const std::string& what, const char* call, const std::string& how, bool shape_kind) {
+      check_error_names(what, "block_mask", call, (what_bad + how).c_str());
+      if (shape_kind) check_error_names(what, "the longest sequence's", call, (what_bad + how).c_str());
+    };
+    const auto shape_kind = [](const std::string& how) {
+      return how == kPackedBadNames[0] || how == kPackedBadNames[1] || how == kPackedBadNames[2] || how == kPackedBadNames[5] ||
+             how == kPackedBadNames[7];
+    };
+    std::string what;
+    {
+      Outs vo = make_vouts(true);
+      const auto s0 = vo.out.snapshot();
+      const auto s1 = vo.lse ? vo.lse->snapshot() : std::vector<std::byte>{};
+      check(attempt("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(vo), bo); }, what), "error_expected",
+            [&] { return "attention_varlen: no sdpa::Error for an invalid block mask: " + how_v; });
+      check(vo.out.same_bytes(s0) && (!vo.lse || vo.lse->same_bytes(s1)), "error_untouched",
+            [&] { return "attention_varlen: sdpa::Error(\"" + what + "\") for a block mask but an output buffer changed"; });
+      names(what, "attention_varlen", how_v, shape_kind(how_v));
+    }
+    if (c.backward) {
+      Outs valid = make_vouts(false);
+      if (!valid.lse) valid.lse.emplace(ct, std::vector<int64_t>{d.Hq, d.Nq}, Role::kAny, false, LayoutSpec::plain());
+      expect_no_throw("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(valid), o); });
+      Grads g = make_vgrads(c.out_ls);
+      const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+      check(attempt("attention_varlen_backward",
+                    [&] { sdpa::attention_varlen_backward(in, valid.out.view(), valid.lse->view(), dout.view(), g.gradients(), bo); }, what),
+            "error_expected", [&] { return "attention_varlen_backward: no sdpa::Error for an invalid block mask: " + how_v; });
+      check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched",
+            [&] { return "attention_varlen_backward: sdpa::Error(\"" + what + "\") for a block mask but a gradient buffer changed"; });
+      names(what, "attention_varlen_backward", how_v, shape_kind(how_v));
+    }
+    if (!paged_runs) return;
+    Outs pb = make_vouts(true);
+    const auto s0 = pb.out.snapshot();
+    const auto s1 = pb.lse ? pb.lse->snapshot() : std::vector<std::byte>{};
+    check(attempt("attention_paged", [&] { sdpa::attention_paged(pin, pouts(pb), po); }, what), "error_expected",
+          [&] { return "attention_paged with cu_seqlens_q: no sdpa::Error for an invalid block mask: " + how_p; });
+    check(pb.out.same_bytes(s0) && (!pb.lse || pb.lse->same_bytes(s1)), "error_untouched",
+          [&] { return "attention_paged with cu_seqlens_q: sdpa::Error(\"" + what + "\") for a block mask but an output buffer changed"; });
+    names(what, "attention_paged with cu_seqlens_q", how_p, shape_kind(how_p));
+    return;
+  }
+
+  // ---- A valid block mask ----
+  // F21 (fixed): a pool of no pages (every sequence has 0 keys) with a table of max_pages > 0
+  // columns: the mask counts max_pages · page_size keys all the same; paged_blocks_no_pages names
+  // a failure there.
+  const bool no_pages = d.Nk == 0 && maxp > 0 && S > 0;
+  const auto paged_no_throw = [&](const char* call, const std::function<void()>& fn) {
+    std::string what;
+    if (!attempt(call, fn, what)) return;
+    check(false, no_pages ? "paged_blocks_no_pages" : "unexpected_error",
+          [&] { return std::string(call) + " threw sdpa::Error on a valid call: " + what; });
+  };
+  // Sequence b's corner of mask `m` (qbn x kbn blocks): a view, or a copy kept in `keep`.
+  std::vector<Tensor> keep;
+  const auto corner = [&](const Tensor& m, int64_t b, int64_t qbn, int64_t kbn) {
+    if (!copy_corner) return corner_view(m.view(), b, qbn, kbn);
+    keep.push_back(corner_copy(m, b, qbn, kbn, block_layout(br)));
+    return keep.back().view();
+  };
+  Outs vo = make_vouts(true);
+  expect_no_throw("attention_varlen (block mask)", [&] { sdpa::attention_varlen(in, vouts(vo), bo); });
+  check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen");
+  check_outs_written(vo);
+  {
+    sdpa::set_num_threads(3 - c.threads);
+    Outs o2 = make_vouts(false);
+    expect_no_throw("attention_varlen (block mask)", [&] { sdpa::attention_varlen(in, vouts(o2), bo); });
+    sdpa::set_num_threads(c.threads);
+    std::string why;
+    check(vo.bitwise_equal(o2, why), "repeatable", [&] { return "two identical attention_varlen calls (threads 1 and 2) with a block mask differ: " + why; });
+  }
+  // Each sequence: attention() on views of its rows with its corner.
+  struct Seq { Tensor out, lse; int64_t at = 0; bool ran = false; sdpa::Options opt; };
+  std::vector<Seq> seqs(static_cast<size_t>(S));
+  for (int64_t b = 0; b < S; ++b) {
+    Seq& s = seqs[static_cast<size_t>(b)];
+    s.at = o.dropout_p > 0 ? b : 0;
+    const int64_t q0 = cu_q[static_cast<size_t>(b)], q1 = cu_q[static_cast<size_t>(b) + 1];
+    const int64_t k0 = cu_k[static_cast<size_t>(b)], k1 = cu_k[static_cast<size_t>(b) + 1];
+    const int64_t n = q1 - q0;
+    if (static_cast<long double>(s.at + 1) * n * (k1 - k0) * std::max<int64_t>(1, d.Hq) * (d.Dk + d.Dv + 1) > 4.0L * kWorkBudget) continue;
+    const int64_t batch = s.at > 0 ? s.at + 1 : 0;
+    sdpa::Inputs di;
+    di.q = packed_rows_view(c.q, q0, q1, batch);
+    di.k = packed_rows_view(c.k, k0, k1, batch);
+    di.v = packed_rows_view(c.v, k0, k1, batch);
+    std::vector<int64_t> os{d.Hq, n, d.Dv}, ls{d.Hq, n};
+    if (batch > 0) os.insert(os.begin(), batch), ls.insert(ls.begin(), batch);
+    s.out.init(c.dtype, os, Role::kUnitLast, false, LayoutSpec::plain());
+    s.lse.init(ct, ls, Role::kAny, false, LayoutSpec::plain());
+    s.opt = o;
+    s.opt.block_mask = corner(bl->mask, b, ceil_div(n, bq), ceil_div(k1 - k0, bk));
+    s.opt.block_q = bq;
+    s.opt.block_k = bk;
+    sdpa::Outputs so;
+    so.out = s.out.view();
+    so.lse = s.lse.view();
+    expect_no_throw("attention (one sequence, its corner of the block mask)", [&] { sdpa::attention(di, so, s.opt); });
+    s.ran = true;
+    std::string r = rows_bitwise("out", vo.out, q0, s.out, s.at);
+    if (r.empty() && vo.lse) r = lse_bitwise(*vo.lse, q0, s.lse, n, s.at);
+    check(r.empty(), "varlen_blocks_equiv", [&] {
+      return "sequence " + std::to_string(b) + " (corner (" + std::to_string(ceil_div(n, bq)) + ", " + std::to_string(ceil_div(k1 - k0, bk)) +
+             ")): " + r;
+    });
+  }
+
+  if (paged_runs) {
+    Outs pb = make_vouts(true);
+    paged_no_throw("attention_paged with cu_seqlens_q (block mask)", [&] { sdpa::attention_paged(pin, pouts(pb), po); });
+    check_outs_written(pb);
+    {
+      sdpa::set_num_threads(3 - c.threads);
+      Outs p2 = make_vouts(false);
+      paged_no_throw("attention_paged with cu_seqlens_q (block mask)", [&] { sdpa::attention_paged(pin, pouts(p2), po); });
+      sdpa::set_num_threads(c.threads);
+      std::string why;
+      check(pb.bitwise_equal(p2, why), "repeatable", [&] { return "two identical packed attention_paged calls (threads 1 and 2) with a block mask differ: " + why; });
+    }
+    for (int64_t b = 0; b < S; ++b) {
+      const int64_t at = o.dropout_p > 0 ? b : 0;
+      const int64_t q0 = cu_q[static_cast<size_t>(b)], q1 = cu_q[static_cast<size_t>(b) + 1], n = q1 - q0;
+      if (static_cast<long double>(at + 1) * n * maxp * std::max<int64_t>(1, d.Hq) * (d.Dk + d.Dv + 1) > 4.0L * kWorkBudget) continue;
+      // Table rows b (or 0..b with dropout: the sequence as batch entry b), their lengths.
+      const int64_t r0 = at > 0 ? 0 : b;
+      const IndexTensor sb(DType::kInt64, std::vector<int64_t>(nk.begin() + r0, nk.begin() + b + 1), 1, 0);
+      sdpa::PagedInputs one = pin;
+      one.cu_seqlens_q.reset();
+      one.q = packed_rows_view(c.q, q0, q1, at + 1);
+      one.block_table = table_view(r0, at + 1);
+      one.seqlens_k = sb.view();
+      Outs u;
+      u.out.init(c.dtype, {at + 1, d.Hq, n, d.Dv}, Role::kUnitLast, false, LayoutSpec::plain());
+      if (pb.lse) u.lse.emplace(ct, std::vector<int64_t>{at + 1, d.Hq, n}, Role::kAny, false, LayoutSpec::plain());
+      sdpa::Options uo = po;
+      uo.block_mask = corner(pm, b, ceil_div(n, bq), KBp);
+      paged_no_throw("attention_paged (one sequence, its corner of the block mask)", [&] { sdpa::attention_paged(one, pouts(u), uo); });
+      std::string r = rows_bitwise("out", pb.out, q0, u.out, at);
+      if (r.empty() && pb.lse) r = lse_bitwise(*pb.lse, q0, *u.lse, n, at);
+      check(r.empty(), "paged_blocks_equiv", [&] {
+        return "packed attention_paged, sequence " + std::to_string(b) + " (corner (" + std::to_string(ceil_div(n, bq)) + ", " +
+               std::to_string(KBp) + ")): " + r;
+      });
+    }
+  }
+
+  if (!c.backward) return;
+  const Tensor& lse = *vo.lse;
+  bool lse_pinf = false;
+  for (int64_t n = 0; n < lse.numel(); ++n) lse_pinf |= lse.flat(n) == kInf;
+  Grads g = make_vgrads(c.out_ls);
+  const auto call_bwd = [&](const Grads& gg) { sdpa::attention_varlen_backward(in, vo.out.view(), lse.view(), dout.view(), gg.gradients(), bo); };
+  if (lse_pinf) {
+    const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
+    std::string what;
+    check(attempt("attention_varlen_backward", [&] { call_bwd(g); }, what), "lse_inf_backward",
+          [&] { return std::string("attention_varlen_backward (block mask) with +inf in lse did not throw"); });
+    check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched",
+          [] { return std::string("varlen backward (block mask) Error but a gradient changed"); });
+    return;
+  }
+  expect_no_throw("attention_varlen_backward (block mask)", [&] { call_bwd(g); });
+  check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen_backward");
+  for (const auto& tn : {std::pair<const Tensor*, const char*>{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}}) {
+    const std::string r = tn.first->guards_and_written();
+    check(r.empty() || r.rfind("guards", 0) != 0, "guards", [&] { return std::string(tn.second) + ": " + r; });
+    check(r.empty(), "unwritten", [&] { return std::string(tn.second) + ": " + r; });
+  }
+  {
+    sdpa::set_num_threads(3 - c.threads);
+    Grads g2 = make_vgrads(LayoutSpec::plain());
+    expect_no_throw("attention_varlen_backward (block mask)", [&] { call_bwd(g2); });
+    sdpa::set_num_threads(c.threads);
+    std::string why;
+    check(grads_bitwise(g, g2, why), "repeatable", [&] { return "two identical attention_varlen_backward calls (threads 1 and 2) with a block mask differ: " + why; });
+  }
+  for (int64_t b = 0; b < S; ++b) {
+    const Seq& s = seqs[static_cast<size_t>(b)];
+    if (!s.ran || s.at > 0) continue;  // with dropout b = 0 only (varlen_dense's rule)
+    const int64_t q0 = cu_q[static_cast<size_t>(b)], q1 = cu_q[static_cast<size_t>(b) + 1];
+    const int64_t k0 = cu_k[static_cast<size_t>(b)], k1 = cu_k[static_cast<size_t>(b) + 1];
+    Tensor dq(c.dtype, {d.Hq, q1 - q0, d.Dk}, Role::kUnitLast, false, LayoutSpec::plain()),
+        dk(c.kv, {d.Hkv, k1 - k0, d.Dk}, Role::kUnitLast, false, LayoutSpec::plain()),
+        dv(c.kv, {d.Hkv, k1 - k0, d.Dv}, Role::kUnitLast, false, LayoutSpec::plain());
+    sdpa::Inputs di;
+    di.q = packed_rows_view(c.q, q0, q1);
+    di.k = packed_rows_view(c.k, k0, k1);
+    di.v = packed_rows_view(c.v, k0, k1);
+    expect_no_throw("attention_backward (one sequence, its corner of the block mask)", [&] {
+      sdpa::attention_backward(di, s.out.view(), s.lse.view(), packed_rows_view(dout, q0, q1), {dq.view(), dk.view(), dv.view()}, s.opt);
+    });
+    std::string r = rows_bitwise("dq", g.dq, q0, dq, 0);
+    if (r.empty()) r = rows_bitwise("dk", g.dk, k0, dk, 0);
+    if (r.empty()) r = rows_bitwise("dv", g.dv, k0, dv, 0);
+    check(r.empty(), "varlen_blocks_equiv", [&] { return "backward, sequence " + std::to_string(b) + ": " + r; });
+  }
+}
+
 void run_varlen(FuzzedDataProvider& f) {
   Case c;  // c.q, c.k, c.v: the packed (total, H, D) tensors; c.d: B sequences, Nq / Nk the totals
   const bool fancy = decode_flags(f, c);
@@ -3617,109 +4182,7 @@ void run_varlen(FuzzedDataProvider& f) {
   }
 
   if (g_varlen_blocks) {
-    // BadBlocks::kVarlen (kExtBlocks): a block mask on packed sequences is an Error that names
-    // block_mask and writes nothing: attention_varlen, attention_varlen_backward, and the same
-    // sequences as a packed attention_paged call (cu_seqlens_q; a pool of pages of one row, page
-    // r = packed key row r, so sequence b's table row lists its rows).
-    std::mt19937_64 br(0xb10c7a51ull * (g_bm_seed + 1u) + g_bm);
-    Tensor bm(DType::kBool, {static_cast<int64_t>(br() % 3), 1 + static_cast<int64_t>(br() % 3)}, Role::kAny, true, block_layout(br));
-    for (int64_t n = 0; n < bm.numel(); ++n) bm.set_flat(n, br() % 2 ? 1.0 : 0.0);
-    sdpa::Options bo = o;
-    bo.block_mask = bm.view();
-    bo.block_q = 1 + static_cast<int64_t>(br() % 130);
-    bo.block_k = 1 + static_cast<int64_t>(br() % 300);
-    g_case = describe_varlen() + "with a block mask (packed sequences: must be an Error): block_q=" + std::to_string(bo.block_q) +
-             " block_k=" + std::to_string(bo.block_k) + "; " + bm.describe("block_mask") + "\n";
-    if (g_print) std::fprintf(stderr, "attention_fuzz: varlen case with a block mask\n%s", g_case.c_str());
-    const char* what_bad = kBadBlocksNames[static_cast<int>(BadBlocks::kVarlen)];
-    auto attempt = [&](const char* call, const std::function<void()>& fn, std::string& what) {
-      try {
-        fn();
-      } catch (const sdpa::Error& e) {
-        what = e.what();
-        return true;
-      } catch (const std::exception& e) {
-        check(false, "other_exception", [&] { return std::string(call) + " threw a non-sdpa::Error exception: " + e.what(); });
-      }
-      return false;
-    };
-    std::string what;
-    {
-      const auto s0 = vo.out.snapshot();
-      const auto s1 = vo.lse ? vo.lse->snapshot() : std::vector<std::byte>{};
-      check(attempt("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(vo), bo); }, what), "error_expected",
-            [&] { return std::string("attention_varlen: no sdpa::Error for a block mask"); });
-      check(vo.out.same_bytes(s0) && (!vo.lse || vo.lse->same_bytes(s1)), "error_untouched",
-            [&] { return "attention_varlen: sdpa::Error(\"" + what + "\") for a block mask but an output buffer changed"; });
-      check_error_names(what, "block_mask", "attention_varlen", what_bad);
-    }
-    if (c.backward) {
-      Outs valid = make_vouts(false);
-      if (!valid.lse) valid.lse.emplace(ct, std::vector<int64_t>{d.Hq, d.Nq}, Role::kAny, false, LayoutSpec::plain());
-      expect_no_throw("attention_varlen", [&] { sdpa::attention_varlen(in, vouts(valid), o); });
-      Grads g = make_vgrads(c.out_ls);
-      const auto s0 = g.dq.snapshot(), s1 = g.dk.snapshot(), s2 = g.dv.snapshot();
-      check(attempt("attention_varlen_backward",
-                    [&] { sdpa::attention_varlen_backward(in, valid.out.view(), valid.lse->view(), dout.view(), g.gradients(), bo); }, what),
-            "error_expected", [&] { return std::string("attention_varlen_backward: no sdpa::Error for a block mask"); });
-      check(g.dq.same_bytes(s0) && g.dk.same_bytes(s1) && g.dv.same_bytes(s2), "error_untouched",
-            [&] { return "attention_varlen_backward: sdpa::Error(\"" + what + "\") for a block mask but a gradient buffer changed"; });
-      check_error_names(what, "block_mask", "attention_varlen_backward", what_bad);
-    }
-    // Packed attention_paged: pools (Nk, 1, Hkv, D) over the packed k, v; an int32 table
-    // (B, max nk) of the sequences' rows, -1 past them; seqlens_k = nk. Without the block mask
-    // the call must run (else this construction is not a valid call here: nothing to check).
-    int64_t maxp = 0;
-    for (int64_t x : nk) maxp = std::max(maxp, x);
-    std::vector<int32_t> table(static_cast<size_t>(std::max<int64_t>(1, nseq * maxp)), -1);
-    for (int b = 0; b < nseq; ++b)
-      for (int64_t j = 0; j < nk[static_cast<size_t>(b)]; ++j)
-        table[static_cast<size_t>(b * maxp + j)] = static_cast<int32_t>(cu_k[static_cast<size_t>(b)] + j);
-    const auto pool = [](const Tensor& t) {
-      sdpa::TensorView v = t.view(), r = v;
-      r.rank = 4;
-      r.shape[0] = v.shape[0]; r.shape[1] = 1; r.shape[2] = v.shape[1]; r.shape[3] = v.shape[2];
-      r.strides[0] = v.strides[0]; r.strides[1] = v.strides[0]; r.strides[2] = v.strides[1]; r.strides[3] = v.strides[2];
-      return r;
-    };
-    const IndexTensor sl(DType::kInt64, nk, 1, 0);
-    sdpa::PagedInputs pin;
-    pin.q = c.q.view();
-    pin.k_pages = pool(c.k);
-    pin.v_pages = pool(c.v);
-    pin.block_table.data = table.data();
-    pin.block_table.dtype = DType::kInt32;
-    pin.block_table.rank = 2;
-    pin.block_table.shape[0] = nseq;
-    pin.block_table.shape[1] = maxp;
-    pin.block_table.strides[0] = maxp;
-    pin.block_table.strides[1] = 1;
-    pin.seqlens_k = sl.view();
-    pin.cu_seqlens_q = cuq.view();
-    Outs po = make_vouts(true);
-    sdpa::Outputs pouts;
-    pouts.out = po.out.view();
-    if (po.lse) pouts.lse = po.lse->view();
-    std::string why_not;
-    const bool runs = !attempt("attention_paged", [&] { sdpa::attention_paged(pin, pouts, o); }, why_not);
-    if (g_print) std::fprintf(stderr, "attention_fuzz: packed attention_paged without the block mask %s%s\n", runs ? "runs" : "throws: ", why_not.c_str());
-    if (!runs) return;
-    // paged_blocks_empty (kSkipDefault): with no sequence (cu_seqlens_q = {0}) attention_paged
-    // accepts the block mask (src/paged.cc asks sequence_options per sequence only), where
-    // attention_varlen refuses it up front (the 2026-11-26 block-mask session's finding).
-    if (nseq == 0 && skipping("paged_blocks_empty")) return;
-    Outs pb = make_vouts(true);
-    pouts.out = pb.out.view();
-    if (pb.lse) pouts.lse = pb.lse->view();
-    const auto s0 = pb.out.snapshot();
-    const auto s1 = pb.lse ? pb.lse->snapshot() : std::vector<std::byte>{};
-    g_case += "the same sequences as a packed attention_paged call (" + std::to_string(nseq) + " sequences, table (" +
-              std::to_string(nseq) + ", " + std::to_string(maxp) + "))\n";
-    check(attempt("attention_paged", [&] { sdpa::attention_paged(pin, pouts, bo); }, what), "error_expected",
-          [&] { return std::string("attention_paged with cu_seqlens_q: no sdpa::Error for a block mask"); });
-    check(pb.out.same_bytes(s0) && (!pb.lse || pb.lse->same_bytes(s1)), "error_untouched",
-          [&] { return "attention_paged with cu_seqlens_q: sdpa::Error(\"" + what + "\") for a block mask but an output buffer changed"; });
-    check_error_names(what, "block_mask", "attention_paged with cu_seqlens_q", what_bad);
+    run_varlen_blocks(f, c, in, nq, nk, cu_q, cu_k, cuq, dout, describe_varlen());
     return;
   }
 
@@ -3878,20 +4341,10 @@ void run_varlen(FuzzedDataProvider& f) {
     return;
   }
   expect_no_throw("attention_varlen_backward", [&] { call_bwd(g); });
-  {
-    // kernel_path_stale (KNOWN): with 2 threads, a sequence whose backward notes no path (one
-    // that writes nothing, or any under kReference / kNaive, whose backward notes none) runs on
-    // an OpenMP worker, and run_backward_sequences (src/varlen.cc) then reads that worker's
-    // thread_local last path, left by an earlier call (a bfloat16 one: kAvx512Bf16 / kAmxBf16
-    // reported for a float16 call).
-    bool idle_sequence = c.opt.backend == Backend::kReference || c.opt.backend == Backend::kNaive;
-    for (int b = 0; b < nseq; ++b) {
-      const bool no_q = nq[static_cast<size_t>(b)] == 0 || d.Hq == 0, no_kv = nk[static_cast<size_t>(b)] == 0 || d.Hkv == 0;
-      idle_sequence |= (no_q || d.Dk == 0) && (no_kv || d.Dk == 0) && (no_kv || d.Dv == 0);
-    }
-    check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen_backward",
-                      c.threads > 1 && idle_sequence ? "kernel_path_stale" : "kernel_path");
-  }
+  // F20 (fixed): with 2 threads a sequence whose backward notes no path (one that writes nothing,
+  // or any under kReference / kNaive) used to report the path an earlier call left in an OpenMP
+  // worker's thread_local record (findings/kernel_path_stale-prelude, then -naive).
+  check_kernel_path(c, sdpa::last_kernel_path(), "attention_varlen_backward");
   for (const auto& tn : {std::pair<const Tensor*, const char*>{&g.dq, "dq"}, {&g.dk, "dk"}, {&g.dv, "dv"}}) {
     const char* name = tn.second;
     const std::string r = tn.first->guards_and_written();
