@@ -834,5 +834,36 @@ TEST_F(CliTest, DemoPrintsTheToyHead) {
   EXPECT_NE(r.out.find("lse"), std::string::npos) << r.out;
 }
 
+// `sdpa inspect --demo`: the toy head's page with its 2 x 3 weights and their values (seed 000's
+// 0.401112 and 0.197776), written to -o and nothing on stdout; no progress bar off a terminal.
+TEST_F(CliTest, InspectDemoWritesTheToyHeadsPage) {
+  const Result r = sdpa("inspect --demo -o demo.html");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err, "");
+  const std::string html = slurp(path("demo.html"));
+  EXPECT_EQ(html.rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(html.find("<td>0.401112</td><td>0.401112</td><td>0.197776</td>"), std::string::npos) << html;
+  EXPECT_NE(html.find("<td>0.197776</td><td>0.401112</td><td>0.401112</td>"), std::string::npos) << html;
+  EXPECT_NE(html.find("width='144' height='96' src='data:image/png;base64,"), std::string::npos);
+}
+
+// From files, as `sdpa run` reads them (here a causal float32 call), and its errors.
+TEST_F(CliTest, InspectReadsTheCallsFilesAndNamesThemInErrors) {
+  save_seed_001(DType::kFloat32);
+  const Result r = sdpa("inspect --q q.npy --k k.npy --v v.npy --causal top_left --topk 2 -o r.html");
+  EXPECT_EQ(r.status, 0) << r.err;
+  const std::string html = slurp(path("r.html"));
+  EXPECT_NE(html.find("<tr><th>0</th><td>1</td><td class='zero'>0</td><td>1</td></tr>"), std::string::npos) << html;
+  EXPECT_NE(html.find("causal</th><td>top_left"), std::string::npos);
+  save("v3.npy", array<float>(DType::kFloat32, {3, 1}, {10, 20, 30}));
+  expect_one_line_error(sdpa("inspect --q q.npy --k k.npy --v v3.npy -o r2.html"), "v has Nk=3 but k has Nk=2",
+                        "v = v3.npy");
+  expect_one_line_error(sdpa("inspect --q q.npy -o r2.html"), "--q, --k and --v are required (or --demo)");
+  expect_one_line_error(sdpa("inspect --demo --q q.npy"), "--demo takes no --q");
+  expect_one_line_error(sdpa("inspect --demo -o no/such/dir/r.html"), "cannot write no/such/dir/r.html");
+  EXPECT_FALSE(fs::exists(path("r2.html")));
+}
+
 }  // namespace
 }  // namespace sdpa_cli

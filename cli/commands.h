@@ -5,7 +5,12 @@
 
 #include <iosfwd>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "npy.h"
+#include "sdpa/attention.h"
 
 namespace CLI {
 class App;
@@ -17,8 +22,8 @@ namespace sdpa_cli {
 CLI::App* add_demo_command(CLI::App& app);
 void demo_command(std::ostream& out);
 
-// `sdpa run`: attention on .npy files.
-struct RunOptions {
+// The call that `sdpa run` and `sdpa inspect` read from .npy files: its options,
+struct CallOptions {
   std::string q, k, v;
   std::string mask;  // empty: no mask
   std::string seqlens_k;  // empty: every sequence has Nk keys
@@ -30,6 +35,39 @@ struct RunOptions {
   std::string alibi_slopes, sinks;            // .npy files; empty: none
   std::string block_mask;                     // .npy file (bool); empty: none
   std::string block_size = "128";             // "B" or "BQ,BK"
+};
+// declared on a subcommand (--q, --k and --v required or not),
+void add_call_options(CLI::App* command, CallOptions& options, bool required);
+
+// an input file and its array, Messages call it by label(): "k (k.npy)".
+struct Input {
+  std::string name, path;
+  NpyArray array;
+
+  std::string label() const { return name + " (" + path + ")"; }
+  const std::vector<int64_t>& shape() const { return array.shape; }
+  bool is_float() const {
+    const sdpa::DType t = array.dtype;
+    return t == sdpa::DType::kFloat32 || t == sdpa::DType::kFloat64 || t == sdpa::DType::kFloat16 ||
+           t == sdpa::DType::kBFloat16;
+  }
+};
+
+// and the call read and checked (sdpa::validate), with the arrays its views point into.
+struct LoadedCall {
+  Input q, k, v;
+  std::optional<Input> mask, seqlens, slopes, sinks, block_mask;
+  sdpa::Inputs inputs;
+  sdpa::Options options;
+  std::string files;  // "q = q.npy, k = ...": added to the library's errors
+  std::runtime_error with_files(const sdpa::Error& e) const;
+};
+// Floats are converted as `sdpa run --help` says (float32 beside float64 to float64, ...).
+LoadedCall load_call(const CallOptions& options);
+extern const char* const kDtypesFooter;  // that rule, for --help
+
+// `sdpa run`: attention on .npy files.
+struct RunOptions : CallOptions {
   std::string out;
   std::string weights;  // empty: not written
   std::string lse;      // empty: not written
@@ -51,7 +89,14 @@ struct BenchOptions {
 CLI::App* add_bench_command(CLI::App& app, BenchOptions& options);
 void bench_command(const BenchOptions& options);
 
-// Room for later subcommands (`sdpa inspect`): add a pair of functions here and one line
-// each in main.cc.
+// `sdpa inspect`: an HTML report of the call's weights (inspect.h), or of seed 000's toy head.
+struct InspectOptions : CallOptions {
+  bool demo = false;
+  std::string out = "attention_report.html";
+  int64_t topk = 8, cells = 512, max_heads = 16;
+  bool progress = true;  // a progress bar on stderr when it is a terminal
+};
+CLI::App* add_inspect_command(CLI::App& app, InspectOptions& options);
+void inspect_command(const InspectOptions& options);
 
 }  // namespace sdpa_cli

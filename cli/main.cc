@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
   CLI::App* run = sdpa_cli::add_run_command(app, run_options);
   sdpa_cli::BenchOptions bench_options;
   CLI::App* bench = sdpa_cli::add_bench_command(app, bench_options);
-  // Later: inspect, declared in commands.h like the ones above.
+  sdpa_cli::InspectOptions inspect_options;
+  CLI::App* inspect = sdpa_cli::add_inspect_command(app, inspect_options);
 
   try {
     app.parse(argc, argv);
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
     if (*demo) sdpa_cli::demo_command(std::cout);
     if (*run) sdpa_cli::run_command(run_options);
     if (*bench) sdpa_cli::bench_command(bench_options);
+    if (*inspect) sdpa_cli::inspect_command(inspect_options);
     if (!std::cout.flush()) throw std::runtime_error("cannot write to standard output");  // e.g. disk full
   } catch (const std::bad_alloc&) {
     // What reads and allocates the big arrays says which and how big; this is the rest.

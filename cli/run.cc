@@ -94,20 +94,6 @@ double parse_scale(const std::string& text) {
 
 [[noreturn]] void refuse(const std::string& message) { throw std::runtime_error(message); }
 
-// An input file and its array. Messages call it by label(): "k (k.npy)".
-struct Input {
-  std::string name, path;
-  NpyArray array;
-
-  std::string label() const { return name + " (" + path + ")"; }
-  const std::vector<int64_t>& shape() const { return array.shape; }
-  bool is_float() const {
-    const sdpa::DType t = array.dtype;
-    return t == sdpa::DType::kFloat32 || t == sdpa::DType::kFloat64 || t == sdpa::DType::kFloat16 ||
-           t == sdpa::DType::kBFloat16;
-  }
-};
-
 Input read_input(const char* name, const std::string& path) { return {name, path, read_npy(path)}; }
 
 // The index of the flat'th element of a C-order array of this shape, as "(0, 1)".
@@ -196,15 +182,29 @@ fs::path resolve_output(const std::string& path) {
 
 }  // namespace
 
-CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
-  CLI::App* run = app.add_subcommand("run", "Compute attention on .npy files: out = softmax(q k^T * scale + mask) v");
+const char* const kDtypesFooter =
+      "Dtypes (.npy descr):\n"
+      "  float32 '<f4', float64 '<f8', float16 '<f2', bfloat16 '<V2', bool '|b1' (masks only).\n"
+      "  float32 and float64 inputs meet in float64: any float64 among q, k, v makes all three float64.\n"
+      "  float16 and bfloat16 are never converted: q, k and v then share one dtype, or q is float32 over\n"
+      "  float16 or bfloat16 k and v (a KV cache). They compute in float32, and out is rounded once.\n"
+      "  out has q's dtype; weights and lse have the compute type: float64 for float64 q, else float32.\n"
+      "  A float mask of another dtype than q's is converted to the compute type (exactly, or float64 to\n"
+      "  float32 when every value fits).\n"
+      "bfloat16: NumPy has no such type. np.save of an ml_dtypes.bfloat16 array writes descr '<V2', read\n"
+      "  here as bfloat16; bfloat16 outputs are written the same way. np.load gives them back as raw\n"
+      "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).\n"
+      "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].\n"
+      "alibi_slopes, sinks: float32 or float64 (converted to float64 to be read; the compute type holds them).";
+
+void add_call_options(CLI::App* run, CallOptions& o, bool required) {
   run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), rank 2..4: float32, float64, float16 or bfloat16 (see below)")
       ->type_name("FILE")
-      ->required();
+      ->required(required);
   run->add_option("--k", o.k, "Keys (..., Hkv, Nk, Dk); Hq must be a multiple of Hkv")
       ->type_name("FILE")
-      ->required();
-  run->add_option("--v", o.v, "Values (..., Hkv, Nk, Dv)")->type_name("FILE")->required();
+      ->required(required);
+  run->add_option("--v", o.v, "Values (..., Hkv, Nk, Dv)")->type_name("FILE")->required(required);
   run->add_option("--mask", o.mask,
                   "Bool mask (true = attend) or float bias of any float dtype, broadcast to (..., Hq, Nq, Nk)")
       ->type_name("FILE");
@@ -242,6 +242,11 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
   run->add_option("--block-size", o.block_size, "Rows and keys per block of --block-mask: B, or BQ,BK")
       ->type_name("B|BQ,BK")
       ->capture_default_str();
+}
+
+CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
+  CLI::App* run = app.add_subcommand("run", "Compute attention on .npy files: out = softmax(q k^T * scale + mask) v");
+  add_call_options(run, o, /*required=*/true);
   run->add_option("-o,--out", o.out, "Output .npy for out (..., Hq, Nq, Dv), in q's dtype")
       ->type_name("FILE")
       ->required();
@@ -249,25 +254,14 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
       ->type_name("FILE");
   run->add_option("--lse", o.lse, "Also write each row's log-sum-exp of the scores (..., Hq, Nq), in the compute type")
       ->type_name("FILE");
-  run->footer(
-      "Dtypes (.npy descr):\n"
-      "  float32 '<f4', float64 '<f8', float16 '<f2', bfloat16 '<V2', bool '|b1' (masks only).\n"
-      "  float32 and float64 inputs meet in float64: any float64 among q, k, v makes all three float64.\n"
-      "  float16 and bfloat16 are never converted: q, k and v then share one dtype, or q is float32 over\n"
-      "  float16 or bfloat16 k and v (a KV cache). They compute in float32, and out is rounded once.\n"
-      "  out has q's dtype; weights and lse have the compute type: float64 for float64 q, else float32.\n"
-      "  A float mask of another dtype than q's is converted to the compute type (exactly, or float64 to\n"
-      "  float32 when every value fits).\n"
-      "bfloat16: NumPy has no such type. np.save of an ml_dtypes.bfloat16 array writes descr '<V2', read\n"
-      "  here as bfloat16; bfloat16 outputs are written the same way. np.load gives them back as raw\n"
-      "  '|V2' bytes: np.load(f).view(ml_dtypes.bfloat16). A '|V2' file is refused (no type is known).\n"
-      "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].\n"
-      "alibi_slopes, sinks: float32 or float64 (converted to float64 to be read; the compute type holds them).");
+  run->footer(kDtypesFooter);
   return run;
 }
 
-void run_command(const RunOptions& o) {
-  sdpa::Options options;
+
+LoadedCall load_call(const CallOptions& o) {
+  LoadedCall call;
+  sdpa::Options& options = call.options;
   options.causal = parse_causal(o.causal);
   if (!o.window.empty()) options.window = parse_window(o.window);
   options.scale = o.scale;
@@ -275,27 +269,13 @@ void run_command(const RunOptions& o) {
   options.softcap_order = o.softcap_order == "after_bias" ? sdpa::Options::SoftcapOrder::kAfterBias
                                                           : sdpa::Options::SoftcapOrder::kBeforeBias;
 
-  // Two outputs at one path would overwrite each other: refuse before any work.
-  std::vector<std::string> paths = {o.out};
-  if (!o.weights.empty()) paths.push_back(o.weights);
-  if (!o.lse.empty()) paths.push_back(o.lse);
-  for (size_t i = 0; i < paths.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (resolve_output(paths[i]) == resolve_output(paths[j])) {
-        throw std::runtime_error("two outputs would be written to " + paths[i]);
-      }
-    }
-  }
-  // Nor should an output that cannot be written (its folder missing, say) cost the reading and
-  // the computing first.
-  check_npy_destinations(std::vector<fs::path>(paths.begin(), paths.end()));
-
-  Input q = read_input("q", o.q), k = read_input("k", o.k), v = read_input("v", o.v);
-  std::optional<Input> mask;
+  call.q = read_input("q", o.q), call.k = read_input("k", o.k), call.v = read_input("v", o.v);
+  Input &q = call.q, &k = call.k, &v = call.v;
+  std::optional<Input>& mask = call.mask;
   if (!o.mask.empty()) mask = read_input("mask", o.mask);
-  std::optional<Input> seqlens;
+  std::optional<Input>& seqlens = call.seqlens;
   if (!o.seqlens_k.empty()) seqlens = read_input("seqlens_k", o.seqlens_k);
-  std::optional<Input> slopes, sinks;  // float32 or float64 as the library takes them
+  std::optional<Input>&slopes = call.slopes, &sinks = call.sinks;  // float32 or float64 as the library takes them
   if (!o.alibi_slopes.empty()) {
     slopes = read_input("alibi_slopes", o.alibi_slopes);
     if (slopes->is_float()) convert_float(*slopes, sdpa::DType::kFloat64);
@@ -306,7 +286,7 @@ void run_command(const RunOptions& o) {
     if (sinks->is_float()) convert_float(*sinks, sdpa::DType::kFloat64);
     options.sinks = sinks->array.view();
   }
-  std::optional<Input> block_mask;
+  std::optional<Input>& block_mask = call.block_mask;
   if (!o.block_mask.empty()) {
     block_mask = read_input("block_mask", o.block_mask);
     const auto [bq, bk] = parse_block_size(o.block_size);
@@ -338,23 +318,50 @@ void run_command(const RunOptions& o) {
   // The library's own checks of the inputs and options (sdpa::validate), before any output is
   // allocated: q (N, 1) and k (N, 2) would otherwise cost weights (N, N) before it said that Dk
   // differs. Its messages name arguments, not files: the files are added.
-  const auto with_files = [&](const sdpa::Error& e) {
-    std::string files = "q = " + o.q + ", k = " + o.k + ", v = " + o.v;
-    if (mask) files += ", mask = " + o.mask;
-    if (seqlens) files += ", seqlens_k = " + o.seqlens_k;
-    if (slopes) files += ", alibi_slopes = " + o.alibi_slopes;
-    if (sinks) files += ", sinks = " + o.sinks;
-    if (block_mask) files += ", block_mask = " + o.block_mask;
-    return std::runtime_error(std::string(e.what()) + " (" + files + ")");
-  };
-  sdpa::Inputs inputs{q.array.view(), k.array.view(), v.array.view(), std::nullopt};
-  if (mask) inputs.mask = mask->array.view();
-  if (seqlens) inputs.seqlens_k = seqlens->array.view();
+  call.files = "q = " + o.q + ", k = " + o.k + ", v = " + o.v;
+  if (mask) call.files += ", mask = " + o.mask;
+  if (seqlens) call.files += ", seqlens_k = " + o.seqlens_k;
+  if (slopes) call.files += ", alibi_slopes = " + o.alibi_slopes;
+  if (sinks) call.files += ", sinks = " + o.sinks;
+  if (block_mask) call.files += ", block_mask = " + o.block_mask;
+  call.inputs = {q.array.view(), k.array.view(), v.array.view(), std::nullopt};
+  if (mask) call.inputs.mask = mask->array.view();
+  if (seqlens) call.inputs.seqlens_k = seqlens->array.view();
   try {
-    sdpa::validate(inputs, options);
+    sdpa::validate(call.inputs, options);
   } catch (const sdpa::Error& e) {
-    throw with_files(e);
+    throw call.with_files(e);
   }
+  return call;
+}
+
+std::runtime_error LoadedCall::with_files(const sdpa::Error& e) const {
+  return std::runtime_error(std::string(e.what()) + " (" + files + ")");
+}
+
+void run_command(const RunOptions& o) {
+  // Two outputs at one path would overwrite each other: refuse before any work.
+  std::vector<std::string> paths = {o.out};
+  if (!o.weights.empty()) paths.push_back(o.weights);
+  if (!o.lse.empty()) paths.push_back(o.lse);
+  for (size_t i = 0; i < paths.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (resolve_output(paths[i]) == resolve_output(paths[j])) {
+        throw std::runtime_error("two outputs would be written to " + paths[i]);
+      }
+    }
+  }
+  // Nor should an output that cannot be written (its folder missing, say) cost the reading and
+  // the computing first.
+  check_npy_destinations(std::vector<fs::path>(paths.begin(), paths.end()));
+
+  const LoadedCall call = load_call(o);
+  const Input &q = call.q, &k = call.k, &v = call.v;
+  const sdpa::Inputs& inputs = call.inputs;
+  const sdpa::Options& options = call.options;
+  const auto with_files = [&](const sdpa::Error& e) { return call.with_files(e); };
+  const sdpa::DType dtype = q.array.dtype;
+  const sdpa::DType compute = compute_dtype(dtype);
 
   // The outputs' shapes follow from q, k and v, whose files may be tiny while the outputs are
   // not (q (N, 0) and k (N, 0) make weights (N, N)). Every size is counted with overflow

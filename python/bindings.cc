@@ -15,6 +15,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "hwy/targets.h"
+#include "inspect.h"
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
 
@@ -117,13 +118,36 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
                const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
                double dropout_p, std::optional<uint64_t> seed,
-               double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
+               double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+               const std::optional<std::vector<std::optional<Array>>>& stats, const std::optional<Array>& scores,
+               const std::string& scores_stage) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (weights) outs.weights = to_view(*weights, "weights");
   if (lse) outs.lse = to_view(*lse, "lse");
+  if (stats) {  // sdpa::Stats' views in its order (None: not asked for)
+    sdpa::Stats& st = outs.stats;
+    std::optional<sdpa::TensorView>* slots[] = {&st.allowed,    &st.entropy, &st.entropy_normalized, &st.max_weight,
+                                                &st.argmax,     &st.topk_weights, &st.topk_indices};
+    const char* names[] = {"allowed", "entropy", "entropy_normalized", "max_weight", "argmax", "topk_weights", "topk_indices"};
+    if (stats->size() != 7) throw nb::value_error("stats must hold 7 arrays or None");
+    for (size_t x = 0; x < 7; ++x)
+      if ((*stats)[x]) *slots[x] = to_view(*(*stats)[x], names[x]);
+  }
+  if (scores) {
+    outs.scores = to_view(*scores, "scores");
+    if (scores_stage == "scaled") {
+      outs.scores_stage = sdpa::ScoresStage::kScaled;
+    } else if (scores_stage == "biased") {
+      outs.scores_stage = sdpa::ScoresStage::kBiased;
+    } else if (scores_stage == "final") {
+      outs.scores_stage = sdpa::ScoresStage::kFinal;
+    } else {
+      throw nb::value_error(("return_scores must be None, 'scaled', 'biased' or 'final', got '" + scores_stage + "'").c_str());
+    }
+  }
   const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
@@ -195,6 +219,30 @@ void attention_paged(const ConstArray& q, const ConstArray& k_pages, const Const
   sdpa::attention_paged(in, outs, opt);
 }
 
+// sdpa.inspect's page (cli/inspect.h), with the arguments attention() takes.
+std::string inspect_report(const ConstArray& q, const ConstArray& k, const ConstArray& v,
+                           const std::optional<ConstArray>& mask, const std::optional<ConstArray>& seqlens_k,
+                           std::optional<double> scale, const std::string& causal, int64_t window_left,
+                           int64_t window_right, const std::string& backend, int64_t topk, int64_t cells,
+                           int64_t max_heads, const std::string& title, bool progress, double softcap,
+                           const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes,
+                           const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask,
+                           int64_t block_q, int64_t block_k) {
+  sdpa_inspect::Request r;
+  r.inputs = {to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
+  if (mask) r.inputs.mask = to_view(*mask, "mask");
+  if (seqlens_k) r.inputs.seqlens_k = to_view(*seqlens_k, "seqlens_k");
+  r.options = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap,
+                        softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  r.topk = topk;
+  r.cells = cells;
+  r.max_heads = max_heads;
+  r.title = title;
+  if (progress) r.progress = sdpa_inspect::terminal_progress();
+  nb::gil_scoped_release release;
+  return sdpa_inspect::report_html(r);
+}
+
 sdpa::DType parse_float_dtype(const std::string& name) {
   if (name == "float32") return sdpa::DType::kFloat32;
   if (name == "float64") return sdpa::DType::kFloat64;
@@ -224,7 +272,8 @@ NB_MODULE(_core, m) {
         nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("weights").none(), nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
         nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
+        nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final");
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
@@ -247,6 +296,12 @@ NB_MODULE(_core, m) {
         nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+  m.def("inspect_report", &inspect_report, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
+        nb::arg("seqlens_k").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("backend"), nb::arg("topk"), nb::arg("cells"), nb::arg("max_heads"),
+        nb::arg("title"), nb::arg("progress"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+        nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,

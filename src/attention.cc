@@ -41,12 +41,17 @@ namespace internal {
 
 void run_forward(const Problem& p, Backend backend) {
   if (p.writes_nothing()) return;
+  if (p.scores) {  // a plain loop of its own, for inspection
+    computes_in_f64(p.compute) || backend == Backend::kReference ? internal::write_scores<double>(p)
+                                                                  : internal::write_scores<float>(p);
+  }
   // Scores that are the biases alone: lse from them directly, and the kernels only for the
-  // weights (whose Nq × Nk elements exist), so that lse does not depend on asking for them.
+  // weights (whose Nq × Nk elements exist) and statistics, so that lse does not depend on
+  // asking for them.
   if (p.scores_are_biases_only()) {
     internal::Problem weights_only = p;
     weights_only.lse.reset();
-    if (weights_only.weights) run_backend(weights_only, backend);
+    if (weights_only.weights || weights_only.stats.any()) run_backend(weights_only, backend);
     if (p.lse) internal::lse_of_biases(p);
     return;
   }

@@ -189,6 +189,11 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
   check_rank3("q", in.q, "(total_q, Hq, Dk) with cu_seqlens_q");
   check_rank3("out", outs.out, "(total_q, Hq, Dv) with cu_seqlens_q");
   if (outs.weights) fail("weights are not available with cu_seqlens_q (packed queries)");
+  const Stats& st = outs.stats;
+  if (st.allowed || st.entropy || st.entropy_normalized || st.max_weight || st.argmax || st.topk_weights ||
+      st.topk_indices || st.pooled_weights) {
+    fail("stats are not available with cu_seqlens_q (packed queries)");
+  }
   if (outs.lse && outs.lse->rank != 2) fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q)");
   const std::vector<int64_t> cu = read_offsets("cu_seqlens_q", *in.cu_seqlens_q, in.q.shape[0], "q");
   const int64_t B = static_cast<int64_t>(cu.size()) - 1;
@@ -239,6 +244,7 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
 }  // namespace internal
 
 void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
+  if (outs.scores) internal::fail("scores are not available with attention_paged (attention() on the gathered keys has them)");
   if (in.cu_seqlens_q) {
     internal::run_forward_many(internal::packed_problems(in, outs, options), options.backend);
     return;

@@ -459,6 +459,55 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   return p;
 }
 
+// Outputs::stats: lse's shape (the top-k views with a last dim k <= 32 added, the same k for
+// both), the compute type or int64 (indices and counts).
+void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, bool written, Problem& p) {
+  const char* rows = r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)";
+  const char* topk_rows = r == 2 ? "(Nq, k)" : r == 3 ? "(Hq, Nq, k)" : "(B, Hq, Nq, k)";
+  const std::optional<TensorView>& first_topk = st.topk_weights ? st.topk_weights : st.topk_indices;
+  if (first_topk && first_topk->rank == r && first_topk->shape[r - 1] > kMaxTopK) {
+    fail(std::string(st.topk_weights ? "topk_weights" : "topk_indices") + " has shape " + first_topk->shape_string() +
+         ": k = " + std::to_string(first_topk->shape[r - 1]) + " (its last dim) must be at most " +
+         std::to_string(kMaxTopK));
+  }
+  const int64_t k = first_topk && first_topk->rank == r ? first_topk->shape[r - 1] : 0;
+  const int64_t topk_shape[4] = {full_weights[0], full_weights[1], full_weights[2], k};
+  const auto check = [&](const char* name, const std::optional<TensorView>& t, bool index, bool topk,
+                         std::optional<View4>& dst) {
+    if (!t) return;
+    check_basic(name, *t, topk ? 2 : 1, topk ? 4 : 3);
+    if (index && t->dtype != DType::kInt64) {
+      fail(std::string(name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
+    }
+    if (!index) check_compute_dtype(name, *t, q, p.compute);
+    if (topk) {
+      check_shape(name, *t, topk_shape + (4 - r), r, topk_rows);
+    } else {
+      check_shape(name, *t, full_weights + (4 - r), r - 1, rows);
+    }
+    if (written) check_no_zero_stride(name, *t);
+    dst = to_view4(*t, topk ? 4 : 3);
+  };
+  check("allowed", st.allowed, true, false, p.stats.allowed);
+  check("entropy", st.entropy, false, false, p.stats.entropy);
+  check("entropy_normalized", st.entropy_normalized, false, false, p.stats.entropy_normalized);
+  check("max_weight", st.max_weight, false, false, p.stats.max_weight);
+  check("argmax", st.argmax, true, false, p.stats.argmax);
+  check("topk_weights", st.topk_weights, false, true, p.stats.topk_weights);
+  check("topk_indices", st.topk_indices, true, true, p.stats.topk_indices);
+  if (st.pooled_weights) {  // (..., G), any G
+    const TensorView& t = *st.pooled_weights;
+    const int64_t G = t.rank == r ? t.shape[r - 1] : 0;
+    const int64_t shape[4] = {full_weights[0], full_weights[1], full_weights[2], G};
+    check_basic("pooled_weights", t, 2, 4);
+    check_compute_dtype("pooled_weights", t, q, p.compute);
+    check_shape("pooled_weights", t, shape + (4 - r), r, r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)");
+    if (written) check_no_zero_stride("pooled_weights", t);
+    p.stats.pooled_weights = to_view4(t);
+  }
+  p.stats.topk = p.stats.topk_weights || p.stats.topk_indices ? k : 0;
+}
+
 // The forward's checks: the inputs', then the outputs'. `written` says whether out and lse
 // are outputs (forward) or inputs the backward reads, which may overlap themselves (a
 // broadcast lse, say).
@@ -492,6 +541,20 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
     check_shape("lse", l, full_weights + (4 - r), r - 1, r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)");
     if (written) check_no_zero_stride("lse", l);
     p.lse = to_view4(l, 3);  // (B, Hq, Nq) in the first three slots, last dim 1
+  }
+  check_stats(outs.stats, q.dtype, r, full_weights, written, p);
+  if (outs.scores) {
+    const TensorView& sc = *outs.scores;
+    check_basic("scores", sc, 2, 4);
+    check_compute_dtype("scores", sc, q.dtype, p.compute);
+    check_shape("scores", sc, full_weights + (4 - r), r, r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
+    if (written) check_no_zero_stride("scores", sc);
+    const auto stage = static_cast<int>(outs.scores_stage);
+    if (stage < 0 || stage > static_cast<int>(ScoresStage::kFinal)) {
+      fail("scores_stage has an unknown value " + std::to_string(stage));
+    }
+    p.scores = to_view4(sc);
+    p.scores_stage = outs.scores_stage;
   }
   return p;
 }

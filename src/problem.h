@@ -160,6 +160,35 @@ struct Problem {
   int64_t block_q = 1, block_k = 1;
   std::optional<View4> weights;  // (B, Hq, Nq, Nk)
   std::optional<View4> lse;      // (B, Hq, Nq, 1)
+  std::optional<View4> scores;   // (B, Hq, Nq, Nk): Outputs::scores at scores_stage
+  ScoresStage scores_stage = ScoresStage::kFinal;
+  // Outputs::stats: (B, Hq, Nq, 1) each, the top-k ones (B, Hq, Nq, topk); topk = 0 without them.
+  // pooled_weights (B, Hq, Nq, G) is written by the weights pass, the others by the first.
+  struct StatViews {
+    std::optional<View4> allowed, entropy, entropy_normalized, max_weight, argmax, topk_weights, topk_indices;
+    std::optional<View4> pooled_weights;
+    int64_t topk = 0;
+    bool in_pass() const {
+      return allowed || entropy || entropy_normalized || max_weight || argmax || topk_weights || topk_indices;
+    }
+    bool any() const { return in_pass() || pooled_weights; }
+    // Writes row (b, h, i)'s first-pass statistics to the views asked for; top(r) gives the
+    // r-th top entry as {key, weight}.
+    template <typename T, typename TopK>
+    void store_row(int64_t b, int64_t h, int64_t i, int64_t n_allowed, T H, T H_normalized, T w_max, int64_t key_max,
+                   const TopK& top) const {
+      if (allowed) *allowed->at<int64_t>(b, h, i) = n_allowed;
+      if (entropy) entropy->store(b, h, i, 0, H);
+      if (entropy_normalized) entropy_normalized->store(b, h, i, 0, H_normalized);
+      if (max_weight) max_weight->store(b, h, i, 0, w_max);
+      if (argmax) *argmax->at<int64_t>(b, h, i) = key_max;
+      for (int64_t r = 0; r < topk; ++r) {
+        const auto [j, w] = top(r);
+        if (topk_weights) topk_weights->store(b, h, i, r, w);
+        if (topk_indices) *topk_indices->at<int64_t>(b, h, i, r) = j;
+      }
+    }
+  } stats;
 
   // Per batch b, the keys that exist: 0 .. seqlens_k[b] - 1 (Inputs::seqlens_k, validated to lie
   // in [0, Nk]); empty when not given, and then every batch has Nk keys.
@@ -186,7 +215,7 @@ struct Problem {
   // kernels would otherwise loop over all of its rows.
   bool writes_nothing() const {
     const bool no_rows = B == 0 || Hq == 0 || Nq == 0;
-    return (no_rows || Dv == 0) && (!weights || no_rows || Nk == 0) && (!lse || no_rows);
+    return (no_rows || Dv == 0) && ((!weights && !scores) || no_rows || Nk == 0) && ((!lse && !stats.any()) || no_rows);
   }
 
   // Dk == 0: every score is its bias alone; with Dv == 0 too out is empty, so lse needs no pass
@@ -283,6 +312,15 @@ struct Problem {
     return T(1) - t * t;
   }
 };
+
+// Stats::topk_weights' largest k (make_problem refuses more).
+inline constexpr int64_t kMaxTopK = 32;
+
+// Stats::pooled_weights' run of key j of Nk among G: floor(j · G / Nk) (j < Nk).
+inline int64_t pooled_run(int64_t j, int64_t G, int64_t Nk) {
+  __extension__ using Wide = __int128;  // j · G may pass int64_t (GCC and Clang have it)
+  return static_cast<int64_t>(static_cast<Wide>(j) * G / Nk);
+}
 
 // Checks dropout_p (in [0, 1)) and builds the keep/drop rule.
 Dropout make_dropout(double p, uint64_t seed);

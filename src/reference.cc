@@ -1,47 +1,77 @@
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace sdpa::internal {
 
 template <typename Acc>
-Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
+void score_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* s, ScoresStage stage) {
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
-  // 1. Scores s_j = Σ_d (q_id · scale) · k_jd + bias_ij (the scale applied to q first, as in
-  //    every kernel), -inf outside causal/window and where the mask blocks (whatever the dot
-  //    product). A value beyond the range of the inputs' dtype (q · scale, a product, the
-  //    score) is ±inf, and one too small for it is ±0, as in the kernels that compute in it:
-  //    float64 holds what float32 cannot (1e-50 · inf would be inf here, but 0 · inf = NaN
-  //    there). Only the ends of the range: the precision stays float64's. (Partial sums are
-  //    not rounded: they may stay finite here where float32's overflow.)
-  const KeyRange range = p.key_range(b, i);
+  // Scores s_j = Σ_d (q_id · scale) · k_jd + bias_ij (the scale applied to q first, as in
+  // every kernel), -inf outside causal/window and where the mask blocks (whatever the dot
+  // product). A value beyond the range of the inputs' dtype (q · scale, a product, the
+  // score) is ±inf, and one too small for it is ±0, as in the kernels that compute in it:
+  // float64 holds what float32 cannot (1e-50 · inf would be inf here, but 0 · inf = NaN
+  // there). Only the ends of the range: the precision stays float64's. (Partial sums are
+  // not rounded: they may stay finite here where float32's overflow.)
+  const KeyRange range = stage == ScoresStage::kScaled ? KeyRange{0, p.keys_of(b)} : p.key_range(b, i);
   const auto in_range = [&p](Acc x) { return p.in_compute_range(x); };
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    s[j] = neg_inf;
+    // A key the block mask blocks is not read (the kernels' overflow fallback, finish_block,
+    // calls this, and the header promises blocked tiles untouched: fuzz finding F18).
+    if (j < range.begin || j >= range.end || (stage != ScoresStage::kScaled && !p.block_allows(b, h, i, j))) continue;
+    Acc dot = 0;
+    for (int64_t d = 0; d < p.Dk; ++d) {
+      dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
+    }
+    if (stage == ScoresStage::kFinal) {
+      s[j] = in_range(p.score(dot, b, h, i, j));  // softcap, ALiBi and the mask's bias
+    } else if (stage == ScoresStage::kBiased) {
+      const Acc alibi = p.has_alibi() ? p.alibi_bias<Acc>(b, h, i, j) : Acc(0);
+      s[j] = in_range(with_bias(in_range(dot + alibi), p.mask_bias<Acc>(b, h, i, j)));
+    } else {
+      s[j] = in_range(dot);
+    }
+  }
+}
+
+template <typename Acc>
+void write_scores(const Problem& p) {
+  std::vector<Acc> row(static_cast<size_t>(p.Nk));
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        score_row(p, b, h, i, row.data(), p.scores_stage);
+        for (int64_t j = 0; j < p.Nk; ++j) p.scores->store(b, h, i, j, row[static_cast<size_t>(j)]);
+      }
+    }
+  }
+}
+
+template <typename Acc>
+Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* scores) {
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  // 1. Scores, -inf where blocked (score_row).
+  score_row(p, b, h, i, prob);
   Acc row_max = neg_inf;
   bool nan = false;
   for (int64_t j = 0; j < p.Nk; ++j) {
-    Acc s = neg_inf;
-    // A key the block mask blocks is not read (the kernels' overflow fallback, finish_block,
-    // calls this, and the header promises blocked tiles untouched: fuzz finding F18).
-    if (j >= range.begin && j < range.end && p.block_allows(b, h, i, j)) {
-      Acc dot = 0;
-      for (int64_t d = 0; d < p.Dk; ++d) {
-        dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
-      }
-      s = in_range(p.score(dot, b, h, i, j));  // softcap, ALiBi and the mask's bias
-    }
-    prob[j] = s;
-    row_max = std::max(row_max, s);
-    nan |= std::isnan(s);
+    row_max = std::max(row_max, prob[j]);
+    nan |= std::isnan(prob[j]);
   }
   // 2. Stable softmax: subtract the row max (shifted_exp: a max of +inf shares the weight among
   //    the +inf keys). A row with no allowed key stays all zero. A NaN score makes the row NaN:
   //    its sum and lse, and its weights at every key it does not block (blocked keys stay 0).
   //    A sink is one more term of the sum, with no value row: the max and the sum include it.
-  const Acc sink = p.has_sinks() ? in_range(p.sink<Acc>(h)) : neg_inf;
+  if (scores != nullptr) std::copy(prob, prob + p.Nk, scores);
+  const Acc sink = p.has_sinks() ? p.in_compute_range(p.sink<Acc>(h)) : neg_inf;
   if (row_max == neg_inf && !nan) {
     std::fill(prob, prob + p.Nk, Acc(0));
     return sink;  // -inf without a sink
@@ -63,8 +93,8 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
 }
 
 template <typename Acc, typename Out>
-Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row) {
-  const Acc lse = softmax_row(p, b, h, i, prob);
+Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row, Acc* scores) {
+  const Acc lse = softmax_row(p, b, h, i, prob, scores);
   // 3. out_i = sum_j w_ij v_j, the weights after dropout (w itself when it is off), over the
   //    keys whose weight is not 0: a blocked, dropped or underflowed key adds nothing, even a
   //    NaN in its value row.
@@ -79,16 +109,55 @@ Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out
   return lse;
 }
 
+// Outputs::stats of row (b, h, i), straight from the definitions in the header: its weights w
+// and scores s (-inf: blocked).
+template <typename Acc>
+void row_stats(const Problem& p, int64_t b, int64_t h, int64_t i, const Acc* w, const Acc* s) {
+  const Acc nan_value = std::numeric_limits<Acc>::quiet_NaN();
+  int64_t allowed = 0, argmax = -1;
+  bool nan = false;
+  std::vector<int64_t> keys;  // the allowed keys
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    nan |= std::isnan(s[j]);
+    if (!(s[j] > -std::numeric_limits<Acc>::infinity())) continue;
+    ++allowed;
+    keys.push_back(j);
+    if (argmax < 0 || s[j] > s[argmax]) argmax = j;
+  }
+  Acc entropy = 0;
+  for (int64_t j = 0; j < p.Nk; ++j) {
+    if (w[j] > 0) entropy -= w[j] * std::log(w[j]);
+  }
+  Acc normalized = allowed > 1 ? entropy / std::log(static_cast<Acc>(allowed)) : Acc(0);
+  Acc max_weight = argmax < 0 ? Acc(0) : w[argmax];
+  // Top k: the largest scores first, ties to the lower key (a stable sort of increasing keys).
+  std::stable_sort(keys.begin(), keys.end(), [&](int64_t x, int64_t y) { return s[x] > s[y]; });
+  if (nan) {
+    entropy = normalized = max_weight = nan_value;
+    argmax = -1;
+  }
+  p.stats.store_row(b, h, i, allowed, entropy, normalized, max_weight, argmax, [&](int64_t r) {
+    const int64_t j = !nan && r < static_cast<int64_t>(keys.size()) ? keys[static_cast<size_t>(r)] : -1;
+    return std::pair<int64_t, Acc>{j, nan ? nan_value : j < 0 ? Acc(0) : w[j]};
+  });
+}
+
 template <typename Acc>
 void materialized_attention(const Problem& p) {
-  std::vector<Acc> prob(static_cast<size_t>(p.Nk));
+  std::vector<Acc> prob(static_cast<size_t>(p.Nk)), scores(p.stats.in_pass() ? static_cast<size_t>(p.Nk) : 0);
   std::vector<Acc> out_row(static_cast<size_t>(p.Dv));
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.Hq; ++h) {
       for (int64_t i = 0; i < p.Nq; ++i) {
-        const Acc lse = attend_row(p, b, h, i, prob.data(), out_row.data());
+        const Acc lse = attend_row(p, b, h, i, prob.data(), out_row.data(), p.stats.in_pass() ? scores.data() : nullptr);
+        if (p.stats.in_pass()) row_stats(p, b, h, i, prob.data(), scores.data());
         if (p.weights) {
           for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(b, h, i, j, prob[j]);  // before dropout
+        }
+        if (const auto& pw = p.stats.pooled_weights) {  // the weights' sums over runs of keys
+          std::vector<Acc> sums(static_cast<size_t>(pw->shape[3]), Acc(0));
+          for (int64_t j = 0; j < p.Nk; ++j) sums[static_cast<size_t>(pooled_run(j, pw->shape[3], p.Nk))] += prob[j];
+          for (int64_t c = 0; c < pw->shape[3]; ++c) pw->store(b, h, i, c, sums[static_cast<size_t>(c)]);
         }
         for (int64_t d = 0; d < p.Dv; ++d) p.out.store(b, h, i, d, out_row[d]);
         if (p.lse) p.lse->store(b, h, i, 0, lse);
@@ -128,11 +197,13 @@ void lse_of_biases(const Problem& p) {
   }
 }
 
-template float softmax_row<float>(const Problem&, int64_t, int64_t, int64_t, float*);
-template double softmax_row<double>(const Problem&, int64_t, int64_t, int64_t, double*);
-template float attend_row<float, float>(const Problem&, int64_t, int64_t, int64_t, float*, float*);
-template double attend_row<double, double>(const Problem&, int64_t, int64_t, int64_t, double*, double*);
+template float softmax_row<float>(const Problem&, int64_t, int64_t, int64_t, float*, float*);
+template double softmax_row<double>(const Problem&, int64_t, int64_t, int64_t, double*, double*);
+template float attend_row<float, float>(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*);
+template double attend_row<double, double>(const Problem&, int64_t, int64_t, int64_t, double*, double*, double*);
 template void materialized_attention<float>(const Problem& p);
+template void write_scores<float>(const Problem& p);
+template void write_scores<double>(const Problem& p);
 template void materialized_attention<double>(const Problem& p);
 
 }  // namespace sdpa::internal

@@ -8,23 +8,32 @@
 
 namespace sdpa::internal {
 
-// Computes every row's scores, a stable softmax and the weighted sum of values, accumulating in
-// Acc. Acc = double is the reference every fast kernel is tested against; Acc = the inputs'
+// Computes every row's scores, a stable softmax and the weighted sum of values (and
+// Outputs::stats from the row's weights, by their definitions), accumulating in Acc. Acc = double is the reference every fast kernel is tested against; Acc = the inputs'
 // dtype is the "naive implementation" whose error sets test tolerances. Deliberately simple.
 template <typename Acc>
 void materialized_attention(const Problem& p);
 
 // Row i of head h: prob[j] = softmax_j(scale · q_i·k_j + bias_ij) over the keys causal and
 // the window allow (prob has Nk entries); returns the row's lse (-inf: no allowed key, and
-// prob is all zero). Shared by the forward and backward references.
+// prob is all zero). Shared by the forward and backward references. scores (Nk entries, or
+// null): the row's scores, -inf where blocked.
 template <typename Acc>
-Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob);
+Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* scores = nullptr);
 
 // One row of the same algorithm: softmax_row, then out_row[d] = Σ_j w_ij · z_ij · v_j[d] over
 // the keys whose weight (after dropout z) is not 0; returns the row's lse. Also the fused
 // kernel's exact fallback for a row whose output came out non-finite (Out = its dtype).
 template <typename Acc, typename Out>
-Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row);
+Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row, Acc* scores = nullptr);
+
+// Row i's scores s[0, Nk) of head h at `stage` (Outputs::scores), in Acc with the ends of the
+// compute type's range (as softmax_row, which takes kFinal's); -inf where the stage blocks a key.
+template <typename Acc>
+void score_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* s, ScoresStage stage = ScoresStage::kFinal);
+// Outputs::scores of every row (any backend: float64 for kReference, else the compute type).
+template <typename Acc>
+void write_scores(const Problem& p);
 
 // lse of every row when the scores are the biases alone (Problem::scores_are_biases_only):
 // log of the number of allowed keys plus the bias when the mask is constant along the keys

@@ -1,7 +1,7 @@
 // Bitwise equality of every output across thread counts (1, 2, 3) and across calls, for each
 // way the fused kernel cuts work: many-row blocks, few-row (decode) blocks, key chunks merged
 // by lse (decode and prefill), blocks grouped over long K/V, GQA, causal, windows, bool,
-// additive and key-padding masks, weights, dropout; and of the backward's gradients (its
+// additive and key-padding masks, weights and Outputs::stats, dropout; and of the backward's gradients (its
 // key-block and query-block passes), with and without dropout; and of attention_varlen, whose
 // sequences share one parallel region; and of dbias (a float mask's gradient). Also the program
 // the ThreadSanitizer build runs.
@@ -65,7 +65,7 @@ struct Shape {
 };
 
 struct Result {
-  std::vector<uint8_t> out, lse, weights;  // the outputs' bytes
+  std::vector<uint8_t> out, lse, weights, stats;  // the outputs' bytes
 };
 
 template <typename T>
@@ -116,6 +116,22 @@ Result run_as(const Shape& s, int threads) {
                     : sdpa::TensorView::contiguous(out.data(), dt, {s.B, s.Hq, s.Nq, s.D});
   outs.lse = sdpa::TensorView::contiguous(lse.data(), dt, {s.B, s.Hq, s.Nq});
   if (s.weights) outs.weights = sdpa::TensorView::contiguous(weights.data(), dt, {s.B, s.Hq, s.Nq, s.Nk});
+  // With weights, every statistic too (Outputs::stats: the first pass's and the weights pass's).
+  constexpr int64_t kTopK = 4, kRuns = 5;
+  const int64_t rows = s.B * s.Hq * s.Nq;
+  std::vector<T> reals(s.weights ? rows * (3 + kTopK + kRuns) : 0);
+  std::vector<int64_t> ints(s.weights ? rows * (2 + kTopK) : 0);
+  if (s.weights) {
+    sdpa::Stats& st = outs.stats;
+    st.entropy = sdpa::TensorView::contiguous(reals.data(), dt, {s.B, s.Hq, s.Nq});
+    st.entropy_normalized = sdpa::TensorView::contiguous(reals.data() + rows, dt, {s.B, s.Hq, s.Nq});
+    st.max_weight = sdpa::TensorView::contiguous(reals.data() + 2 * rows, dt, {s.B, s.Hq, s.Nq});
+    st.topk_weights = sdpa::TensorView::contiguous(reals.data() + 3 * rows, dt, {s.B, s.Hq, s.Nq, kTopK});
+    st.pooled_weights = sdpa::TensorView::contiguous(reals.data() + (3 + kTopK) * rows, dt, {s.B, s.Hq, s.Nq, kRuns});
+    st.allowed = sdpa::TensorView::contiguous(ints.data(), sdpa::DType::kInt64, {s.B, s.Hq, s.Nq});
+    st.argmax = sdpa::TensorView::contiguous(ints.data() + rows, sdpa::DType::kInt64, {s.B, s.Hq, s.Nq});
+    st.topk_indices = sdpa::TensorView::contiguous(ints.data() + 2 * rows, sdpa::DType::kInt64, {s.B, s.Hq, s.Nq, kTopK});
+  }
   sdpa::Options opt;
   opt.causal = s.causal;
   opt.window = s.window;
@@ -124,7 +140,9 @@ Result run_as(const Shape& s, int threads) {
   sdpa::set_num_threads(threads);
   sdpa::attention(in, outs, opt);
   sdpa::set_num_threads(0);
-  return {s.bf16 ? bytes(out16) : bytes(out), bytes(lse), bytes(weights)};
+  std::vector<uint8_t> stats = bytes(reals), int_bytes = bytes(ints);
+  stats.insert(stats.end(), int_bytes.begin(), int_bytes.end());
+  return {s.bf16 ? bytes(out16) : bytes(out), bytes(lse), bytes(weights), stats};
 }
 
 Result run(const Shape& s, int threads) { return s.f64 ? run_as<double>(s, threads) : run_as<float>(s, threads); }
@@ -141,6 +159,7 @@ TEST_P(Threads, OutputsAreBitwiseIdenticalForAnyThreadCount) {
     EXPECT_TRUE(one.out == other.out) << "out differs with " << threads << " threads";
     EXPECT_TRUE(one.lse == other.lse) << "lse differs with " << threads << " threads";
     EXPECT_TRUE(one.weights == other.weights) << "weights differ with " << threads << " threads";
+    EXPECT_TRUE(one.stats == other.stats) << "stats differ with " << threads << " threads";
   }
 }
 

@@ -10,6 +10,7 @@
 //   out     (B, Hq,  Nq, Dv)
 //   weights (B, Hq,  Nq, Nk)      optional: softmax probabilities, for inspection
 //   lse     (B, Hq,  Nq)          optional: log-sum-exp of each row's biased, scaled scores
+//   stats   (B, Hq,  Nq[, k])     optional: entropy, max weight, argmax, top-k of each row (Stats)
 //
 // Edges (docs/RELIABILITY.md lists every promise and the test that holds it):
 //   - Key j is allowed for row i when causal and the window let i see j and the mask does not
@@ -209,10 +210,60 @@ struct Inputs {
   std::optional<TensorView> seqlens_k = std::nullopt;
 };
 
+// Per-row statistics of the attention weights w_ij (the softmax before dropout, after every
+// mask and score modifier; what Outputs::weights would hold), computed by the fused forward in its
+// one pass over the keys: O(Nq · k) memory, no Nq × Nk weights. Every view is optional and has
+// lse's shape ((B, Hq, Nq) for rank-4 q, (Hq, Nq), (Nq,)), top-k ones with a last dim k added;
+// float views hold the compute type, index views int64; any strides (no zero stride on a dim > 1).
+//   allowed             keys the row may attend: its scores above -inf (causal, window, the
+//                       masks and seqlens_k leave them; a weight that underflows to 0 counts)
+//   entropy             H_i = -Σ_j w_ij log w_ij in nats (0 log 0 = 0): log(allowed) when uniform,
+//                       0 when one key takes all. With sinks the weights sum to less than 1 and
+//                       H_i is of the keys' weights as they are (the sink's share is not a key's).
+//   entropy_normalized  H_i / log(allowed) in [0, 1] (0 when allowed <= 1): 1 = uniform
+//   max_weight          max_j w_ij, bit for bit weights[argmax]
+//   argmax              the key of the largest score (the largest weight), the lowest such j
+//   topk_weights        (..., k): the k largest weights of the row, largest first, bit for bit
+//                       the weights at topk_indices; ties go to the lower key index. k <= 32.
+//   topk_indices        (..., k) int64: their keys. A row with fewer than k allowed keys fills
+//                       the rest with index -1 and weight 0.
+//   pooled_weights      (..., G): the row's weights summed over G runs of keys, key j in run
+//                       floor(j · G / Nk), summed in key order: the row at a picture's
+//                       resolution without its Nk weights (sdpa inspect's heatmaps of long
+//                       inputs). Costs a second pass over the keys, as weights does.
+// A row with no allowed key: entropy 0, max_weight 0, argmax -1, top-k all -1 / 0. A row
+// with a NaN score: entropy, max_weight and top-k weights NaN, argmax and top-k indices -1.
+// A row whose scores overflowed to +inf splits its weight among them (as the weights do).
+struct Stats {
+  std::optional<TensorView> allowed = std::nullopt;
+  std::optional<TensorView> entropy = std::nullopt;
+  std::optional<TensorView> entropy_normalized = std::nullopt;
+  std::optional<TensorView> max_weight = std::nullopt;
+  std::optional<TensorView> argmax = std::nullopt;
+  std::optional<TensorView> topk_weights = std::nullopt;
+  std::optional<TensorView> topk_indices = std::nullopt;
+  std::optional<TensorView> pooled_weights = std::nullopt;
+};
+
+// Which scores Outputs::scores holds (ONNX Attention's qk_matmul_output_mode), for query i and
+// key j of head h, x = q_i·k_j · scale:
+enum class ScoresStage : uint8_t {
+  kScaled,  // x, for every key of the sequence (the masks not applied, blocked blocks read too)
+  kBiased,  // x + ALiBi + the mask's bias, -inf where causal, the window or a mask blocks the key
+  kFinal,   // what the softmax takes: kBiased with the softcap in its order (Options::softcap)
+};
+
 struct Outputs {
   TensorView out = {};                               // q's dtype
   std::optional<TensorView> weights = std::nullopt;  // the compute type (float32 for 16-bit q)
   std::optional<TensorView> lse = std::nullopt;      // the compute type (float32 for 16-bit q)
+  Stats stats = {};                                  // per-row statistics of the weights (above)
+  // The raw scores for inspection, (B, Hq, Nq, Nk) like weights, the compute type, any strides:
+  // O(Nq · Nk) memory, computed by a plain loop in the compute type (float64 with kReference),
+  // not by the fused kernel, so they may differ from its scores by rounding. Keys past a
+  // sequence's length (seqlens_k) are -inf at every stage: they are never read.
+  std::optional<TensorView> scores = std::nullopt;
+  ScoresStage scores_stage = ScoresStage::kFinal;
 };
 
 // Computes attention in the compute type of q's dtype (see Dtypes above).
@@ -305,8 +356,8 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
 //                sequence uses (j < ceil(seqlens_k[b] / page_size)) in [0, num_pages); the
 //                rest are never read (-1 is fine)
 //   seqlens_k    (B,) int32 or int64, 0 <= seqlens_k[b] <= max_pages · page_size
-//   out          (B, Hq, Nq, Dv); lse (B, Hq, Nq) and weights (B, Hq, Nq, max_pages · page_size),
-//                optional, as attention()'s
+//   out          (B, Hq, Nq, Dv); lse (B, Hq, Nq), weights (B, Hq, Nq, max_pages · page_size)
+//                and stats, optional, as attention()'s (Outputs::scores: Error)
 //
 //   page_size = 4, block_table[b] = {7, 2, 5}, seqlens_k[b] = 10:
 //     keys 0-3 in page 7, keys 4-7 in page 2, keys 8-9 in rows 0-1 of page 5
@@ -327,7 +378,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
 // Packed queries (chunked prefill of several sequences, as attention_varlen packs them): with
 // cu_seqlens_q (B + 1,) int32/int64 offsets, q is (total_q, Hq, Dk), sequence b's queries
 // rows cu_seqlens_q[b] .. cu_seqlens_q[b+1] - 1, attending to the keys of block_table row b;
-// out is (total_q, Hq, Dv), lse (Hq, total_q); no weights. Each sequence is bit for bit the
+// out is (total_q, Hq, Dv), lse (Hq, total_q); no weights or stats. Each sequence is bit for bit the
 // call with q = its rows as (1, Hq, n_b, Dk); all of them share one parallel region.
 struct PagedInputs {
   TensorView q = {}, k_pages = {}, v_pages = {};

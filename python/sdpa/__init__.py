@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import sys
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -20,7 +21,7 @@ from . import _core
 from .blocks import (block_mask_bigbird, block_mask_dilated, block_mask_documents, block_mask_from_mask,
                      document_mask)
 
-__all__ = ["attention", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
@@ -371,10 +372,50 @@ def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=
     return mods
 
 
+class Stats(NamedTuple):
+    """Per-row statistics of the attention weights, from ``attention(..., return_stats=True)``.
+
+    Computed by the fused kernel in its one pass over the keys (O(Nq · topk) memory: no
+    Nq × Nk weights), of the weights ``return_weights`` would give (the softmax before dropout,
+    after masks and score modifiers). Each field is shaped like lse, (B, Hq, Nq) (or (Hq, Nq),
+    (Nq,)), the top-k ones with a last dim topk; floats in the compute dtype, integers int64::
+
+        allowed             keys the row may attend (scores above -inf; an underflowed weight counts)
+        entropy             -Σ_j w_j log w_j in nats: log(allowed) when uniform, 0 when one-hot
+        entropy_normalized  entropy / log(allowed), in [0, 1] (0 when allowed <= 1)
+        max_weight          the largest weight; exactly weights[..., argmax]
+        argmax              its key, the lowest on ties (-1: no allowed key)
+        topk_weights        the topk largest weights, largest first (exactly the weights there)
+        topk_indices        their keys, ties to the lower key; -1 (weight 0) past the allowed keys
+
+    A row with no allowed key has entropy 0, max_weight 0, argmax -1. A row with a NaN score
+    has NaN entropy, max_weight and top-k weights and -1 indices. With sinks the weights sum
+    to less than 1 and the entropy is of the keys' weights as they are.
+    """
+    allowed: np.ndarray
+    entropy: np.ndarray
+    entropy_normalized: np.ndarray
+    max_weight: np.ndarray
+    argmax: np.ndarray
+    topk_weights: np.ndarray
+    topk_indices: np.ndarray
+
+
+def _stats_arrays(lead, dtype, topk):
+    """Empty arrays for Stats (lead = lse's shape), checking topk."""
+    if isinstance(topk, bool) or not isinstance(topk, numbers.Integral) or not 0 <= topk <= 32:
+        raise ValueError(f"topk must be an integer in [0, 32], got {topk!r}")
+    topk = int(topk)
+    return Stats(_empty("allowed", lead, np.int64), _empty("entropy", lead, dtype),
+                 _empty("entropy_normalized", lead, dtype), _empty("max_weight", lead, dtype),
+                 _empty("argmax", lead, np.int64), _empty("topk_weights", lead + (topk,), dtype),
+                 _empty("topk_indices", lead + (topk,), np.int64))
+
+
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-              block_size=128):
+              block_size=128, return_stats=False, topk=8, return_scores=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -387,6 +428,9 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
         returns  out      (B, Hq, Nq, Dv)
                  weights  (B, Hq, Nq, Nk)   if return_weights
                  lse      (B, Hq, Nq)       if return_lse: log-sum-exp of each row's scores
+                 stats    Stats of (B, Hq, Nq) if return_stats: entropy, max weight, argmax,
+                          arrays (top k: (B, Hq, Nq, topk))   top k of each row's weights
+                 scores   (B, Hq, Nq, Nk)   if return_scores: the raw scores at that stage
 
     Args:
         q, k, v: arrays or array-likes (nested lists work). Their dtypes decide those of
@@ -466,6 +510,16 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
 
         return_weights, return_lse: also return the attention weights and/or the lse.
             The weights are the softmax probabilities before any dropout.
+        return_stats, topk: also return a ``Stats`` of each row's weights (entropy, its
+            normalised form, max weight, argmax, allowed keys, and the topk largest weights
+            with their keys; topk in [0, 32], default 8), computed by the fused kernel without
+            the Nq × Nk weights: for long sequences, where return_weights cannot fit.
+        return_scores: also return the raw scores (ONNX Attention's qk_matmul_output_mode), in
+            the compute dtype, O(Nq · Nk) memory, from a plain loop (not the fused kernel: they
+            may differ from its scores by rounding): "scaled" = q·k · scale for every key (no
+            mask, modifier or causal applied), "biased" = that + ALiBi + the mask's bias with
+            -inf where causal, the window or a mask blocks, "final" = what the softmax takes
+            (the softcap too). Keys past seqlens_k are -inf at every stage (never read).
         dropout_p, seed: dropout on the weights after the softmax: each weight (b, h, i, j) is
             dropped with probability dropout_p, kept ones are scaled by 1 / (1 - dropout_p).
             The decision is a pure function of (seed, b, h, i, j) (Philox4x32-10): the same in
@@ -509,8 +563,9 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
                                                q3  x  x  x  x  x  x
 
     Returns:
-        out, or a tuple (out, weights), (out, lse) or (out, weights, lse); out in q's dtype,
-        weights and lse in the compute dtype (float32 for float16 and bfloat16 inputs).
+        out, or a tuple (out, weights), (out, lse), (out, weights, lse), then stats when
+        return_stats and scores when return_scores, in that order; out in q's dtype, weights and lse in the compute dtype (float32 for
+        float16 and bfloat16 inputs).
 
     A query row with no allowed key (fully masked, or Nk == 0) gives an output row of zeros,
     weights of zeros and lse = -inf; never NaN. Results are bitwise reproducible.
@@ -536,11 +591,65 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     out = _empty("out", lead + (v.shape[-1],), q.dtype)
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
+    stats = _stats_arrays(lead, dtype, topk) if return_stats else None
+    if return_scores not in (None, "scaled", "biased", "final"):
+        raise ValueError(f"return_scores must be None, 'scaled', 'biased' or 'final', got {return_scores!r}")
+    scores = _empty("scores", lead + (k.shape[-2],), dtype) if return_scores else None
     _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
-                    backend, p, seed, **mods)
+                    backend, p, seed, **mods, stats=list(stats) if stats is not None else None, scores=scores,
+                    scores_stage=return_scores or "final")
 
-    extra = tuple(x for x in (weights, lse) if x is not None)
+    extra = tuple(x for x in (weights, lse, stats, scores) if x is not None)
     return (out,) + extra if extra else out
+
+
+class Report:
+    """The page ``inspect`` made: shows itself in Jupyter (``_repr_html_``), ``save(path)``
+    writes it, ``html`` is its text."""
+
+    def __init__(self, html):
+        self.html = html
+
+    def _repr_html_(self):
+        return self.html
+
+    def save(self, path):
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(self.html)
+
+    def __repr__(self):
+        return f"<sdpa.Report: {len(self.html)} characters of HTML>"
+
+
+def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None, backend="auto",
+            softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
+            block_size=128, topk=8, cells=512, max_heads=16, title="sdpa inspect", progress=True):
+    """A report of what attention does on these inputs, per head, as one self-contained HTML page
+    (a ``Report``: it renders in Jupyter and ``save(path)`` writes it; ``sdpa inspect`` on the
+    command line makes the same page from .npy files).
+
+    The arguments are ``attention``'s (dropout aside: the weights are before it). Per head (the
+    first ``max_heads`` in (batch, head) order): heatmaps of the weights, linear and log10 colour
+    scales, query rows down and keys across, grey where every weight of a cell is exactly 0
+    (blocked); the entropy and max weight of each query row as curves; a table of row sums (min,
+    max), entropy and max weight, flagged near-uniform (mean normalised entropy >= 0.9) or
+    near-one-hot (mean max weight >= 0.9); the top ``topk`` keys of some rows; the weights
+    themselves when Nq and Nk are at most 16. Everything comes from the fused kernel's
+    ``return_stats`` and per-row pooled weights: memory O(Nq · cells) per head, so inputs of
+    any length get a picture of at most ``cells`` × ``cells``, one cell per weight when Nq and
+    Nk fit and block averages beyond. ``progress``: a progress bar on stderr when it is a
+    terminal (quiet in Jupyter).
+    """
+    dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
+    causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
+    seqlens_k = _prepared_seqlens(seqlens_k)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    for name, value, low, high in (("topk", topk, 0, 32), ("cells", cells, 1, 4096), ("max_heads", max_heads, 0, None)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
+            raise ValueError(f"{name} must be an integer in [{low}, {high or 'inf'}], got {value!r}")
+    html = _core.inspect_report(*map(_core_view, (q, k, v, mask, seqlens_k)), scale, causal_code, left, right, backend,
+                                int(topk), int(cells), int(max_heads), str(title), bool(progress), **mods)
+    return Report(html)
 
 
 def _backward_arrays(dout, out, lse, q, k, v, dtype):

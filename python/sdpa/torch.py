@@ -64,7 +64,7 @@ import torch
 
 from . import _CAUSAL, _block_sizes, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
 
-__all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged"]
+__all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats"]
 
 _LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
 _REBUILD = ("install torch first, then build sdpa with `pip install --no-build-isolation .` "
@@ -392,3 +392,39 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
     out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
                                     right, *mods)
     return (out, lse) if return_lse else out
+
+
+def _as_numpy(name, t):
+    """A CPU tensor (detached) as a NumPy array sharing its memory; bfloat16 as ml_dtypes'."""
+    import ml_dtypes
+    import numpy as np
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=None, window=None, topk=8,
+                    softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
+    """``sdpa.attention(..., return_stats=True)`` on CPU tensors, without autograd: returns
+    ``(out, stats)``, out a tensor in the query's dtype and stats an ``sdpa.Stats`` of tensors
+    (entropy, entropy_normalized, max_weight, argmax, allowed, topk_weights, topk_indices: per
+    query row, from the fused kernel, no Nq × Nk weights). Shapes are sdpa's: query
+    (B, Hq, Nq, Dk) (or 3 or 2 dims), key and value (B, Hkv, Nk, D) with Hq a multiple of Hkv;
+    attn_mask bool or float broadcastable to (B, Hq, Nq, Nk); causal False, True /
+    "bottom_right" or "top_left" (PyTorch's is_causal). The tensors are read in place (bfloat16
+    through ml_dtypes), so this suits looking inside a model's heads from a forward hook."""
+    from . import attention
+    import numpy as np
+    arrays = [_as_numpy(n, t) for n, t in (("query", query), ("key", key), ("value", value))]
+    mask = None if attn_mask is None else _as_numpy("attn_mask", attn_mask)
+    kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, softcap_order=softcap_order)
+    for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if a is not None:
+            kw[name] = _as_numpy(name, a) if isinstance(a, torch.Tensor) else a
+    out, st = attention(*arrays, mask, return_stats=True, topk=topk, **kw)
+    as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+                 if a.dtype.name == "bfloat16" else torch.from_numpy(a))
+    return as_tensor(out), type(st)(*(torch.from_numpy(x) for x in st))

@@ -658,3 +658,23 @@ def test_paged_matches_the_numpy_front_door_dense_and_packed():
         alone = attention_paged(rows, k_pages, v_pages, table[b:b + 1], lengths[b:b + 1], causal=True)
         torch.testing.assert_close(out[cu[b]:cu[b + 1]], alone[0].transpose(0, 1), rtol=0, atol=0)
     assert not out.requires_grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_stats_on_tensors(dtype):
+    import ml_dtypes
+    import sdpa
+    from sdpa.torch import attention_stats
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 9, 8, generator=g).to(dtype)
+    k = torch.randn(2, 2, 20, 8, generator=g).to(dtype)
+    v = torch.randn(2, 2, 20, 8, generator=g).to(dtype)
+    out, st = attention_stats(q, k, v, causal="top_left", topk=3)
+    assert out.dtype == dtype and out.shape == (2, 4, 9, 8)
+    assert isinstance(st, sdpa.Stats) and st.topk_indices.shape == (2, 4, 9, 3) and st.entropy.dtype == torch.float32
+    as_np = (lambda t: t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)) if dtype == torch.bfloat16 else torch.Tensor.numpy
+    want_out, want = sdpa.attention(as_np(q), as_np(k), as_np(v), causal="top_left", return_stats=True, topk=3)
+    assert np.array_equal(as_np(out), want_out)
+    for got, w in zip(st, want):
+        assert np.array_equal(got.numpy(), w)
+    assert st.allowed[0, 0].tolist() == list(range(1, 10))  # top-left causal: row i sees i + 1 keys

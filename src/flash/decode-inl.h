@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "flash/flash_plan.h"
+#include "flash/row_stats.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
 #include "hwy/cache_control.h"
@@ -137,6 +138,34 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const R
     for (int64_t c = 0; c < C; ++c) hn::Store(acc[r][c], d, o + r * dvp + c * N);
 }
 
+// Outputs::stats of row r's scores of a tile (keys j0.., padded with -inf to n_vec) before its
+// max m_old moves (row_stats.h): allowed keys, the first key of the tile's max where it beats
+// m_old, and top-k offers where a score beats the row's threshold.
+template <class D, typename T = hn::TFromD<D>>
+HWY_NOINLINE void DecodeRowStats(D d, const LaneStats<T>& ls, int64_t r, const T* HWY_RESTRICT row, int64_t n_vec,
+                                 int64_t j0, T m_old) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
+  V mx = neg_inf;
+  int64_t count = 0;
+  for (int64_t j = 0; j < n_vec; j += N) {
+    const V s = hn::Load(d, row + j);
+    mx = hn::Max(mx, s);
+    count += static_cast<int64_t>(hn::CountTrue(d, hn::Gt(s, neg_inf)));
+    if (ls.k > 0 && !hn::AllFalse(d, hn::Gt(s, hn::Set(d, ls.threshold(r))))) {
+      for (int64_t x = 0; x < N; ++x) ls.offer(r, row[j + x], j0 + j + x);
+    }
+  }
+  ls.allowed()[r] += count;
+  const T tile_max = hn::GetLane(hn::MaxOfLanes(d, mx));
+  if (tile_max > m_old) {  // strict: an earlier key at the same max stays
+    int64_t j = 0;
+    while (!(row[j] == tile_max)) ++j;
+    ls.argmax()[r] = j0 + j;
+  }
+}
+
 // Rows [row0, row0 + R) of the block: R·Dk queries (pre-scaled, zero-padded to whole
 // vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st. K and V are read in
 // place in their storage type S; vtile: scratch for a tile of V rows widened to T, used only
@@ -144,7 +173,7 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const R
 template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
 void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
-                T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev, T* bad, int64_t mq) {
+                T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev, T* bad, int64_t mq, const LaneStats<T>& stats) {
   using V = hn::Vec<D>;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -181,17 +210,30 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       const T mnew = std::max(m[r], hn::GetLane(hn::MaxOfLanes(d, mx)));
       const T msafe = mnew == neg_inf ? T(0) : mnew;  // nothing allowed yet: exp(-inf - 0) = 0
       const V vmsafe = hn::Set(d, msafe);
+      if (stats.reals != nullptr) DecodeRowStats(d, stats, r, row, n_vec, j0, m[r]);
       // A max of +inf (a score overflowed): shifted_exp's rule, exp(s - m) = 1 where s == m.
       const bool inf_max = mnew == std::numeric_limits<T>::infinity();
-      V sum = hn::Zero(d);
-      for (int64_t j = 0; j < n_vec; j += N) {
-        const V s = hn::Load(d, row + j);
-        V pj = ExpNormal(d, hn::Sub(s, vmsafe));
-        if (inf_max) pj = hn::IfThenElse(hn::Eq(s, vmsafe), hn::Set(d, T(1)), pj);
-        sum = hn::Add(sum, pj);
-        hn::Store(pj, d, row + j);
-      }
+      V sum = hn::Zero(d), tsum = hn::Zero(d);
+      // With statistics, also t's Σ p · (s - m) (row_stats.h), in a loop of its own.
+      const auto exp_row = [&](auto stats_const) {
+        for (int64_t j = 0; j < n_vec; j += N) {
+          const V s = hn::Load(d, row + j);
+          const V x = hn::Sub(s, vmsafe);
+          V pj = ExpNormal(d, x);
+          if (inf_max) pj = hn::IfThenElse(hn::Eq(s, vmsafe), hn::Set(d, T(1)), pj);
+          sum = hn::Add(sum, pj);
+          if constexpr (decltype(stats_const)::value) {  // a +inf key at a +inf max: s - m = 0
+            const V xs = inf_max ? hn::IfThenZeroElse(hn::Eq(s, vmsafe), x) : x;
+            tsum = hn::MulAdd(pj, hn::Max(xs, hn::Set(d, std::numeric_limits<T>::lowest())), tsum);
+          }
+          hn::Store(pj, d, row + j);
+        }
+      };
+      stats.reals != nullptr ? exp_row(std::true_type{}) : exp_row(std::false_type{});
       alpha[r] = m[r] == neg_inf ? T(0) : inf_max && m[r] == mnew ? T(1) : hn::GetLane(ExpNormal(d, hn::Set(d, m[r] - msafe)));
+      if (stats.reals != nullptr) {
+        stats.t()[r] = rescale_t(stats.t()[r], m[r], msafe, l[r], alpha[r]) + hn::GetLane(hn::SumOfLanes(d, tsum));
+      }
       l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
       if (!hn::AllFalse(d, nan)) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
       m[r] = mnew;
@@ -257,7 +299,7 @@ template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
 void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                    const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT st, const T* m, const T* l) {
   for (int64_t r = 0; r < R; ++r) {
-    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, lanes[r].h, lanes[r].i, j, T(0));
+    WeightsRow<T>{p, blk.b, lanes[r].h, lanes[r].i}.clear();
   }
   const S* key_ptrs[kTileKeys];
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
@@ -267,9 +309,8 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
     const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), st);
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, lanes[r].h, lanes[r].i, j0 + j, weight(st[r * kTileKeys + j], m[r], l[r]));
-      }
+      const WeightsRow<T> row{p, blk.b, lanes[r].h, lanes[r].i};
+      for (int64_t j = 0; j < n; ++j) row.put(j0 + j, weight(st[r * kTileKeys + j], m[r], l[r]));
     }
   }
 }
@@ -280,7 +321,7 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                  bool weights, T* HWY_RESTRICT qbuf, T* HWY_RESTRICT obuf, T* HWY_RESTRICT st, T* ot, T* m, T* l,
-                 T* bad, LaneRow* lanes, T* HWY_RESTRICT vtile) {
+                 T* bad, LaneRow* lanes, T* HWY_RESTRICT vtile, const LaneStats<T>& stats = {}) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
   const T scale = static_cast<T>(p.scale);
@@ -305,7 +346,7 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
     std::fill(bad, bad + kBadClasses * p.Dv * static_cast<int64_t>(mq), -std::numeric_limits<T>::infinity());
     WithStorage<T>(p.k.dtype, [&](auto s) {  // k and v share a dtype
       DecodeRows<R>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, obuf + kDecodeMaxRows * (p.Dv + N),
-                    bad, static_cast<int64_t>(mq));
+                    bad, static_cast<int64_t>(mq), stats);
     });
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];

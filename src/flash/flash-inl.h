@@ -29,6 +29,7 @@
 
 #include "flash/bf16_dot.h"
 #include "flash/decode-inl.h"
+#include "flash/row_stats.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
 #include "flash/flash_plan.h"
@@ -57,6 +58,7 @@ struct BlockState {
   // scores come from qt and widened keys.
   uint32_t* qp = nullptr;
   bool amx = false;  // qp's products with AmxDotScores (else Bf16DotScores)
+  LaneStats<T> stats = {};  // Outputs::stats' running state (reals null: not asked for)
 };
 
 // Targets on which the kernels may call bf16_dot.h (AVX-512: 16 float lanes, as it assumes).
@@ -101,7 +103,10 @@ struct Scratch {
         bf16_dot(dot != KernelPath::kSimd),
         amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
-        lanes(group * mq) {
+        lanes(group * mq),
+        topk(p.stats.topk),
+        stat_reals(p.stats.in_pass() ? group * static_cast<size_t>(LaneStats<T>::reals_size(static_cast<int64_t>(mq), topk)) : 0),
+        stat_ints(p.stats.in_pass() ? group * static_cast<size_t>(LaneStats<T>::ints_size(static_cast<int64_t>(mq), topk)) : 0) {
     // Sizes in elements (at least 1: a part is never empty), each part 64-byte aligned.
     const size_t kt = static_cast<size_t>(kTileKeys), L = lanes_per_vector, R = static_cast<size_t>(kDecodeMaxRows);
     const auto at_least_1 = [](size_t n) { return std::max<size_t>(1, n); };
@@ -133,12 +138,18 @@ struct Scratch {
     }
   }
   BlockState<T> block(size_t g) {
-    return {BlockRows{},           LaneSpan{},
-            qt.get() + g * Dk * mq, ot.get() + g * Dv * mq,
-            m.get() + g * mq,       l.get() + g * mq,
-            lanes.data() + g * mq,  bad.get() + g * kBadClasses * Dv * mq,
-            bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr,
-            amx};
+    BlockState<T> bs{BlockRows{},           LaneSpan{},
+                     qt.get() + g * Dk * mq, ot.get() + g * Dv * mq,
+                     m.get() + g * mq,       l.get() + g * mq,
+                     lanes.data() + g * mq,  bad.get() + g * kBadClasses * Dv * mq,
+                     bf16_dot ? qp.get() + g * ((Dk + 1) / 2) * mq : nullptr,
+                     amx};
+    if (!stat_reals.empty()) {
+      const int64_t m64 = static_cast<int64_t>(mq);
+      bs.stats = {m64, topk, stat_reals.data() + g * LaneStats<T>::reals_size(m64, topk),
+                  stat_ints.data() + g * LaneStats<T>::ints_size(m64, topk)};
+    }
+    return bs;
   }
   size_t mq, Dk, Dv;
   hwy::AlignedFreeUniquePtr<uint8_t[]> storage;       // every part below
@@ -150,6 +161,9 @@ struct Scratch {
   bool bf16_dot, amx;  // the bfloat16 products (qp), with AMX
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
+  int64_t topk;                                       // Outputs::stats' k
+  std::vector<T> stat_reals;                          // BlockState::stats of each block
+  std::vector<int64_t> stat_ints;
 };
 
 // st[kb][lane] = Σ_d k[kb][d] · qt[d][lane] for KB consecutive keys: KB×QV accumulators.
@@ -354,6 +368,7 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
   std::fill(bs.ot, bs.ot + p.Dv * mq, T(0));
   std::fill(bs.m, bs.m + mq, -std::numeric_limits<T>::infinity());
   std::fill(bs.l, bs.l + mq, T(0));
+  if (bs.stats.reals != nullptr) bs.stats.begin();
   if (bs.bad != nullptr) std::fill(bs.bad, bs.bad + kBadClasses * p.Dv * mq, -std::numeric_limits<T>::infinity());
   // qt even with pairs: tiles of keys outside their range use it.
   const T scale = static_cast<T>(p.scale);
@@ -365,6 +380,96 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
       for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = q[c] * scale;
     } else {  // widened exactly, then scaled as above
       for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = p.q.load<T>(blk.b, r.h, r.i, c) * scale;
+    }
+  }
+}
+
+// Outputs::stats' top k (row_stats.h) for a tile: candidates[j · QV + q] holds the lanes of the
+// q-th vector (a bit each) whose score of key j0 + j beat the lane's threshold as the tile began;
+// each is offered, in key order, and the offer compares with the threshold as it is by then.
+// Marking candidates in the max loop and offering them here keeps a branch out of that loop:
+// the lanes beat their thresholds often in a row's first tile and at random after.
+//
+// When many scores are candidates (a row's first tile, where the threshold is still -inf, or
+// scores that grow along the keys), offering them one by one costs a mispredicted branch each;
+// then the whole tile goes through an insertion network instead: per vector of lanes, the k
+// entries as k vectors of scores and ids, each key's scores bubbled down with compare-and-
+// select (strict >, so an equal earlier key stays above: the same lists as the offers give).
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_NOINLINE void OfferTile(D d, const LaneStats<T>& ls, const T* HWY_RESTRICT st, size_t mq, int64_t j0, int64_t n,
+                            const uint64_t* candidates) {
+  const size_t N = hn::Lanes(d);
+  int64_t count = 0;
+  for (size_t x = 0; x < static_cast<size_t>(n) * QV; ++x) count += std::popcount(candidates[x]);
+  if (count * 8 > n * static_cast<int64_t>(mq)) {  // more than one score in 8
+    using V = hn::Vec<D>;
+    constexpr size_t kMaxN = hn::MaxLanes(d);
+    HWY_ALIGN T top[kMaxTopK * kMaxN], id[kMaxTopK * kMaxN];  // entry r of lane x at r · N + x
+    int64_t before[kMaxTopK * kMaxN];                          // the entries' keys as the tile began
+    const int64_t k = ls.k;
+    for (size_t q = 0; q < QV; ++q) {
+      for (int64_t r = 0; r < k; ++r) {
+        for (size_t x = 0; x < N; ++x) {
+          const int64_t lane = static_cast<int64_t>(q * N + x);
+          top[static_cast<size_t>(r) * N + x] = ls.top_s(lane)[r];
+          id[static_cast<size_t>(r) * N + x] = static_cast<T>(-(r + 1));  // -(r + 1): entry r as it was
+          before[static_cast<size_t>(r) * N + x] = ls.top_i(lane)[r];
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        V s = hn::Load(d, st + j * static_cast<int64_t>(mq) + q * N), sid = hn::Set(d, static_cast<T>(j));  // exact: j < kTileKeys
+        for (int64_t r = 0; r < k; ++r) {
+          T* tr = top + static_cast<size_t>(r) * N;
+          T* ir = id + static_cast<size_t>(r) * N;
+          const V t = hn::Load(d, tr), ti = hn::Load(d, ir);
+          const auto gt = hn::Gt(s, t);
+          hn::Store(hn::IfThenElse(gt, s, t), d, tr);
+          hn::Store(hn::IfThenElse(gt, sid, ti), d, ir);
+          s = hn::IfThenElse(gt, t, s);
+          sid = hn::IfThenElse(gt, ti, sid);
+        }
+      }
+      for (int64_t r = 0; r < k; ++r) {
+        for (size_t x = 0; x < N; ++x) {
+          const int64_t lane = static_cast<int64_t>(q * N + x);
+          const T e = id[static_cast<size_t>(r) * N + x];
+          ls.top_s(lane)[r] = top[static_cast<size_t>(r) * N + x];
+          ls.top_i(lane)[r] = e < 0 ? before[static_cast<size_t>(-static_cast<int64_t>(e) - 1) * N + x] : j0 + static_cast<int64_t>(e);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    for (size_t q = 0; q < QV; ++q) {
+      for (uint64_t bits = candidates[static_cast<size_t>(j) * QV + q]; bits != 0; bits &= bits - 1) {
+        const size_t lane = q * N + static_cast<size_t>(std::countr_zero(bits));
+        ls.offer(static_cast<int64_t>(lane), st[j * static_cast<int64_t>(mq) + static_cast<int64_t>(lane)], j0 + j);
+      }
+    }
+  }
+}
+
+// Outputs::stats after a tile's max loop, before the block's max bs.m moves to mnew: each lane's
+// allowed keys (count), and its argmax where the tile raised its max (the first key of the tile
+// at the new max: keys arrive in increasing order, so an equal later max keeps the earlier key).
+template <size_t QV, class D, typename T = hn::TFromD<D>>
+HWY_NOINLINE void TileStatsEnd(D d, const BlockState<T>& bs, const T* HWY_RESTRICT st, size_t mq, int64_t j0,
+                               int64_t n, const hn::Vec<D>* count, const hn::Vec<D>* mnew) {
+  const size_t N = hn::Lanes(d);
+  HWY_ALIGN T c[QV * hn::MaxLanes(d)], m[QV * hn::MaxLanes(d)];
+  for (size_t q = 0; q < QV; ++q) {
+    hn::Store(count[q], d, c + q * N);
+    hn::Store(mnew[q], d, m + q * N);
+  }
+  for (size_t lane = 0; lane < mq; ++lane) {
+    bs.stats.allowed()[lane] += static_cast<int64_t>(c[lane]);  // exact: at most kTileKeys
+    if (!(m[lane] > bs.m[lane])) continue;
+    for (int64_t j = 0; j < n; ++j) {
+      if (st[j * static_cast<int64_t>(mq) + static_cast<int64_t>(lane)] == m[lane]) {
+        bs.stats.argmax()[lane] = j0 + j;
+        break;
+      }
     }
   }
 }
@@ -395,7 +500,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   }
 
   const V neg_inf = hn::Set(d, -std::numeric_limits<T>::infinity());
-  V mnew[QV], msafe[QV], alpha[QV], sum[QV];
+  V mnew[QV], msafe[QV], alpha[QV], sum[QV], mold[QV], tsum[QV];
   // Lanes with a NaN score: Max and Exp drop NaN (Exp(NaN) = 0), so they are flagged here and
   // their sum made NaN below, which carries to out and lse as NaN (never a "blocked" zero).
   hn::Mask<D> nan[QV];
@@ -403,47 +508,97 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     mnew[q] = hn::Load(d, bs.m + q * N);
     nan[q] = hn::IsNaN(mnew[q]);  // an earlier tile's NaN score may sit in m
   }
-  for (int64_t j = 0; j < n; ++j) {
-    for (size_t q = 0; q < QV; ++q) {
-      const V s = hn::Load(d, st + j * mq + q * N);
-      mnew[q] = hn::Max(mnew[q], s);
-      nan[q] = hn::Or(nan[q], hn::IsNaN(s));
+  // The tile's max; with statistics also each lane's allowed keys and its top-k offers (a
+  // compare per score against the lane's threshold), in a loop of its own.
+  const bool stats = bs.stats.reals != nullptr, topk = stats && bs.stats.k > 0;
+  V count[QV], thr[QV];
+  HWY_ALIGN T thresholds[QV * hn::MaxLanes(d)];
+  uint64_t candidates[kTileKeys * QV];  // OfferTile's
+  static_assert(hn::MaxLanes(d) <= 64, "a lane a bit");
+  const V one = hn::Set(d, T(1));
+  for (size_t q = 0; stats && q < QV; ++q) {
+    count[q] = hn::Zero(d);
+    for (size_t x = 0; topk && x < N; ++x) thresholds[q * N + x] = bs.stats.threshold(static_cast<int64_t>(q * N + x));
+    thr[q] = topk ? hn::Load(d, thresholds + q * N) : neg_inf;
+  }
+  const auto max_loop = [&](auto stats_const) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (size_t q = 0; q < QV; ++q) {
+        const V s = hn::Load(d, st + j * mq + q * N);
+        mnew[q] = hn::Max(mnew[q], s);
+        nan[q] = hn::Or(nan[q], hn::IsNaN(s));
+        if constexpr (decltype(stats_const)::value) {
+          count[q] = hn::Add(count[q], hn::IfThenElseZero(hn::Gt(s, neg_inf), one));
+          if (topk) {
+            uint8_t bytes[8] = {};  // lane x in bit x % 8 of byte x / 8
+            hn::StoreMaskBits(d, hn::Gt(s, thr[q]), bytes);
+            uint64_t bits = 0;
+            for (size_t b = 0; b < (N + 7) / 8; ++b) bits |= uint64_t{bytes[b]} << (8 * b);
+            candidates[static_cast<size_t>(j) * QV + q] = bits;
+          }
+        }
+      }
     }
+  };
+  if (stats) {
+    max_loop(std::true_type{});
+    if (topk) OfferTile<QV>(d, bs.stats, st, mq, j0, n, candidates);
+    TileStatsEnd<QV>(d, bs, st, mq, j0, n, count, mnew);
+  } else {
+    max_loop(std::false_type{});
   }
   // A lane whose max is +inf (a score overflowed): shifted_exp's rule, exp(s - m) = 1 where
   // s == m, splits its weight among its +inf keys. Checked once per tile; rare.
-  const V pos_inf = hn::Set(d, std::numeric_limits<T>::infinity()), one = hn::Set(d, T(1));
+  const V pos_inf = hn::Set(d, std::numeric_limits<T>::infinity());
   bool inf_max = false;
   for (size_t q = 0; q < QV; ++q) {
     // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
     msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
-    const V mold = hn::Load(d, bs.m + q * N);
-    alpha[q] = ExpNormal(d, hn::Sub(mold, msafe[q]));
+    mold[q] = hn::Load(d, bs.m + q * N);
+    alpha[q] = ExpNormal(d, hn::Sub(mold[q], msafe[q]));
     if (!hn::AllFalse(d, hn::Eq(mnew[q], pos_inf))) {
       inf_max = true;
-      alpha[q] = hn::IfThenElse(hn::Eq(mold, pos_inf), one, alpha[q]);
+      alpha[q] = hn::IfThenElse(hn::Eq(mold[q], pos_inf), one, alpha[q]);
     }
     sum[q] = hn::Zero(d);
+    tsum[q] = hn::Zero(d);
     hn::Store(mnew[q], d, bs.m + q * N);
   }
-  // p = exp(s - m) over the tile; the +inf-max variant in a loop of its own, so that the
-  // common loop stays as it was.
-  const auto exp_tile = [&](auto inf_max_const) {
+  // p = exp(s - m) over the tile; the +inf-max variant, and the one that also sums t for the
+  // statistics (row_stats.h: Σ p · (s - m), -inf clamped so that 0 · -inf adds 0), in loops
+  // of their own, so that the common loop stays as it was.
+  const V lowest = hn::Set(d, std::numeric_limits<T>::lowest());
+  const auto exp_tile = [&](auto inf_max_const, auto stats_const) {
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
         T* row = st + j * mq + q * N;
         const V s = hn::Load(d, row);
-        V pj = ExpNormal(d, hn::Sub(s, msafe[q]));
+        const V x = hn::Sub(s, msafe[q]);
+        V pj = ExpNormal(d, x);
         if constexpr (decltype(inf_max_const)::value) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // m = +inf
         sum[q] = hn::Add(sum[q], pj);
+        if constexpr (decltype(stats_const)::value) {
+          // A +inf key at a +inf max is at the max: s - m counts as 0.
+          const V xs = decltype(inf_max_const)::value ? hn::IfThenZeroElse(hn::Eq(s, pos_inf), x) : x;
+          tsum[q] = hn::MulAdd(pj, hn::Max(xs, lowest), tsum[q]);
+        }
         hn::Store(pj, d, row);
       }
     }
   };
-  if (inf_max) {
-    exp_tile(std::true_type{});
+  if (stats) {
+    inf_max ? exp_tile(std::true_type{}, std::true_type{}) : exp_tile(std::false_type{}, std::true_type{});
+    // t = alpha · (t + (m_old - m_new) · l_old) + Σ p · (s - m_new)  (rescale_t, per vector)
+    for (size_t q = 0; q < QV; ++q) {
+      T* t = bs.stats.t() + q * N;
+      const V delta = hn::IfThenZeroElse(hn::Eq(mold[q], msafe[q]), hn::Max(hn::Sub(mold[q], msafe[q]), lowest));
+      const V scaled = hn::Mul(alpha[q], hn::MulAdd(delta, hn::Load(d, bs.l + q * N), hn::LoadU(d, t)));
+      hn::StoreU(hn::Add(hn::IfThenZeroElse(hn::Eq(alpha[q], hn::Zero(d)), scaled), tsum[q]), d, t);
+    }
+  } else if (inf_max) {
+    exp_tile(std::true_type{}, std::false_type{});
   } else {
-    exp_tile(std::false_type{});
+    exp_tile(std::false_type{}, std::false_type{});
   }
   for (size_t q = 0; q < QV; ++q) {
     sum[q] = hn::IfThenElse(nan[q], hn::Set(d, std::numeric_limits<T>::quiet_NaN()), sum[q]);
@@ -522,9 +677,7 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
   const size_t mq = QV * hn::Lanes(d);
   BlockState<T> bs = s.block(0);
   BeginBlock(p, blk, 0, p.Nk, mq, bs);
-  for (int64_t lane = 0; lane < blk.rows; ++lane) {
-    for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j, T(0));
-  }
+  for (int64_t lane = 0; lane < blk.rows; ++lane) WeightsRow<T>{p, blk.b, bs.lanes[lane].h, bs.lanes[lane].i}.clear();
   for (int64_t t = tile_start(bs.span.begin); t < bs.span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
@@ -533,9 +686,8 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
     const Rows<T> keys = keys_in_range ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, keys_in_range, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {
-      for (int64_t j = 0; j < n; ++j) {
-        p.weights->store(blk.b, bs.lanes[lane].h, bs.lanes[lane].i, j0 + j, weight(s.st.get()[j * mq + lane], m[lane], l[lane]));
-      }
+      const WeightsRow<T> row{p, blk.b, bs.lanes[lane].h, bs.lanes[lane].i};
+      for (int64_t j = 0; j < n; ++j) row.put(j0 + j, weight(s.st.get()[j * mq + lane], m[lane], l[lane]));
     }
   }
 }
@@ -549,11 +701,15 @@ struct Job {
   KernelPath dot = KernelPath::kSimd;
   size_t mq = 0, partial_size = 0;
   std::vector<T> partial;
+  // The statistics' lane states (LaneStats' two arrays) of each block and chunk, when asked for.
+  std::vector<T> partial_stat_reals;
+  std::vector<int64_t> partial_stat_ints;
   int64_t first_unit = 0, first_merge = 0;  // this job's units and merged blocks in the call's numbering
   // What a thread's Scratch depends on: jobs that agree share one (a varlen batch: all do).
   bool same_scratch(const Job& o) const {
     return p->Dk == o.p->Dk && p->Dv == o.p->Dv && p->k.dtype == o.p->k.dtype && p->v.dtype == o.p->v.dtype &&
-           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot;
+           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot &&
+           p->stats.in_pass() == o.p->stats.in_pass() && p->stats.topk == o.p->stats.topk;
   }
 };
 
@@ -563,9 +719,16 @@ void FinishBlock(D d, const Job<T>& job, Scratch<T>& s, size_t g, const BlockRow
   const Problem& p = *job.p;
   const size_t mq = job.mq;
   const BlockState<T> bs = s.block(g);
+  if (bs.stats.reals != nullptr) {  // from the keys' max and sum, before the sink joins them
+    for (int64_t lane = 0; lane < blk.rows; ++lane) {
+      const LaneRow& r = bs.lanes[lane];
+      const T sink = p.has_sinks() ? p.sink<T>(r.h) : -std::numeric_limits<T>::infinity();
+      write_row_stats(p, blk.b, r.h, r.i, bs.m[lane], bs.l[lane], sink, bs.stats, lane);
+    }
+  }
   if (p.has_sinks()) add_sinks(p, bs.lanes, blk.rows, static_cast<int64_t>(mq), bs.ot, bs.m, bs.l);
   finish_block<T>(p, blk, bs.ot, bs.m, bs.l, bs.bad, mq, bs.lanes);
-  if (!p.weights) return;
+  if (!p.weights && !p.stats.pooled_weights) return;
   // The weights pass reuses the scratch, so it reads m and l from copies.
   std::vector<T> m(bs.m, bs.m + mq), l(bs.l, bs.l + mq);
   if (job.plan.decode) {
@@ -590,8 +753,10 @@ void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
   const size_t count = plan.group(group, blks);
   const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
   if (plan.decode) {  // one block per group: decode has few rows per kv head
+    const LaneStats<T> stats = s.block(0).stats;
+    if (stats.reals != nullptr) stats.begin();
     DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
-                s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get());
+                s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get(), stats);
   } else if (plan.qv == 1) {
     RunBlocks<1>(d, p, blks, count, k0, k1, s);
   } else {
@@ -609,6 +774,12 @@ void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
     std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
     std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
     std::copy(bs.bad, bs.bad + kBadClasses * p.Dv * mq, dst + (p.Dv + 2) * mq);
+    if (bs.stats.reals != nullptr) {
+      const int64_t rs = LaneStats<T>::reals_size(bs.stats.mq, bs.stats.k), is = LaneStats<T>::ints_size(bs.stats.mq, bs.stats.k);
+      const int64_t at = plan.block_index(blks[g]) * plan.chunks + c;
+      std::copy(bs.stats.reals, bs.stats.reals + rs, job.partial_stat_reals.data() + at * rs);
+      std::copy(bs.stats.ints, bs.stats.ints + is, job.partial_stat_ints.data() + at * is);
+    }
   }
 }
 
@@ -638,7 +809,14 @@ void FlashMany(const Problem* const* problems, size_t n) {
                                                                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
     noted = std::max(noted, job.dot);
     job.partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * job.mq;  // (ot, m, l, bad) of one block and chunk
-    if (job.plan.needs_merge()) job.partial.resize(job.plan.blocks * job.plan.chunks * job.partial_size);
+    if (job.plan.needs_merge()) {
+      const int64_t pieces = job.plan.blocks * job.plan.chunks, mq = static_cast<int64_t>(job.mq);
+      job.partial.resize(static_cast<size_t>(pieces) * job.partial_size);
+      if (p.stats.in_pass()) {
+        job.partial_stat_reals.resize(static_cast<size_t>(pieces * LaneStats<T>::reals_size(mq, p.stats.topk)));
+        job.partial_stat_ints.resize(static_cast<size_t>(pieces * LaneStats<T>::ints_size(mq, p.stats.topk)));
+      }
+    }
   }
   note_kernel_path(noted);
   // The largest units first (sequences of lengths that differ 100x): the threads then finish
@@ -686,8 +864,13 @@ void FlashMany(const Problem* const* problems, size_t n) {
       const BlockRows blk = job.plan.block(bi);
       const BlockState<T> bs = s.block(0);
       describe_lanes(*job.p, blk, 0, job.p->Nk, bs.lanes);
-      merge_chunks<T>(job.partial.data() + bi * job.plan.chunks * job.partial_size, job.plan.chunks, job.p->Dv, job.mq,
-                      bs.ot, bs.m, bs.l, bs.bad);
+      const T* partial = job.partial.data() + bi * job.plan.chunks * job.partial_size;
+      if (bs.stats.reals != nullptr) {  // before merge_chunks overwrites the block's (m, l)
+        const int64_t rs = LaneStats<T>::reals_size(bs.stats.mq, bs.stats.k), is = LaneStats<T>::ints_size(bs.stats.mq, bs.stats.k);
+        merge_stats_chunks<T>(partial, job.partial_stat_reals.data() + bi * job.plan.chunks * rs,
+                              job.partial_stat_ints.data() + bi * job.plan.chunks * is, job.plan.chunks, job.p->Dv, bs.stats);
+      }
+      merge_chunks<T>(partial, job.plan.chunks, job.p->Dv, job.mq, bs.ot, bs.m, bs.l, bs.bad);
       FinishBlock(d, job, s, 0, blk);
     });
   };

@@ -233,6 +233,18 @@ void record_bad_row(const T* row, int64_t Dv, T s, int64_t mq, int64_t lane, T* 
 // Merges a block's per-chunk results (ot, m, l, bad), stored one after another, in chunk
 // order: rescale each chunk to the common max, then add; bad by max. m is 0 and l is 0 where a
 // chunk saw no key; l is NaN where a NaN reached the chunk's scores, and the merge keeps it NaN.
+// The max over a lane's chunks that saw a key (l != 0), -inf when none did: the merge's max.
+template <typename T>
+T chunks_max(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, int64_t lane) {
+  const int64_t stride = (Dv + 2 + kBadClasses * Dv) * mq;
+  T mmax = -std::numeric_limits<T>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const T* pc = partial + c * stride;
+    if (pc[(Dv + 1) * mq + lane] != 0) mmax = std::max(mmax, pc[Dv * mq + lane]);
+  }
+  return mmax;
+}
+
 template <typename T>
 void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* ot, T* m, T* l, T* bad) {
   const int64_t stride = (Dv + 2 + kBadClasses * Dv) * mq;
@@ -242,11 +254,7 @@ void merge_chunks(const T* partial, int64_t chunks, int64_t Dv, int64_t mq, T* o
     for (int64_t x = 0; x < kBadClasses * Dv * mq; ++x) bad[x] = std::max(bad[x], pc[x]);
   }
   for (int64_t lane = 0; lane < mq; ++lane) {
-    T mmax = -std::numeric_limits<T>::infinity();
-    for (int64_t c = 0; c < chunks; ++c) {
-      const T* pc = partial + c * stride;
-      if (pc[(Dv + 1) * mq + lane] != 0) mmax = std::max(mmax, pc[Dv * mq + lane]);
-    }
+    const T mmax = chunks_max(partial, chunks, Dv, mq, lane);
     T sum = 0;
     for (int64_t e = 0; e < Dv; ++e) ot[e * mq + lane] = 0;
     for (int64_t c = 0; c < chunks; ++c) {
@@ -297,6 +305,24 @@ template <typename T>
 T weight(T s, T m, T l) {
   return s == -std::numeric_limits<T>::infinity() || l == 0 ? T(0) : shifted_exp(s, m) * (T(1) / l);
 }
+
+// The weights pass's output for row (b, h, i): Outputs::weights and Stats::pooled_weights,
+// whichever are asked for. clear() first, then put() each allowed key's weight in key order.
+template <typename T>
+struct WeightsRow {
+  const Problem& p;
+  int64_t b, h, i;
+  void clear() const {
+    for (int64_t j = 0; p.weights && j < p.Nk; ++j) p.weights->store(b, h, i, j, T(0));
+    if (const auto& pw = p.stats.pooled_weights) {
+      for (int64_t c = 0; c < pw->shape[3]; ++c) *pw->at<T>(b, h, i, c) = T(0);
+    }
+  }
+  void put(int64_t j, T w) const {
+    if (p.weights) p.weights->store(b, h, i, j, w);
+    if (const auto& pw = p.stats.pooled_weights) *pw->at<T>(b, h, i, pooled_run(j, pw->shape[3], p.Nk)) += w;
+  }
+};
 
 // Normalises a block's output rows and writes out and lse. A lane with no allowed key
 // (l == 0; otherwise l >= 1, the max's own term) gets zeros and lse = -inf; l = NaN (a NaN
