@@ -431,7 +431,8 @@ std::string report_html(const Request& r) {
      << "<tr><th>heads drawn</th><td>" << heads.size() << " of " << d.B * d.Hq << "</td></tr></table>\n"
      << "<p class='axis'>Heatmaps: query rows down, keys across; viridis from 0 (dark) to the 99th percentile "
      << "of the head's cells (yellow, and every cell above it), or on the log10 scale from five decades below "
-     << "the largest cell to it; grey: every weight of the cell is exactly 0 (blocked keys). "
+     << "the largest cell to it; grey: every weight of the cell is exactly 0 (blocked keys, or underflowed), "
+     << "or NaN. "
      << (d.Nq > r.cells || d.Nk > r.cells ? "Each cell averages a block of weights (the input is larger than the picture)."
                                           : "One cell per weight.")
      << " Flags: near-uniform = mean normalised entropy >= 0.9, near-one-hot = mean max weight >= 0.9.</p>\n";

@@ -24,7 +24,7 @@ struct Request {
   sdpa::Options options;  // every option; dropout is left out (the weights are before dropout)
   int64_t topk = 8;       // top keys listed per row, 0..32
   int64_t cells = 512;    // picture resolution per axis: exact up to this Nq and Nk, averaged above
-  int64_t max_heads = 16; // heads drawn, in order (b, h); all of them are summarised in the table
+  int64_t max_heads = 16; // heads drawn and summarised, in order (b, h); the page says how many of all
   std::string title = "sdpa inspect";
   // Called after each head with (heads done, heads drawn): a progress bar for long work.
   std::function<void(int64_t, int64_t)> progress = nullptr;
@@ -42,7 +42,9 @@ struct HeadSummary {
   std::string flag;                         // "near-uniform", "near-one-hot" or ""
 };
 
-// The heads' summaries (the first max_heads heads), computed through sdpa::attention.
+// The heads' summaries (the first max_heads heads), computed through sdpa::attention. A cell
+// whose weights are all exactly 0 (blocked keys, or weights that underflowed) is -1 and drawn
+// grey; so is a cell holding NaN (a NaN row).
 std::vector<HeadSummary> summarize(const Request& request);
 // The whole page.
 std::string report_html(const Request& request);

@@ -21,9 +21,34 @@ using sdpa::TensorView;
 struct Call {
   int64_t B = 2, Hq = 4, Hkv = 2, Nq = 37, Nk = 150, D = 8;
   std::vector<double> q, k, v, slopes, sinks;
-  std::vector<uint8_t> mask;
+  std::vector<uint8_t> mask, blocks;
   std::vector<int64_t> seqlens;
   sdpa_inspect::Request request;
+
+  // Rank 3 (B = 1), a bool mask per head (Hq, Nq, Nk), a block mask per head of 8 x 16 blocks
+  // and a window: the other ways a head's view is cut.
+  void make_rank3(unsigned seed) {
+    Call& c = *this;
+    c.B = 1;
+    c.q.resize(static_cast<size_t>(c.Hq * c.Nq * c.D));
+    c.k.resize(static_cast<size_t>(c.Hkv * c.Nk * c.D));
+    c.v.resize(c.k.size());
+    std::mt19937 rng(seed);
+    c.mask.resize(static_cast<size_t>(c.Hq * c.Nq * c.Nk));
+    for (uint8_t& m : c.mask) m = rng() % 5 != 0;
+    const int64_t qb = (c.Nq + 7) / 8, kb = (c.Nk + 15) / 16;
+    c.blocks.resize(static_cast<size_t>(c.Hq * qb * kb));
+    for (uint8_t& m : c.blocks) m = rng() % 3 != 0;
+    sdpa::Inputs& in = c.request.inputs;
+    in.q = TensorView::contiguous(c.q.data(), DType::kFloat64, {c.Hq, c.Nq, c.D});
+    in.k = TensorView::contiguous(c.k.data(), DType::kFloat64, {c.Hkv, c.Nk, c.D});
+    in.v = TensorView::contiguous(c.v.data(), DType::kFloat64, {c.Hkv, c.Nk, c.D});
+    in.mask = TensorView::contiguous(c.mask.data(), DType::kBool, {c.Hq, c.Nq, c.Nk});
+    c.request.options.block_mask = TensorView::contiguous(c.blocks.data(), DType::kBool, {c.Hq, qb, kb});
+    c.request.options.block_q = 8;
+    c.request.options.block_k = 16;
+    c.request.options.window = {60, 10};
+  }
 
   explicit Call(unsigned seed, bool extras) {
     std::mt19937 rng(seed);
@@ -61,6 +86,11 @@ struct Call {
     sdpa::Outputs o{TensorView::contiguous(out.data(), DType::kFloat64, {B, Hq, Nq, D}),
                     TensorView::contiguous(weights.data(), DType::kFloat64, {B, Hq, Nq, Nk}), std::nullopt};
     o.stats.entropy = TensorView::contiguous(entropy.data(), DType::kFloat64, {B, Hq, Nq});
+    if (request.inputs.q.rank == 3) {
+      o.out = TensorView::contiguous(out.data(), DType::kFloat64, {Hq, Nq, D});
+      o.weights = TensorView::contiguous(weights.data(), DType::kFloat64, {Hq, Nq, Nk});
+      o.stats.entropy = TensorView::contiguous(entropy.data(), DType::kFloat64, {Hq, Nq});
+    }
     sdpa::attention(request.inputs, o, request.options);
   }
 };
@@ -118,6 +148,15 @@ TEST(Inspect, HeadViewsOfMasksLengthsAlibiAndSinks) {
   expect_grids_average_the_weights(c, 512);
   Call d(4, true);
   expect_grids_average_the_weights(d, 7);
+}
+
+TEST(Inspect, HeadViewsOfRank3PerHeadMasksBlockMasksAndWindows) {
+  Call c(8, false);
+  c.make_rank3(8);
+  expect_grids_average_the_weights(c, 512);
+  Call d(9, false);
+  d.make_rank3(9);
+  expect_grids_average_the_weights(d, 9);
 }
 
 TEST(Inspect, RowSumsAndFlags) {

@@ -154,7 +154,7 @@ void materialized_attention(const Problem& p) {
         if (p.weights) {
           for (int64_t j = 0; j < p.Nk; ++j) p.weights->store(b, h, i, j, prob[j]);  // before dropout
         }
-        if (const auto& pw = p.stats.pooled_weights) {  // the weights' sums over runs of keys
+        if (const auto& pw = p.stats.pooled_weights; pw && pw->shape[3] > 0) {  // the weights' sums over runs of keys
           std::vector<Acc> sums(static_cast<size_t>(pw->shape[3]), Acc(0));
           for (int64_t j = 0; j < p.Nk; ++j) sums[static_cast<size_t>(pooled_run(j, pw->shape[3], p.Nk))] += prob[j];
           for (int64_t c = 0; c < pw->shape[3]; ++c) pw->store(b, h, i, c, sums[static_cast<size_t>(c)]);

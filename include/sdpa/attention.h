@@ -220,7 +220,8 @@ struct Inputs {
 //   entropy             H_i = -Σ_j w_ij log w_ij in nats (0 log 0 = 0): log(allowed) when uniform,
 //                       0 when one key takes all. With sinks the weights sum to less than 1 and
 //                       H_i is of the keys' weights as they are (the sink's share is not a key's).
-//   entropy_normalized  H_i / log(allowed) in [0, 1] (0 when allowed <= 1): 1 = uniform
+//   entropy_normalized  H_i / log(allowed) (0 when allowed <= 1): in [0, 1], 1 = uniform, except
+//                       with sinks, whose weights summing to S < 1 allow up to S (log n - log S)
 //   max_weight          max_j w_ij, bit for bit weights[argmax]
 //   argmax              the key of the largest score (the largest weight), the lowest such j
 //   topk_weights        (..., k): the k largest weights of the row, largest first, bit for bit
@@ -228,7 +229,7 @@ struct Inputs {
 //   topk_indices        (..., k) int64: their keys. A row with fewer than k allowed keys fills
 //                       the rest with index -1 and weight 0.
 //   pooled_weights      (..., G): the row's weights summed over G runs of keys, key j in run
-//                       floor(j · G / Nk), summed in key order: the row at a picture's
+//                       floor(j · G / Nk), summed in key order (G = 0: nothing): the row at a picture's
 //                       resolution without its Nk weights (sdpa inspect's heatmaps of long
 //                       inputs). Costs a second pass over the keys, as weights does.
 // A row with no allowed key: entropy 0, max_weight 0, argmax -1, top-k all -1 / 0. A row

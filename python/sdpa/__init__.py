@@ -382,7 +382,8 @@ class Stats(NamedTuple):
 
         allowed             keys the row may attend (scores above -inf; an underflowed weight counts)
         entropy             -Σ_j w_j log w_j in nats: log(allowed) when uniform, 0 when one-hot
-        entropy_normalized  entropy / log(allowed), in [0, 1] (0 when allowed <= 1)
+        entropy_normalized  entropy / log(allowed) (0 when allowed <= 1): in [0, 1], except with
+                            sinks (weights summing to S < 1 allow up to S·(log n - log S))
         max_weight          the largest weight; exactly weights[..., argmax]
         argmax              its key, the lowest on ties (-1: no allowed key)
         topk_weights        the topk largest weights, largest first (exactly the weights there)

@@ -413,8 +413,9 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
     (entropy, entropy_normalized, max_weight, argmax, allowed, topk_weights, topk_indices: per
     query row, from the fused kernel, no Nq × Nk weights). Shapes are sdpa's: query
     (B, Hq, Nq, Dk) (or 3 or 2 dims), key and value (B, Hkv, Nk, D) with Hq a multiple of Hkv;
-    attn_mask bool or float broadcastable to (B, Hq, Nq, Nk); causal False, True /
-    "bottom_right" or "top_left" (PyTorch's is_causal). The tensors are read in place (bfloat16
+    attn_mask bool or float broadcastable to (B, Hq, Nq, Nk); causal as in ``sdpa.attention``:
+    False, True (= "bottom_right", FlashAttention's alignment) or "top_left" (what PyTorch's
+    is_causal means; the two differ when Nq != Nk). The tensors are read in place (bfloat16
     through ml_dtypes), so this suits looking inside a model's heads from a forward hook."""
     from . import attention
     import numpy as np

@@ -394,7 +394,10 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
 // scores that grow along the keys), offering them one by one costs a mispredicted branch each;
 // then the whole tile goes through an insertion network instead: per vector of lanes, the k
 // entries as k vectors of scores and ids, each key's scores bubbled down with compare-and-
-// select (strict >, so an equal earlier key stays above: the same lists as the offers give).
+// select. The new key takes a slot only from a smaller score (strict >: an equal earlier key
+// stays above it); once it has, what moves down is an earlier entry, which takes a slot from an
+// equal score too (the entries below it with its score have later keys). So the lists are
+// those the offers give, ties to the lower key.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 HWY_NOINLINE void OfferTile(D d, const LaneStats<T>& ls, const T* HWY_RESTRICT st, size_t mq, int64_t j0, int64_t n,
                             const uint64_t* candidates) {
@@ -418,11 +421,13 @@ HWY_NOINLINE void OfferTile(D d, const LaneStats<T>& ls, const T* HWY_RESTRICT s
       }
       for (int64_t j = 0; j < n; ++j) {
         V s = hn::Load(d, st + j * static_cast<int64_t>(mq) + q * N), sid = hn::Set(d, static_cast<T>(j));  // exact: j < kTileKeys
+        auto moved = hn::Lt(s, s);  // lanes whose carried score is an earlier entry (none yet; NaN: none either)
         for (int64_t r = 0; r < k; ++r) {
           T* tr = top + static_cast<size_t>(r) * N;
           T* ir = id + static_cast<size_t>(r) * N;
           const V t = hn::Load(d, tr), ti = hn::Load(d, ir);
-          const auto gt = hn::Gt(s, t);
+          const auto gt = hn::Or(hn::Gt(s, t), hn::And(moved, hn::Eq(s, t)));
+          moved = hn::Or(moved, gt);
           hn::Store(hn::IfThenElse(gt, s, t), d, tr);
           hn::Store(hn::IfThenElse(gt, sid, ti), d, ir);
           s = hn::IfThenElse(gt, t, s);

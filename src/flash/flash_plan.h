@@ -320,7 +320,8 @@ struct WeightsRow {
   }
   void put(int64_t j, T w) const {
     if (p.weights) p.weights->store(b, h, i, j, w);
-    if (const auto& pw = p.stats.pooled_weights) *pw->at<T>(b, h, i, pooled_run(j, pw->shape[3], p.Nk)) += w;
+    const auto& pw = p.stats.pooled_weights;
+    if (pw && pw->shape[3] > 0) *pw->at<T>(b, h, i, pooled_run(j, pw->shape[3], p.Nk)) += w;  // G = 0: no runs
   }
 };
 
