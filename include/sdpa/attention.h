@@ -11,6 +11,7 @@
 //   weights (B, Hq,  Nq, Nk)      optional: softmax probabilities, for inspection
 //   lse     (B, Hq,  Nq)          optional: log-sum-exp of each row's biased, scaled scores
 //   stats   (B, Hq,  Nq[, k])     optional: entropy, max weight, argmax, top-k of each row (Stats)
+//   scores  (B, Hq,  Nq, Nk)      optional: the raw scores, for inspection (Outputs::scores)
 //
 // Edges (docs/RELIABILITY.md lists every promise and the test that holds it):
 //   - Key j is allowed for row i when causal and the window let i see j and the mask does not

@@ -7,7 +7,7 @@
 //   argmax  = the first key of the running max (keys arrive in increasing order)
 //   top k   = the k largest scores with their keys, largest first; an equal score keeps the
 //             earlier (lower) key first
-// At the end (finish_stats), with the row's final max M and sum L (a sink's term included):
+// At the end (write_row_stats), with the row's final max M and sum L (a sink's term included):
 //   w_j = exp(s_j - M) / L,  c = exp(m - M) / L (the keys' factor),
 //   H   = -Σ_j w_j log w_j = c · (l · (M - m + log L) - t)     (two terms >= 0: no cancellation)
 // which is log l - t / l without a sink. Target-independent: the SIMD kernels (flash-inl.h,
