@@ -97,7 +97,7 @@ def test_a_real_browser_renders_the_report(tmp_path):
     html = page.read_text()
     assert "seed 000" in html
     shot = tmp_path / "shot.png"
-    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
                     "--force-device-scale-factor=1", "--force-color-profile=srgb", f"--screenshot={shot}",
                     "--window-size=900,1400", page.as_uri()],
                    check=True, capture_output=True, timeout=120)
