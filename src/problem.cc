@@ -471,40 +471,31 @@ void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, b
          std::to_string(kMaxTopK));
   }
   const int64_t k = first_topk && first_topk->rank == r ? first_topk->shape[r - 1] : 0;
-  const int64_t topk_shape[4] = {full_weights[0], full_weights[1], full_weights[2], k};
-  const auto check = [&](const char* name, const std::optional<TensorView>& t, bool index, bool topk,
-                         std::optional<View4>& dst) {
+  // A view of lse's shape, or with a last dim `last` added; `meaning` names its dims.
+  const auto check = [&](const char* name, const std::optional<TensorView>& t, bool index, std::optional<int64_t> last,
+                         const char* meaning, std::optional<View4>& dst) {
     if (!t) return;
-    check_basic(name, *t, topk ? 2 : 1, topk ? 4 : 3);
+    check_basic(name, *t, last ? 2 : 1, last ? 4 : 3);
     if (index && t->dtype != DType::kInt64) {
       fail(std::string(name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
     }
     if (!index) check_compute_dtype(name, *t, q, p.compute);
-    if (topk) {
-      check_shape(name, *t, topk_shape + (4 - r), r, topk_rows);
-    } else {
-      check_shape(name, *t, full_weights + (4 - r), r - 1, rows);
-    }
+    const int64_t with_last[4] = {full_weights[0], full_weights[1], full_weights[2], last.value_or(0)};
+    check_shape(name, *t, (last ? with_last : full_weights) + (4 - r), last ? r : r - 1, meaning);
     if (written) check_no_zero_stride(name, *t);
-    dst = to_view4(*t, topk ? 4 : 3);
+    dst = to_view4(*t, last ? 4 : 3);
   };
-  check("allowed", st.allowed, true, false, p.stats.allowed);
-  check("entropy", st.entropy, false, false, p.stats.entropy);
-  check("entropy_normalized", st.entropy_normalized, false, false, p.stats.entropy_normalized);
-  check("max_weight", st.max_weight, false, false, p.stats.max_weight);
-  check("argmax", st.argmax, true, false, p.stats.argmax);
-  check("topk_weights", st.topk_weights, false, true, p.stats.topk_weights);
-  check("topk_indices", st.topk_indices, true, true, p.stats.topk_indices);
-  if (st.pooled_weights) {  // (..., G), any G
-    const TensorView& t = *st.pooled_weights;
-    const int64_t G = t.rank == r ? t.shape[r - 1] : 0;
-    const int64_t shape[4] = {full_weights[0], full_weights[1], full_weights[2], G};
-    check_basic("pooled_weights", t, 2, 4);
-    check_compute_dtype("pooled_weights", t, q, p.compute);
-    check_shape("pooled_weights", t, shape + (4 - r), r, r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)");
-    if (written) check_no_zero_stride("pooled_weights", t);
-    p.stats.pooled_weights = to_view4(t);
-  }
+  check("allowed", st.allowed, true, std::nullopt, rows, p.stats.allowed);
+  check("entropy", st.entropy, false, std::nullopt, rows, p.stats.entropy);
+  check("entropy_normalized", st.entropy_normalized, false, std::nullopt, rows, p.stats.entropy_normalized);
+  check("max_weight", st.max_weight, false, std::nullopt, rows, p.stats.max_weight);
+  check("argmax", st.argmax, true, std::nullopt, rows, p.stats.argmax);
+  check("topk_weights", st.topk_weights, false, k, topk_rows, p.stats.topk_weights);
+  check("topk_indices", st.topk_indices, true, k, topk_rows, p.stats.topk_indices);
+  // (..., G), any G: its own last dim.
+  const int64_t G = st.pooled_weights && st.pooled_weights->rank == r ? st.pooled_weights->shape[r - 1] : 0;
+  check("pooled_weights", st.pooled_weights, false, G, r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)",
+        p.stats.pooled_weights);
   p.stats.topk = p.stats.topk_weights || p.stats.topk_indices ? k : 0;
 }
 

@@ -402,11 +402,16 @@ class Stats(NamedTuple):
     topk_indices: np.ndarray
 
 
+def _checked_int(name, value, low, high=None):
+    """value as an int in [low, high] (high None: unbounded), else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer in [{low}, {'inf' if high is None else high}], got {value!r}")
+    return int(value)
+
+
 def _stats_arrays(lead, dtype, topk):
     """Empty arrays for Stats (lead = lse's shape), checking topk."""
-    if isinstance(topk, bool) or not isinstance(topk, numbers.Integral) or not 0 <= topk <= 32:
-        raise ValueError(f"topk must be an integer in [0, 32], got {topk!r}")
-    topk = int(topk)
+    topk = _checked_int("topk", topk, 0, 32)
     return Stats(_empty("allowed", lead, np.int64), _empty("entropy", lead, dtype),
                  _empty("entropy_normalized", lead, dtype), _empty("max_weight", lead, dtype),
                  _empty("argmax", lead, np.int64), _empty("topk_weights", lead + (topk,), dtype),
@@ -645,11 +650,10 @@ def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlen
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     seqlens_k = _prepared_seqlens(seqlens_k)
     mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
-    for name, value, low, high in (("topk", topk, 0, 32), ("cells", cells, 1, 4096), ("max_heads", max_heads, 0, None)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high and value > high):
-            raise ValueError(f"{name} must be an integer in [{low}, {high or 'inf'}], got {value!r}")
+    topk, cells, max_heads = (_checked_int("topk", topk, 0, 32), _checked_int("cells", cells, 1, 4096),
+                              _checked_int("max_heads", max_heads, 0))
     html = _core.inspect_report(*map(_core_view, (q, k, v, mask, seqlens_k)), scale, causal_code, left, right, backend,
-                                int(topk), int(cells), int(max_heads), str(title), bool(progress), **mods)
+                                topk, cells, max_heads, str(title), bool(progress), **mods)
     return Report(html)
 
 
