@@ -19,9 +19,11 @@ done
 # 1. Debian packages: compilers (clang + LLVM OpenMP for the ThreadSanitizer build), CMake, Highway
 #    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP; ccache (the Python package and the
 #    Release build then compile the kernels once); libpng (sdpa inspect's pictures) and chromium
-#    (the test that renders an inspect report in a real headless browser).
+#    (the test that renders an inspect report in a real headless browser); OpenBLAS built for
+#    OpenMP (the multi-head layer's matrix products, loaded at run time: src/layer/blas.h).
 packages=(build-essential cmake ninja-build ccache python3-venv clang libclang-rt-14-dev libomp-dev
-          libhwy-dev libcli11-dev libgtest-dev libbenchmark-dev libpng-dev chromium)
+          libhwy-dev libcli11-dev libgtest-dev libbenchmark-dev libpng-dev chromium
+          libopenblas0-openmp)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
