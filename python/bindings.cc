@@ -7,17 +7,20 @@
 // sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
 #include <cstdint>
 #include <string>
+#include <tuple>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include "hwy/targets.h"
 #include "inspect.h"
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
+#include "sdpa/mha.h"
 
 namespace nb = nanobind;
 
@@ -264,6 +267,90 @@ nb::ndarray<nb::numpy> pool_array(const sdpa::TensorView& t) {
   return nb::ndarray<nb::numpy>(t.data, 4, shape, nb::handle(), strides, dt);
 }
 
+// ---- The multi-head layer (sdpa/mha.h); sdpa/layer.py holds the Python class ----
+
+// (d_model, num_heads, num_kv_heads, head_dim, head_dim_v, kdim, vdim, bias, rope, rope_base)
+using LayerConfig = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, double>;
+using OptArrays = std::vector<std::optional<ConstArray>>;
+
+sdpa::MultiHeadConfig layer_config(const LayerConfig& t) {
+  sdpa::MultiHeadConfig c;
+  std::tie(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim_v, c.kdim, c.vdim, c.bias, c.rope,
+           c.rope_base) = t;
+  return c;
+}
+
+// params: w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o (biases None without bias).
+sdpa::MultiHeadWeights layer_weights(const OptArrays& p) {
+  if (p.size() != 8) throw nb::value_error("params must hold 8 arrays or None");
+  const char* names[8] = {"w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o"};
+  std::optional<sdpa::TensorView> v[8];
+  for (int i = 0; i < 8; ++i)
+    if (p[i]) v[i] = to_view(*p[i], names[i]);
+  for (int i = 0; i < 4; ++i)
+    if (!v[i]) throw nb::value_error((std::string(names[i]) + " is missing").c_str());
+  return {*v[0], *v[1], *v[2], *v[3], v[4], v[5], v[6], v[7]};
+}
+
+sdpa::MultiHeadInputs layer_inputs(const ConstArray& x_q, const std::optional<ConstArray>& x_k,
+                                   const std::optional<ConstArray>& x_v, const std::optional<ConstArray>& mask,
+                                   int64_t position_q, int64_t position_k) {
+  sdpa::MultiHeadInputs in;
+  in.x_q = to_view(x_q, "x_q");
+  if (x_k) in.x_k = to_view(*x_k, "x_k");
+  if (x_v) in.x_v = to_view(*x_v, "x_v");
+  if (mask) in.mask = to_view(*mask, "mask");
+  in.position_q = position_q;
+  in.position_k = position_k;
+  return in;
+}
+
+void mha_forward(const LayerConfig& config, const OptArrays& params, const ConstArray& x_q,
+                 const std::optional<ConstArray>& x_k, const std::optional<ConstArray>& x_v,
+                 const std::optional<ConstArray>& mask, int64_t position_q, int64_t position_k, const Array& y,
+                 const std::optional<Array>& weights, sdpa::MultiHeadSaved* saved, std::optional<double> scale,
+                 const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
+                 double dropout_p, std::optional<uint64_t> seed) {
+  const sdpa::MultiHeadInputs in = layer_inputs(x_q, x_k, x_v, mask, position_q, position_k);
+  sdpa::MultiHeadOutputs out{to_view(y, "y")};
+  if (weights) out.weights = to_view(*weights, "weights");
+  const sdpa::MultiHeadWeights w = layer_weights(params);
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  nb::gil_scoped_release release;
+  sdpa::multi_head_attention(layer_config(config), w, in, out, opt, saved);
+}
+
+// grads: dx_q, dx_k, dx_v, dw_q, dw_k, dw_v, dw_o, db_q, db_k, db_v, db_o (None: not computed).
+void mha_backward(const LayerConfig& config, const OptArrays& params, const ConstArray& x_q,
+                  const std::optional<ConstArray>& x_k, const std::optional<ConstArray>& x_v,
+                  const std::optional<ConstArray>& mask, int64_t position_q, int64_t position_k,
+                  const sdpa::MultiHeadSaved& saved, const ConstArray& dy, const std::vector<std::optional<Array>>& grads,
+                  std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
+                  const std::string& backend, double dropout_p, std::optional<uint64_t> seed) {
+  if (grads.size() != 11 || !grads[0]) throw nb::value_error("grads must hold dx_q and 10 arrays or None");
+  const char* names[11] = {"dx_q", "dx_k", "dx_v", "dw_q", "dw_k", "dw_v", "dw_o", "db_q", "db_k", "db_v", "db_o"};
+  std::optional<sdpa::TensorView> g[11];
+  for (int i = 0; i < 11; ++i)
+    if (grads[i]) g[i] = to_view(*grads[i], names[i]);
+  const sdpa::MultiHeadGradients mg{*g[0], g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10]};
+  const sdpa::MultiHeadInputs in = layer_inputs(x_q, x_k, x_v, mask, position_q, position_k);
+  const sdpa::MultiHeadWeights w = layer_weights(params);
+  const sdpa::TensorView dyv = to_view(dy, "dy");
+  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  nb::gil_scoped_release release;
+  sdpa::multi_head_attention_backward(layer_config(config), w, in, saved, dyv, mg, opt);
+}
+
+void mha_step(const LayerConfig& config, const OptArrays& params, const ConstArray& x, sdpa::KVCache& cache,
+              const std::vector<int64_t>& seqs, const Array& y, std::optional<double> scale, int64_t window_left,
+              int64_t window_right, const std::string& backend) {
+  const sdpa::MultiHeadWeights w = layer_weights(params);
+  const sdpa::TensorView xv = to_view(x, "x"), yv = to_view(y, "y");
+  const sdpa::Options opt = make_options(scale, "bottom_right", window_left, window_right, backend, 0.0, std::nullopt);
+  nb::gil_scoped_release release;
+  sdpa::multi_head_attention_step(layer_config(config), w, xv, cache, seqs, yv, opt);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -340,6 +427,24 @@ NB_MODULE(_core, m) {
            nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
            nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
            nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+  nb::class_<sdpa::MultiHeadSaved>(m, "MultiHeadSaved").def(nb::init<>());
+  m.def("mha_resolved", [](const LayerConfig& t) {
+    const sdpa::MultiHeadConfig c = layer_config(t).resolved();
+    return LayerConfig{c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim_v, c.kdim, c.vdim, c.bias, c.rope,
+                       c.rope_base};
+  }, nb::arg("config"));
+  m.def("mha_forward", &mha_forward, nb::arg("config"), nb::arg("params"), nb::arg("x_q"), nb::arg("x_k").none(),
+        nb::arg("x_v").none(), nb::arg("mask").none(), nb::arg("position_q"), nb::arg("position_k"), nb::arg("y"),
+        nb::arg("weights").none(), nb::arg("saved").none(), nb::arg("scale").none(), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
+        nb::arg("seed").none());
+  m.def("mha_backward", &mha_backward, nb::arg("config"), nb::arg("params"), nb::arg("x_q"), nb::arg("x_k").none(),
+        nb::arg("x_v").none(), nb::arg("mask").none(), nb::arg("position_q"), nb::arg("position_k"),
+        nb::arg("saved"), nb::arg("dy"), nb::arg("grads"), nb::arg("scale").none(), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
+        nb::arg("seed").none());
+  m.def("mha_step", &mha_step, nb::arg("config"), nb::arg("params"), nb::arg("x"), nb::arg("cache"), nb::arg("seqs"),
+        nb::arg("y"), nb::arg("scale").none(), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

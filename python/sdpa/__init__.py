@@ -21,7 +21,7 @@ from . import _core
 from .blocks import (block_mask_bigbird, block_mask_dilated, block_mask_documents, block_mask_from_mask,
                      document_mask)
 
-__all__ = ["attention", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
@@ -1051,3 +1051,6 @@ def set_num_threads(n):
 def num_threads():
     """The number of threads sdpa's kernels use."""
     return _core.num_threads()
+
+
+from .layer import LayerGradients, MultiHeadAttention  # noqa: E402  (layer.py uses the helpers above)

@@ -64,7 +64,8 @@ import torch
 
 from . import _CAUSAL, _block_sizes, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
 
-__all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats"]
+__all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats",
+           "MultiheadAttention"]
 
 _LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
 _REBUILD = ("install torch first, then build sdpa with `pip install --no-build-isolation .` "
@@ -429,3 +430,6 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
     as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
                  if a.dtype.name == "bfloat16" else torch.from_numpy(a))
     return as_tensor(out), type(st)(*(torch.from_numpy(x) for x in st))
+
+
+from ._torch_mha import MultiheadAttention  # noqa: E402  (it uses scaled_dot_product_attention above)

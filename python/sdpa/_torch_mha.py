@@ -1,0 +1,256 @@
+"""``sdpa.torch.MultiheadAttention``: ``torch.nn.MultiheadAttention``'s module on sdpa's kernel.
+
+    mha = sdpa.torch.MultiheadAttention(embed_dim, num_heads, dropout=0.0, bias=True, kdim=None,
+                                        vdim=None, batch_first=False,
+                                        num_kv_heads=None, rope=False, rope_base=10000.0)
+    y, weights = mha(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                     average_attn_weights=True, is_causal=False)
+    mha.load_state_dict(torch_mha.state_dict())   # a torch.nn.MultiheadAttention's, unchanged
+
+The constructor, the forward's signature and the parameters (``in_proj_weight``/``in_proj_bias``,
+or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` when kdim or vdim differ from
+embed_dim, ``out_proj``) are torch's, so a state_dict moves either way. The projections are
+torch's own ``F.linear``; the attention is ``sdpa.torch.scaled_dot_product_attention`` (sdpa's
+kernel, autograd through sdpa's backward), reading q, k, v as (B, H, N, D) views of the
+projections without copies. Differences from torch:
+
+- ``add_bias_kv`` and ``add_zero_attn`` raise ValueError (not supported).
+- ``need_weights`` returns the softmax before dropout (torch's are after it), computed by a
+  second sdpa call (``sdpa.attention(..., return_weights=True)``), without gradient.
+- ``is_causal=True`` without ``attn_mask`` applies the causal mask (torch asks for the mask
+  too); with ``attn_mask`` the mask is used as given, as in torch.
+- Extra keyword options: ``num_kv_heads`` (GQA/MQA: k_proj_weight and v_proj_weight are
+  (num_kv_heads · head_dim, kdim/vdim), and in_proj_bias holds E + 2 · num_kv_heads · head_dim),
+  ``rope`` with ``rope_base`` (rotary embedding on q and k as ``sdpa.MultiHeadAttention``'s,
+  positions from ``position_q`` / ``position_k`` given to forward).
+- ``step(x, cache, seqs)`` decodes incrementally with an ``sdpa.KVCache`` (``new_cache``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from .torch import scaled_dot_product_attention, _as_numpy
+
+__all__ = ["MultiheadAttention"]
+
+
+def _rope(x, position, base):
+    """RoPE on x (B, N, H, D) (rotate-half: element d pairs with d + D/2), row i at position + i.
+    The angles are computed in float64 and rounded to x's dtype once."""
+    N, D = x.shape[1], x.shape[3]
+    half = D // 2
+    pos = torch.arange(position, position + N, dtype=torch.float64)
+    freq = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / D)
+    theta = pos[:, None] * freq[None, :]  # (N, D/2)
+    c = torch.cos(theta).to(x.dtype)[None, :, None, :]
+    s = torch.sin(theta).to(x.dtype)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def _merged_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
+    """torch.nn.MultiheadAttention's attn_mask ((L, S) or (B·H, L, S); bool True = blocked, or a
+    float added) and key_padding_mask ((B, S); bool True = padding, or a float added) as one
+    mask for scaled_dot_product_attention (bool True = attends, or a float added), broadcasting
+    to (B, H, L, S); None when both are None."""
+    masks = []
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if attn_mask.shape != (L, S):
+                raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected (L, S) = {(L, S)}")
+            am = attn_mask.view(1, 1, L, S)
+        elif attn_mask.dim() == 3:
+            if attn_mask.shape != (B * H, L, S):
+                raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected "
+                                   f"(B·num_heads, L, S) = {(B * H, L, S)}")
+            am = attn_mask.view(B, H, L, S)
+        else:
+            raise RuntimeError(f"attn_mask has {attn_mask.dim()} dims, expected 2 or 3")
+        masks.append(am)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (B, S):
+            raise RuntimeError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, S) = {(B, S)}")
+        masks.append(key_padding_mask.view(B, 1, 1, S))
+    if not masks:
+        return None
+    if all(m.dtype == torch.bool for m in masks):
+        allowed = ~masks[0]
+        for m in masks[1:]:
+            allowed = allowed & ~m
+        return allowed
+    total = None
+    for m in masks:
+        bias = (torch.zeros(m.shape, dtype=dtype).masked_fill(m, -math.inf) if m.dtype == torch.bool
+                else m.to(dtype))
+        total = bias if total is None else total + bias
+    return total
+
+
+class MultiheadAttention(torch.nn.Module):
+    """torch.nn.MultiheadAttention on sdpa's kernel (see the module docstring)."""
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None, rope=False,
+                 rope_base=10000.0):
+        super().__init__()
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("sdpa.torch.MultiheadAttention does not support add_bias_kv or add_zero_attn")
+        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
+            raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
+        f = {"device": device, "dtype": dtype}
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_kv_heads <= 0 or num_heads % self.num_kv_heads != 0:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({num_heads})")
+        self.head_dim = embed_dim // num_heads
+        if rope and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.rope, self.rope_base = bool(rope), float(rope_base)
+        kv = self.num_kv_heads * self.head_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim and kv == embed_dim
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = Parameter(torch.empty((3 * embed_dim, embed_dim), **f))
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = Parameter(torch.empty((embed_dim, embed_dim), **f))
+            self.k_proj_weight = Parameter(torch.empty((kv, self.kdim), **f))
+            self.v_proj_weight = Parameter(torch.empty((kv, self.vdim), **f))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = Parameter(torch.empty(embed_dim + 2 * kv, **f))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias, **f)
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        """torch.nn.MultiheadAttention's initialisation."""
+        if self._qkv_same_embed_dim:
+            torch.nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            for w in (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight):
+                torch.nn.init.xavier_uniform_(w)
+        if self.in_proj_bias is not None:
+            torch.nn.init.constant_(self.in_proj_bias, 0.0)
+            torch.nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def _projections(self):
+        """(w_q, w_k, w_v), (b_q, b_k, b_v) as F.linear takes them (views, no copies)."""
+        E, kv = self.embed_dim, self.num_kv_heads * self.head_dim
+        if self._qkv_same_embed_dim:
+            w = (self.in_proj_weight[:E], self.in_proj_weight[E:2 * E], self.in_proj_weight[2 * E:])
+        else:
+            w = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        b = self.in_proj_bias
+        biases = (None, None, None) if b is None else (b[:E], b[E:E + kv], b[E + kv:])
+        return w, biases
+
+    def _heads(self, x, w, b, heads, rope_position):
+        """x (B, N, width) projected to (B, heads, N, head_dim): a transposed view, RoPE'd if asked."""
+        B, N = x.shape[:2]
+        h = F.linear(x, w, b).view(B, N, heads, self.head_dim)
+        if rope_position is not None:
+            h = _rope(h, rope_position, self.rope_base)
+        return h.transpose(1, 2)
+
+    def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, position_q=0, position_k=0):
+        key = query if key is None else key
+        value = key if value is None else value
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = (t.unsqueeze(0) for t in (query, key, value))
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise RuntimeError(f"query, key and value must have 2 or 3 dims, got {query.dim()}, {key.dim()}, "
+                               f"{value.dim()}")
+        B, L, S = query.shape[0], query.shape[1], key.shape[1]
+        H, Hkv = self.num_heads, self.num_kv_heads
+        (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
+        rope_q, rope_k = (position_q, position_k) if self.rope else (None, None)
+        q = self._heads(query, w_q, b_q, H, rope_q)
+        k = self._heads(key, w_k, b_k, Hkv, rope_k)
+        v = self._heads(value, w_v, b_v, Hkv, None)
+        mask = _merged_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
+        causal = bool(is_causal) and attn_mask is None
+        if causal and mask is not None and mask.dtype == torch.bool:
+            mask = mask & torch.ones(L, S, dtype=torch.bool).tril()
+            causal = False
+        elif causal and mask is not None:
+            mask = mask.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
+            causal = False
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=causal, enable_gqa=Hkv != H)
+        y = self.out_proj(out.transpose(1, 2).reshape(B, L, H * self.head_dim))
+        weights = None
+        if need_weights:
+            weights = self._weights(q, k, v, mask, causal)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if unbatched:
+                weights = weights.squeeze(0)
+        if unbatched:
+            y = y.squeeze(0)
+        elif not self.batch_first:
+            y = y.transpose(0, 1)
+        return y, weights
+
+    @torch.no_grad()
+    def _weights(self, q, k, v, mask, causal):
+        """The attention weights (B, H, L, S) from sdpa's kernel (before dropout)."""
+        from . import attention
+        arrays = [_as_numpy(n, t) for n, t in (("q", q), ("k", k), ("v", v))]
+        m = None if mask is None else _as_numpy("mask", mask)
+        _, w = attention(*arrays, m, causal="top_left" if causal else False, return_weights=True)
+        return torch.from_numpy(w).to(q.dtype)
+
+    def new_cache(self, num_pages, page_size):
+        """An empty sdpa.KVCache (float32) for ``step``."""
+        from . import KVCache
+        return KVCache(num_pages, page_size, self.num_kv_heads, self.head_dim, self.head_dim, np.float32)
+
+    @torch.no_grad()
+    def step(self, x, cache, seqs):
+        """Incremental decoding (float32, no autograd): x (B, n, embed_dim) (batch first, whatever
+        batch_first says) are the next n tokens of cache sequences seqs[b]. Projects them, applies
+        RoPE at their positions (the sequences' lengths so far), appends their keys and values to
+        the cache and attends causally: y (B, n, embed_dim), equal to the causal forward's rows."""
+        if x.dtype != torch.float32:
+            raise TypeError(f"step takes float32, got {x.dtype}")
+        B, n = x.shape[:2]
+        if len(seqs) != B:
+            raise ValueError(f"seqs has {len(seqs)} sequences, x has B = {B}")
+        (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
+        q = F.linear(x, w_q, b_q).view(B, n, self.num_heads, self.head_dim)
+        k = F.linear(x, w_k, b_k).view(B, n, self.num_kv_heads, self.head_dim)
+        v = F.linear(x, w_v, b_v).view(B, n, self.num_kv_heads, self.head_dim)
+        qs = []
+        for b, s in enumerate(seqs):
+            pos = cache.length(s)
+            qb, kb = (q[b:b + 1], k[b:b + 1])
+            if self.rope:
+                qb, kb = _rope(qb, pos, self.rope_base), _rope(kb, pos, self.rope_base)
+            cache.append(s, kb[0].contiguous().numpy(), v[b].contiguous().numpy())
+            qs.append(qb)
+        qh = torch.cat(qs).transpose(1, 2).contiguous()  # (B, H, n, D)
+        out = torch.from_numpy(cache.attention(qh.numpy(), list(seqs), causal=True))
+        return self.out_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))

@@ -1,0 +1,182 @@
+"""``sdpa.MultiHeadAttention``: the multi-head attention layer on NumPy arrays, with its backward
+and incremental decoding, computed by sdpa's C++ layer (``sdpa/mha.h``: OpenBLAS products and
+the fused kernel)::
+
+    layer = sdpa.MultiHeadAttention(d_model=512, num_heads=8, num_kv_heads=2, rope=True)
+    y = layer(x, causal=True)                  # x (B, N, d_model) -> y (B, N, d_model)
+    g = layer.backward(dy)                     # gradients of the last forward: g.x_q, g.w_q, ...
+    layer.w_q -= lr * g.w_q                    # the parameters are plain arrays
+
+    cache = layer.new_cache(num_pages=64, page_size=16)
+    s = cache.new_sequence()
+    y = layer.step(x_prompt, cache, [s])       # (1, n, d_model): appends the tokens, attends causally
+    y = layer.step(x_next, cache, [s])         # one more token: equal to the full forward's last row
+
+Shapes (E = d_model, Dk = head_dim, Dv = head_dim_v)::
+
+    x_q  (B, Nq, E)        x_k (B, Nk, kdim), x_v (B, Nk, vdim): None = x_q (self-attention)
+    w_q  (E, Hq·Dk)        b_q (Hq·Dk,)       q = x_q @ w_q + b_q; column h·Dk + d is head h's d
+    w_k  (kdim, Hkv·Dk)    b_k (Hkv·Dk,)      query head h reads kv head h // (Hq // Hkv)
+    w_v  (vdim, Hkv·Dv)    b_v (Hkv·Dv,)
+    w_o  (Hq·Dv, E)        b_o (E,)           y = concat(heads) @ w_o + b_o
+    mask as sdpa.attention's, broadcasting to (B, Hq, Nq, Nk); weights (B, Hq, Nq, Nk)
+
+The weights act on the right (x @ w): a torch ``Linear``'s weight is the transpose. RoPE
+(``rope=True``) rotates q and k per head in the rotate-half form (GPT-NeoX, Llama): element d
+pairs with d + Dk/2, angle (position) · rope_base^(-2d/Dk), query row i at position_q + i, key
+row j at position_k + j. Parameters start as ``torch.nn.MultiheadAttention``'s do (Xavier-uniform
+input projections, uniform ±1/sqrt(Hq·Dv) output projection, zero biases), from ``seed``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from . import (_asarray, _core, _core_view, _empty, _parsed_dropout, _parsed_options, _prepared, _prepared_mask,
+               KVCache)
+
+__all__ = ["MultiHeadAttention", "LayerGradients"]
+
+_PARAMS = ("w_q", "w_k", "w_v", "w_o", "b_q", "b_k", "b_v", "b_o")
+
+
+class LayerGradients(NamedTuple):
+    """The gradients of one forward: of the inputs (x_k None when the forward had none: its part
+    is in x_q; x_v None likewise, its part in x_k) and of every parameter (biases None without
+    bias)."""
+    x_q: np.ndarray
+    x_k: Optional[np.ndarray]
+    x_v: Optional[np.ndarray]
+    w_q: np.ndarray
+    w_k: np.ndarray
+    w_v: np.ndarray
+    w_o: np.ndarray
+    b_q: Optional[np.ndarray]
+    b_k: Optional[np.ndarray]
+    b_v: Optional[np.ndarray]
+    b_o: Optional[np.ndarray]
+
+
+def _int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
+
+
+class MultiHeadAttention:
+    """The multi-head attention layer (see the module's docstring for shapes)."""
+
+    def __init__(self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, head_dim_v=None, kdim=None,
+                 vdim=None, bias=True, rope=False, rope_base=10000.0, dtype=np.float32, seed=0):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.float32, np.float64):
+            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        config = (_int("d_model", d_model, 1), _int("num_heads", num_heads, 1),
+                  0 if num_kv_heads is None else _int("num_kv_heads", num_kv_heads, 1),
+                  0 if head_dim is None else _int("head_dim", head_dim, 1),
+                  0 if head_dim_v is None else _int("head_dim_v", head_dim_v, 1),
+                  0 if kdim is None else _int("kdim", kdim, 1), 0 if vdim is None else _int("vdim", vdim, 1),
+                  bool(bias), bool(rope), float(rope_base))
+        self._config = _core.mha_resolved(config)  # defaults filled in and checked by the C++ layer
+        (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v, self.kdim, self.vdim,
+         self.bias, self.rope, self.rope_base) = self._config
+        E, Hq, Hkv, Dk, Dv = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v
+        rng = np.random.default_rng(seed)
+        self._rng = rng  # dropout seeds when none is given
+
+        def uniform(shape, bound):
+            return rng.uniform(-bound, bound, size=shape).astype(self.dtype)
+
+        xavier = [(E, Hq * Dk), (self.kdim, Hkv * Dk), (self.vdim, Hkv * Dv)]
+        self.w_q, self.w_k, self.w_v = (uniform(s, np.sqrt(6.0 / (s[0] + s[1]))) for s in xavier)
+        self.w_o = uniform((Hq * Dv, E), 1.0 / np.sqrt(Hq * Dv))
+        zeros = (lambda n: np.zeros(n, self.dtype)) if self.bias else (lambda n: None)
+        self.b_q, self.b_k, self.b_v, self.b_o = zeros(Hq * Dk), zeros(Hkv * Dk), zeros(Hkv * Dv), zeros(E)
+        self._last = None
+
+    def parameters(self):
+        """{name: array} of the parameters (biases only with bias)."""
+        return {n: getattr(self, n) for n in _PARAMS if getattr(self, n) is not None}
+
+    def _params(self):
+        out = []
+        for name in _PARAMS:
+            a = getattr(self, name)
+            out.append(None if a is None else _prepared(name, _asarray(name, a), self.dtype))
+        return out
+
+    def _inputs(self, x_q, x_k, x_v):
+        arrays = []
+        for name, a in (("x_q", x_q), ("x_k", x_k), ("x_v", x_v)):
+            if a is None:
+                arrays.append(None)
+                continue
+            a = _asarray(name, a)
+            if a.dtype.kind not in "biuf":
+                raise TypeError(f"{name} has dtype {a.dtype}; the layer takes real numbers")
+            if a.ndim != 3:
+                raise ValueError(f"{name} has shape {a.shape}, expected 3 dims (B, N, width)")
+            arrays.append(_prepared(name, a, self.dtype))
+        if arrays[2] is not None and arrays[1] is None:
+            raise ValueError("x_v needs x_k (cross-attention takes x_k, and x_v unless it is x_k)")
+        return arrays
+
+    def forward(self, x_q, x_k=None, x_v=None, *, mask=None, causal=False, scale=None, window=None, dropout_p=0.0,
+                seed=None, position_q=0, position_k=0, need_weights=False, backend="auto"):
+        """y (B, Nq, d_model), or (y, weights (B, Hq, Nq, Nk)) with need_weights. Options as
+        ``sdpa.attention``'s (causal False/True (bottom-right)/"top_left", window, mask, scale,
+        dropout_p with seed: drawn from the layer's generator when not given, and reused by
+        ``backward``). Remembers what ``backward`` needs."""
+        x_q, x_k, x_v = self._inputs(x_q, x_k, x_v)
+        B, Nq = x_q.shape[:2]
+        Nk = x_k.shape[1] if x_k is not None else Nq
+        causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, self.dtype)
+        if seed is None and isinstance(dropout_p, (int, float)) and dropout_p > 0:
+            seed = int(self._rng.integers(0, 2**62))
+        dropout_p, seed = _parsed_dropout(dropout_p, seed)
+        if mask is not None:
+            mask = _prepared_mask(mask, self.dtype, (B, self.num_heads, Nq, Nk))
+        y = _empty("y", (B, Nq, self.d_model), self.dtype)
+        weights = _empty("weights", (B, self.num_heads, Nq, Nk), self.dtype) if need_weights else None
+        params = self._params()
+        saved = _core.MultiHeadSaved()
+        options = (scale, causal_code, left, right, backend, dropout_p, seed)
+        _core.mha_forward(self._config, params, x_q, x_k, x_v, _core_view(mask), int(position_q), int(position_k), y,
+                          weights, saved, *options)
+        self._last = (params, x_q, x_k, x_v, mask, int(position_q), int(position_k), saved, options)
+        return (y, weights) if need_weights else y
+
+    __call__ = forward
+
+    def backward(self, dy):
+        """The gradients (``LayerGradients``) of the last forward for dy = ∂loss/∂y (B, Nq, d_model),
+        with the parameters as that forward used them."""
+        if self._last is None:
+            raise RuntimeError("backward needs a forward first")
+        params, x_q, x_k, x_v, mask, pos_q, pos_k, saved, options = self._last
+        dy = _prepared("dy", _asarray("dy", dy), self.dtype)
+        grads = [np.empty(x.shape, self.dtype) if x is not None else None for x in (x_q, x_k, x_v)]
+        grads += [None if p is None else np.empty(p.shape, self.dtype) for p in params]
+        _core.mha_backward(self._config, params, x_q, x_k, x_v, _core_view(mask), pos_q, pos_k, saved, dy,
+                           grads, *options)
+        return LayerGradients(*grads)
+
+    def new_cache(self, num_pages, page_size):
+        """An empty ``sdpa.KVCache`` for this layer's keys and values (num_pages pages of page_size tokens)."""
+        return KVCache(num_pages, page_size, self.num_kv_heads, self.head_dim, self.head_dim_v, self.dtype)
+
+    def step(self, x, cache, seqs, *, scale=None, window=None, backend="auto"):
+        """Incremental decoding: x (B, n, d_model) are the next n tokens of cache sequences seqs[b].
+        Projects them, applies RoPE at their positions (the sequences' lengths so far), appends
+        their keys and values to the cache and attends causally (each token sees the cache up to
+        itself): y (B, n, d_model), equal to the causal forward of the whole sequences' rows."""
+        x = self._inputs(x, None, None)[0]
+        seqs = [int(s) for s in (seqs if isinstance(seqs, (list, tuple, np.ndarray)) else [seqs])]
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an sdpa.KVCache, got {type(cache).__name__}")
+        _, scale, left, right = _parsed_options(False, scale, window, backend, self.dtype)
+        y = _empty("y", x.shape[:2] + (self.d_model,), self.dtype)
+        _core.mha_step(self._config, self._params(), x, cache._c, seqs, y, scale, left, right, backend)
+        return y

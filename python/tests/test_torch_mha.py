@@ -1,0 +1,184 @@
+"""sdpa.torch.MultiheadAttention against torch.nn.MultiheadAttention with the same state_dict:
+outputs, attention weights and the gradients of the inputs and of every parameter; its GQA and
+RoPE options against sdpa.MultiHeadAttention (the C++ layer); dropout's keep decisions shared
+by forward and backward; step() against the causal forward. Without torch the module is
+skipped, except under CI (as test_torch.py)."""
+
+import os
+
+import numpy as np
+import pytest
+
+try:
+    import torch
+except ImportError as e:
+    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+        raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
+    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+
+import sdpa  # noqa: E402
+from sdpa.torch import MultiheadAttention  # noqa: E402
+
+
+def run(module, inputs, kwargs, dtype):
+    """Output, weights and every gradient (inputs, then parameters by name) of one call."""
+    xs = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
+    y, w = module(*xs, **kwargs)
+    torch.manual_seed(7)
+    dy = torch.randn(y.shape, dtype=torch.float64).to(dtype)
+    module.zero_grad()
+    y.backward(dy)
+    results = {"y": y, "weights": w}
+    for i, x in enumerate(xs):
+        if x.grad is not None:
+            results[f"d_input{i}"] = x.grad
+    for name, p in module.named_parameters():
+        results[f"d_{name}"] = p.grad
+    return {k: v.detach().double() for k, v in results.items() if v is not None}
+
+
+def mask_kwargs(kind, B, H, L, S, gen):
+    if kind == "key_padding":
+        kpm = torch.zeros(B, S, dtype=torch.bool)
+        kpm[0, -2:] = True
+        return dict(key_padding_mask=kpm)
+    if kind == "bool_attn":
+        m = torch.rand(L, S, generator=gen) < 0.3
+        m[:, 0] = False  # every row keeps a key (torch gives NaN for a row with none)
+        return dict(attn_mask=m)
+    if kind == "float_attn_and_padding":
+        am = torch.randn(B * H, L, S, generator=gen)
+        kpm = torch.zeros(B, S)
+        kpm[1, -1] = -float("inf")
+        return dict(attn_mask=am, key_padding_mask=kpm)
+    if kind == "causal":
+        return dict(attn_mask=torch.ones(L, S, dtype=torch.bool).triu(1), is_causal=True)
+    return {}
+
+
+CASES = [
+    # (name, embed_dim, heads, kdim, vdim, bias, batch_first, L, S, masks, need_weights, average)
+    ("self", 32, 4, None, None, True, False, 6, 6, None, True, True),
+    ("self_batch_first_per_head", 32, 4, None, None, True, True, 7, 7, "bool_attn", True, False),
+    ("cross_kdim_vdim", 24, 3, 12, 10, True, True, 5, 9, "key_padding", True, True),
+    ("no_bias_float_masks", 16, 2, None, None, False, False, 4, 8, "float_attn_and_padding", False, True),
+    ("causal_mask_hint", 32, 8, None, None, True, True, 9, 9, "causal", False, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_torch_module(case):
+    _, E, H, kdim, vdim, bias, batch_first, L, S, masks, need_weights, average = case
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    ours = MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    ours.load_state_dict(ref.state_dict())  # unchanged
+    gen = torch.Generator().manual_seed(1)
+    B = 2
+    shape = (lambda n, d: (B, n, d)) if batch_first else (lambda n, d: (n, B, d))
+    q = torch.randn(shape(L, E), generator=gen)
+    if kdim is None:
+        kv = q if L == S else torch.randn(shape(S, E), generator=gen)
+        inputs = [q, kv, kv]
+    else:
+        inputs = [q, torch.randn(shape(S, kdim), generator=gen), torch.randn(shape(S, vdim), generator=gen)]
+    kwargs = dict(need_weights=need_weights, average_attn_weights=average, **mask_kwargs(masks, B, H, L, S, gen))
+    got = run(ours, inputs, kwargs, torch.float32)
+    want32 = run(ref, inputs, kwargs, torch.float32)
+    ref64 = ref.double()
+    want = run(ref64, inputs, {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v)
+                               for k, v in kwargs.items()}, torch.float64)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for name in want:
+        # torch's float32 module's error against its float64 self, times 4 (tests/mha_test.cc's
+        # factor), plus one float32 rounding of the largest value.
+        tol = 4 * (want32[name] - want[name]).abs().max().item() + 1.2e-7 * want[name].abs().max().item()
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= tol, (name, err, tol)
+
+
+def test_gqa_and_rope_match_the_cpp_layer():
+    torch.manual_seed(0)
+    E, H, Hkv = 32, 8, 2
+    mod = MultiheadAttention(E, H, num_kv_heads=Hkv, rope=True, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        mod.in_proj_bias.normal_()
+    layer = sdpa.MultiHeadAttention(E, H, num_kv_heads=Hkv, rope=True, dtype=np.float64)
+    D = E // H
+    b = mod.in_proj_bias.detach().numpy()
+    layer.w_q, layer.w_k, layer.w_v = (w.detach().numpy().T.copy() for w in
+                                       (mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight))
+    layer.b_q, layer.b_k, layer.b_v = b[:E].copy(), b[E:E + Hkv * D].copy(), b[E + Hkv * D:].copy()
+    layer.w_o = mod.out_proj.weight.detach().numpy().T.copy()
+    layer.b_o = mod.out_proj.bias.detach().numpy().copy()
+    x = torch.randn(2, 11, E, dtype=torch.float64, requires_grad=True)
+    y, _ = mod(x, x, x, need_weights=False, is_causal=True, position_q=5, position_k=5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    y2 = layer(x.detach().numpy(), causal=True, position_q=5, position_k=5)
+    g = layer.backward(dy.numpy())
+    tol = 1e3 * np.finfo(np.float64).eps  # two float64 evaluations of the same sums, values O(1)
+    np.testing.assert_allclose(y.detach().numpy(), y2, rtol=0, atol=tol * (1 + np.abs(y2).max()))
+    np.testing.assert_allclose(x.grad.numpy(), g.x_q, rtol=0, atol=tol * (1 + np.abs(g.x_q).max()))
+    np.testing.assert_allclose(mod.q_proj_weight.grad.numpy().T, g.w_q, rtol=0, atol=tol * (1 + np.abs(g.w_q).max()))
+    np.testing.assert_allclose(mod.in_proj_bias.grad.numpy(), np.concatenate([g.b_q, g.b_k, g.b_v]), rtol=0,
+                               atol=tol * 10)
+
+
+def test_dropout_gradient_is_the_forwards():
+    """With torch's generator reseeded, the module is a deterministic function of its inputs;
+    autograd's gradient must match its finite differences, which holds only if the backward
+    drops what the forward dropped."""
+    torch.manual_seed(0)
+    mod = MultiheadAttention(16, 2, dropout=0.3, batch_first=True, dtype=torch.float64)
+    x = torch.randn(1, 5, 16, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(1, 5, 16, dtype=torch.float64)
+
+    def loss(inp):
+        torch.manual_seed(42)
+        return (mod(inp, inp, inp, need_weights=False)[0] * dy).sum()
+
+    loss(x).backward()
+    with torch.no_grad():
+        nodrop = (mod.eval()(x, x, x, need_weights=False)[0] * dy).sum()
+        mod.train()
+        assert not torch.isclose(nodrop, loss(x)), "dropout changed nothing"
+    h = 1e-6
+    for i in [(0, 0, 0), (0, 3, 7), (0, 4, 15)]:
+        xp, xm = x.detach().clone(), x.detach().clone()
+        xp[i] += h
+        xm[i] -= h
+        fd = (loss(xp) - loss(xm)).item() / (2 * h)
+        assert abs(x.grad[i].item() - fd) < 1e-6, (i, x.grad[i].item(), fd)
+
+
+def test_step_matches_causal_forward():
+    torch.manual_seed(0)
+    mod = MultiheadAttention(32, 4, num_kv_heads=2, rope=True, batch_first=True).eval()
+    x = torch.randn(2, 9, 32)
+    with torch.no_grad():
+        full, _ = mod(x, x, x, need_weights=False, is_causal=True)
+    cache = mod.new_cache(num_pages=8, page_size=4)
+    seqs = [cache.new_sequence(), cache.new_sequence()]
+    got = torch.cat([mod.step(x[:, a:b], cache, seqs) for a, b in ((0, 1), (1, 5), (5, 9))], dim=1)
+    # Two float32 evaluations (dense and paged kernels, different GEMM shapes): a few float32
+    # roundings of values O(1) summed over 32 terms.
+    assert (got - full).abs().max().item() < 64 * 1.2e-7 * (1 + full.abs().max().item())
+
+
+def test_unbatched_and_errors():
+    torch.manual_seed(0)
+    mod = MultiheadAttention(16, 4)
+    ref = torch.nn.MultiheadAttention(16, 4)
+    ref.load_state_dict(mod.state_dict())
+    x = torch.randn(5, 16)
+    y, w = mod(x, x, x)
+    y2, w2 = ref(x, x, x)
+    assert y.shape == y2.shape and w.shape == w2.shape == (5, 5)
+    assert (y - y2).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        MultiheadAttention(16, 4, add_bias_kv=True)
+    with pytest.raises(ValueError, match="num_kv_heads \\(3\\) must divide num_heads \\(4\\)"):
+        MultiheadAttention(16, 4, num_kv_heads=3)
+    with pytest.raises(RuntimeError, match="key_padding_mask has shape"):
+        mod(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
