@@ -85,7 +85,8 @@ struct MultiHeadOutputs {
 struct MultiHeadSaved {
   DType dtype = DType::kFloat32;
   int64_t batch = 0, nq = 0, nk = 0;
-  std::vector<std::byte> q, k, v, heads, lse;  // (B,Nq,Hq,Dk) (B,Nk,Hkv,Dk) (B,Nk,Hkv,Dv) (B,Nq,Hq·Dv) (B,Hq,Nq)
+  // q, k, v head-major (B, H, N, D); heads (B·Nq rows of Hq·Dv, at a padded row stride); lse (B, Hq, Nq)
+  std::vector<std::byte> q, k, v, heads, lse;
 };
 
 // Gradients: dx_q always; dx_k, dx_v when the forward had x_k, x_v (absent: their parts are

@@ -103,24 +103,49 @@ int as_int(int64_t x) {
 // (docs/PERFORMANCE.md).
 constexpr int64_t kTile = 256;
 
+// Runs fn(t) for t in [0, tiles) on up to sdpa::num_threads() threads.
+template <typename Fn>
+void for_tiles(int64_t tiles, Fn fn) {
+  const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tiles));
+#pragma omp parallel for num_threads(threads) schedule(dynamic)
+  for (int64_t t = 0; t < tiles; ++t) fn(t);
+}
+
 template <typename T, typename Fn>
 void tiled(Fn fn, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
            T beta, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   const int at = ta ? kTrans : kNoTrans, bt = tb ? kTrans : kNoTrans;
-  const int64_t tm = (M + kTile - 1) / kTile, tn = (N + kTile - 1) / kTile, tiles = tm * tn;
+  const int64_t tn = (N + kTile - 1) / kTile;
   const int ia = as_int(lda), ib = as_int(ldb), ic = as_int(ldc), ik = as_int(K);
   (void)as_int(M);
   (void)as_int(N);
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads(), tiles));
-#pragma omp parallel for num_threads(threads) schedule(dynamic)
-  for (int64_t t = 0; t < tiles; ++t) {
+  for_tiles((M + kTile - 1) / kTile * tn, [&](int64_t t) {
     const int64_t i0 = t / tn * kTile, j0 = t % tn * kTile;
     const int m = static_cast<int>(std::min(kTile, M - i0)), n = static_cast<int>(std::min(kTile, N - j0));
     const T* a = ta ? A + i0 : A + i0 * lda;  // A is K × M when transposed: the tile's columns
     const T* b = tb ? B + j0 * ldb : B + j0;
     fn(kRowMajor, at, bt, m, n, ik, T(1), a, ia, b, ib, beta, C + i0 * ldc + j0, ic);
-  }
+  });
+}
+
+// The product in head-major tiles: rows of one batch entry (at most kTile) times one head's D
+// columns, written to that head's contiguous (N, D) block.
+template <typename T, typename Fn>
+void tiled_heads(Fn fn, bool ta, bool tb, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K, const T* A,
+                 int64_t lda, const T* B, int64_t ldb, T* C) {
+  if (batches == 0 || N == 0 || H == 0 || D == 0) return;
+  const int at = ta ? kTrans : kNoTrans, bt = tb ? kTrans : kNoTrans;
+  const int64_t tm = (N + kTile - 1) / kTile;
+  const int ia = as_int(lda), ib = as_int(ldb), ik = as_int(K), id = as_int(D);
+  (void)as_int(batches * N);
+  for_tiles(batches * tm * H, [&](int64_t t) {
+    const int64_t h = t % H, i0 = t / H % tm * kTile, b = t / H / tm, r0 = b * N + i0;
+    const int m = static_cast<int>(std::min(kTile, N - i0));
+    const T* a = ta ? A + r0 : A + r0 * lda;
+    const T* bp = tb ? B + h * D * ldb : B + h * D;
+    fn(kRowMajor, at, bt, m, id, ik, T(1), a, ia, bp, ib, T(0), C + ((b * H + h) * N + i0) * D, id);
+  });
 }
 
 }  // namespace
@@ -133,6 +158,16 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
           int64_t ldb, double beta, double* C, int64_t ldc) {
   tiled<double>(blas().dgemm, trans_a, trans_b, M, N, K, A, lda, B, ldb, beta, C, ldc);
+}
+
+void gemm_heads(bool trans_a, bool trans_b, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K,
+                const float* A, int64_t lda, const float* B, int64_t ldb, float* C) {
+  tiled_heads<float>(blas().sgemm, trans_a, trans_b, batches, N, H, D, K, A, lda, B, ldb, C);
+}
+
+void gemm_heads(bool trans_a, bool trans_b, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K,
+                const double* A, int64_t lda, const double* B, int64_t ldb, double* C) {
+  tiled_heads<double>(blas().dgemm, trans_a, trans_b, batches, N, H, D, K, A, lda, B, ldb, C);
 }
 
 std::string blas_description() { return blas().description; }

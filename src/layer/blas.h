@@ -24,6 +24,14 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const flo
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B,
           int64_t ldb, double beta, double* C, int64_t ldc);
 
+// The same product with C's columns split into H heads of D, stored head-major: C's row
+// b·N + i, column h·D + d at C[((b·H + h)·N + i)·D + d] (the (B, H, N, D) layout the kernel
+// reads fastest: docs/PERFORMANCE.md). beta = 0.
+void gemm_heads(bool trans_a, bool trans_b, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K,
+                const float* A, int64_t lda, const float* B, int64_t ldb, float* C);
+void gemm_heads(bool trans_a, bool trans_b, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K,
+                const double* A, int64_t lda, const double* B, int64_t ldb, double* C);
+
 // "OpenBLAS 0.3.21 ... (core SkylakeX)", for benchmarks and error messages; loads the library.
 std::string blas_description();
 

@@ -113,6 +113,25 @@ void matmul(bool blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, const 
     }
 }
 
+// The same as matmul with C (batches·N rows, H·D columns) stored head-major (gemm_heads).
+template <typename T>
+void matmul_heads(bool blas, bool ta, bool tb, int64_t batches, int64_t N, int64_t H, int64_t D, int64_t K, const T* A,
+                  int64_t lda, const T* B, int64_t ldb, T* C) {
+  if (blas && K > 0) {
+    gemm_heads(ta, tb, batches, N, H, D, K, A, lda, B, ldb, C);
+    return;
+  }
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t r = b * N + i, c = h * D + d;
+          T s = 0;
+          for (int64_t k = 0; k < K; ++k) s += (ta ? A[k * lda + r] : A[r * lda + k]) * (tb ? B[c * ldb + k] : B[k * ldb + c]);
+          C[((b * H + h) * N + i) * D + d] = s;
+        }
+}
+
 // Adds bias (a view of W elements) to every row of the R × W matrix C.
 template <typename T>
 void add_bias(const TensorView& bias, int64_t R, int64_t W, T* C, int64_t ldc) {

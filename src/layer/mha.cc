@@ -95,11 +95,27 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
   return d;
 }
 
-// A view of a (B, N, H, D) buffer as attention's (B, H, N, D).
-TensorView heads_view(void* data, DType dt, int64_t B, int64_t N, int64_t H, int64_t D) {
+// Activations of H heads of D per token live in one of two layouts:
+//   head-major   (B, H, N, D) contiguous: what the kernel reads fastest (q, k, v, and dout in
+//                the backward), written by gemm_heads;
+//   token-major  (B, N, H·D) rows at a row stride ld: what the GEMMs read (the heads' output,
+//                dq, dk, dv), written by the kernel through strides. ld is padded by a cache
+//                line when H·D is a multiple of 8 lines, so that rows do not map to the same
+//                few L1 sets (rows 2 KiB apart did: the kernel read them ~15 % slower than
+//                contiguous ones; docs/PERFORMANCE.md).
+template <typename T>
+int64_t row_stride(int64_t width) {
+  const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+  return width % (8 * line) == 0 ? width + line : width;
+}
+TensorView head_major_view(void* data, DType dt, int64_t B, int64_t N, int64_t H, int64_t D) {
+  return TensorView::contiguous(data, dt, {B, H, N, D});
+}
+TensorView token_major_view(void* data, DType dt, int64_t B, int64_t N, int64_t H, int64_t D, int64_t ld) {
   TensorView t = TensorView::contiguous(data, dt, {B, H, N, D});
+  t.strides[0] = N * ld;
   t.strides[1] = D;
-  t.strides[2] = H * D;
+  t.strides[2] = ld;
   return t;
 }
 
@@ -159,6 +175,19 @@ void project(bool blas, const InRows<T>& x, int64_t R, int64_t Win, const Tensor
   if (b) internal::add_bias<T>(*b, R, Wout, out, ldo);
 }
 
+// out = x W + b for one projection written head-major: x (B·N rows of width Win), W (Win × H·D).
+template <typename T>
+void project_heads(bool blas, const InRows<T>& x, int64_t B, int64_t N, int64_t Win, const TensorView& w,
+                   const std::optional<TensorView>& b, int64_t H, int64_t D, T* out) {
+  const InRows<T> W = internal::in_rows<T>(w);
+  internal::matmul_heads<T>(blas, false, false, B, N, H, D, Win, x.data, x.ld, W.data, W.ld, out);
+  if (!b) return;
+  const InRows<T> bias = internal::in_rows<T>(*b);
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t i = 0; i < N; ++i)
+      for (int64_t e = 0; e < D; ++e) out[(bh * N + i) * D + e] += bias.data[bh % H * D + e];
+}
+
 // The four projections' sizes and the rows they read, shared by forward and backward.
 template <typename T>
 struct LayerInputs {
@@ -169,18 +198,29 @@ struct LayerInputs {
         xv(in.x_v ? internal::in_rows<T>(*in.x_v) : InRows<T>{xk.data, xk.ld, {}}) {}
 };
 
+// RoPE on q and k (sign -1: its inverse, for the gradients): head-major q and k in the forward,
+// token-major dq and dk (row strides ldq, ldk) in the backward.
 template <typename T>
-void apply_rope(const MultiHeadConfig& c, const Dims& d, const MultiHeadInputs& in, T* q, T* k, int sign) {
+void apply_rope(const MultiHeadConfig& c, const Dims& d, const MultiHeadInputs& in, T* q, T* k, int sign,
+                bool head_major, int64_t ldq = 0, int64_t ldk = 0) {
   if (!c.rope) return;
   for (int64_t b = 0; b < d.B; ++b) {
-    internal::rope<T>(q + b * d.Nq * d.Hq * d.Dk, d.Hq * d.Dk, d.Nq, d.Hq, d.Dk, in.position_q, c.rope_base, sign);
-    internal::rope<T>(k + b * d.Nk * d.Hkv * d.Dk, d.Hkv * d.Dk, d.Nk, d.Hkv, d.Dk, in.position_k, c.rope_base, sign);
+    if (head_major) {
+      for (int64_t h = 0; h < d.Hq; ++h)
+        internal::rope<T>(q + (b * d.Hq + h) * d.Nq * d.Dk, d.Dk, d.Nq, 1, d.Dk, in.position_q, c.rope_base, sign);
+      for (int64_t h = 0; h < d.Hkv; ++h)
+        internal::rope<T>(k + (b * d.Hkv + h) * d.Nk * d.Dk, d.Dk, d.Nk, 1, d.Dk, in.position_k, c.rope_base, sign);
+    } else {
+      internal::rope<T>(q + b * d.Nq * ldq, ldq, d.Nq, d.Hq, d.Dk, in.position_q, c.rope_base, sign);
+      internal::rope<T>(k + b * d.Nk * ldk, ldk, d.Nk, d.Hkv, d.Dk, in.position_k, c.rope_base, sign);
+    }
   }
 }
 
+// The kernel's inputs: head-major q, k, v.
 Inputs attention_inputs(const Dims& d, DType dt, void* q, void* k, void* v, const MultiHeadInputs& in) {
-  return Inputs{heads_view(q, dt, d.B, d.Nq, d.Hq, d.Dk), heads_view(k, dt, d.B, d.Nk, d.Hkv, d.Dk),
-                heads_view(v, dt, d.B, d.Nk, d.Hkv, d.Dv), in.mask, in.seqlens_k};
+  return Inputs{head_major_view(q, dt, d.B, d.Nq, d.Hq, d.Dk), head_major_view(k, dt, d.B, d.Nk, d.Hkv, d.Dk),
+                head_major_view(v, dt, d.B, d.Nk, d.Hkv, d.Dv), in.mask, in.seqlens_k};
 }
 
 template <typename T>
@@ -199,12 +239,13 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
   Options ao_options = options;
   ao_options.backend = m.attention;
   validate(ai, ao_options);  // the mask and options, before anything is computed
-  project<T>(m.blas, x.xq, d.B * d.Nq, d.E, w.w_q, w.b_q, d.Hq * d.Dk, q.data(), d.Hq * d.Dk);
-  project<T>(m.blas, x.xk, d.B * d.Nk, d.kdim, w.w_k, w.b_k, d.Hkv * d.Dk, k.data(), d.Hkv * d.Dk);
-  project<T>(m.blas, x.xv, d.B * d.Nk, d.vdim, w.w_v, w.b_v, d.Hkv * d.Dv, v.data(), d.Hkv * d.Dv);
-  apply_rope<T>(c, d, in, q.data(), k.data(), 1);
+  project_heads<T>(m.blas, x.xq, d.B, d.Nq, d.E, w.w_q, w.b_q, d.Hq, d.Dk, q.data());
+  project_heads<T>(m.blas, x.xk, d.B, d.Nk, d.kdim, w.w_k, w.b_k, d.Hkv, d.Dk, k.data());
+  project_heads<T>(m.blas, x.xv, d.B, d.Nk, d.vdim, w.w_v, w.b_v, d.Hkv, d.Dv, v.data());
+  apply_rope<T>(c, d, in, q.data(), k.data(), 1, true);
 
-  Buf<T> heads(d.B * d.Nq * d.Hq * d.Dv), lse(saved ? d.B * d.Hq * d.Nq : 0);
+  const int64_t ldo = row_stride<T>(d.Hq * d.Dv);
+  Buf<T> heads(d.B * d.Nq * ldo), lse(saved ? d.B * d.Hq * d.Nq : 0);
   const bool widen = !std::is_same_v<T, float> && in.x_q.dtype == DType::kFloat32;
   Shadow weights(out.weights, widen);
   Shadow stats[8] = {{out.stats.allowed, false},           {out.stats.entropy, widen},
@@ -212,7 +253,7 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
                      {out.stats.argmax, false},             {out.stats.topk_weights, widen},
                      {out.stats.topk_indices, false},       {out.stats.pooled_weights, widen}};
   Outputs ao;
-  ao.out = heads_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv);
+  ao.out = token_major_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv, ldo);
   if (saved) ao.lse = TensorView::contiguous(lse.data(), dt, {d.B, d.Hq, d.Nq});
   ao.weights = weights.view;
   ao.stats = {stats[0].view, stats[1].view, stats[2].view, stats[3].view,
@@ -220,7 +261,7 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
   attention(ai, ao, ao_options);
 
   OutRows<T> y(out.y);
-  project<T>(m.blas, InRows<T>{heads.data(), d.Hq * d.Dv, {}}, d.B * d.Nq, d.Hq * d.Dv, w.w_o, w.b_o, d.E, y.data, y.ld);
+  project<T>(m.blas, InRows<T>{heads.data(), ldo, {}}, d.B * d.Nq, d.Hq * d.Dv, w.w_o, w.b_o, d.E, y.data, y.ld);
   y.finish();
   weights.finish();
   for (Shadow& s : stats) s.finish();
@@ -230,21 +271,21 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
   }
 }
 
-// The gradients of one projection out = x W + b, given dout (R × Wout): dW = xᵀ dout, db = its
-// column sums, and dx (+)= dout Wᵀ into `dx` when given.
+// The gradients of one projection out = x W + b, given dout (R × Wout, row stride ld): dW =
+// xᵀ dout, db = its column sums, and dx (+)= dout Wᵀ into `dx` when given.
 template <typename T>
 void project_backward(bool blas, const InRows<T>& x, int64_t R, int64_t Win, const TensorView& w, const T* dout,
-                      int64_t Wout, const std::optional<TensorView>& dw, const std::optional<TensorView>& db,
-                      OutRows<T>* dx, bool accumulate) {
+                      int64_t Wout, int64_t ld, const std::optional<TensorView>& dw,
+                      const std::optional<TensorView>& db, OutRows<T>* dx, bool accumulate) {
   if (dw) {
     OutRows<T> g(*dw);
-    internal::matmul<T>(blas, true, false, Win, Wout, R, x.data, x.ld, dout, Wout, T(0), g.data, g.ld);
+    internal::matmul<T>(blas, true, false, Win, Wout, R, x.data, x.ld, dout, ld, T(0), g.data, g.ld);
     g.finish();
   }
-  if (db) internal::column_sums<T>(dout, Wout, R, Wout, *db);
+  if (db) internal::column_sums<T>(dout, ld, R, Wout, *db);
   if (dx) {
     const InRows<T> W = internal::in_rows<T>(w);
-    internal::matmul<T>(blas, false, true, R, Win, Wout, dout, Wout, W.data, W.ld, accumulate ? T(1) : T(0), dx->data,
+    internal::matmul<T>(blas, false, true, R, Win, Wout, dout, ld, W.data, W.ld, accumulate ? T(1) : T(0), dx->data,
                         dx->ld);
   }
 }
@@ -268,6 +309,7 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   const DType dt = internal::dtype_of<T>(), layer = in.x_q.dtype;
   if (saved.dtype != dt || saved.batch != d.B || saved.nq != d.Nq || saved.nk != d.Nk ||
       saved.q.size() != static_cast<size_t>(d.B * d.Nq * d.Hq * d.Dk) * sizeof(T) ||
+      saved.heads.size() != static_cast<size_t>(d.B * d.Nq * row_stride<T>(d.Hq * d.Dv)) * sizeof(T) ||
       saved.lse.size() != static_cast<size_t>(d.B * d.Hq * d.Nq) * sizeof(T)) {
     throw Error(std::string(fn) + ": saved is not from a forward of these inputs with this backend (B " +
                 num(saved.batch) + ", Nq " + num(saved.nq) + ", Nk " + num(saved.nk) + ", " + dtype_name(saved.dtype) +
@@ -296,31 +338,31 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   const InRows<T> dY = internal::in_rows<T>(dy);
   const int64_t Rq = d.B * d.Nq, Rk = d.B * d.Nk;
 
-  // Output projection: dW_O = headsᵀ dY, db_O, dheads = dY W_Oᵀ.
+  // Output projection: dW_O = headsᵀ dY, db_O, and dheads = dY W_Oᵀ (head-major: the kernel's dout).
   T* heads = as<T>(saved.heads);
-  std::vector<T> dY_dense;  // project_backward takes dout with row stride Wout
-  const T* dy_rows = dY.data;
-  if (dY.ld != d.E) {
-    dY_dense.resize(static_cast<size_t>(Rq * d.E));
-    for (int64_t r = 0; r < Rq; ++r) std::memcpy(&dY_dense[r * d.E], dY.data + r * dY.ld, d.E * sizeof(T));
-    dy_rows = dY_dense.data();
-  }
+  const int64_t ldo = row_stride<T>(d.Hq * d.Dv);
   Buf<T> dheads(Rq * d.Hq * d.Dv);
-  OutRows<T> dheads_rows(TensorView::contiguous(dheads.data(), dt, {Rq, d.Hq * d.Dv}));
-  project_backward<T>(m.blas, InRows<T>{heads, d.Hq * d.Dv, {}}, Rq, d.Hq * d.Dv, w.w_o, dy_rows, d.E, g.dw_o,
-                      g.db_o, &dheads_rows, false);
+  project_backward<T>(m.blas, InRows<T>{heads, ldo, {}}, Rq, d.Hq * d.Dv, w.w_o, dY.data, d.E, dY.ld, g.dw_o, g.db_o,
+                      nullptr, false);
+  {
+    const InRows<T> W = internal::in_rows<T>(w.w_o);
+    internal::matmul_heads<T>(m.blas, false, true, d.B, d.Nq, d.Hq, d.Dv, d.E, dY.data, dY.ld, W.data, W.ld,
+                              dheads.data());
+  }
 
-  // Attention.
-  Buf<T> dq(Rq * d.Hq * d.Dk), dk(Rk * d.Hkv * d.Dk), dv(Rk * d.Hkv * d.Dv);
+  // Attention: dq, dk, dv token-major, as the projections' GEMMs read them.
+  const int64_t ldq = row_stride<T>(d.Hq * d.Dk), ldk = row_stride<T>(d.Hkv * d.Dk), ldv = row_stride<T>(d.Hkv * d.Dv);
+  Buf<T> dq(Rq * ldq), dk(Rk * ldk), dv(Rk * ldv);
   const Inputs ai = attention_inputs(d, dt, as<T>(saved.q), as<T>(saved.k), as<T>(saved.v), in);
   Options ao_options = options;
   ao_options.backend = m.attention;
-  Gradients ag{heads_view(dq.data(), dt, d.B, d.Nq, d.Hq, d.Dk), heads_view(dk.data(), dt, d.B, d.Nk, d.Hkv, d.Dk),
-               heads_view(dv.data(), dt, d.B, d.Nk, d.Hkv, d.Dv)};
-  attention_backward(ai, heads_view(heads, dt, d.B, d.Nq, d.Hq, d.Dv),
+  Gradients ag{token_major_view(dq.data(), dt, d.B, d.Nq, d.Hq, d.Dk, ldq),
+               token_major_view(dk.data(), dt, d.B, d.Nk, d.Hkv, d.Dk, ldk),
+               token_major_view(dv.data(), dt, d.B, d.Nk, d.Hkv, d.Dv, ldv)};
+  attention_backward(ai, token_major_view(heads, dt, d.B, d.Nq, d.Hq, d.Dv, ldo),
                      TensorView::contiguous(as<T>(saved.lse), dt, {d.B, d.Hq, d.Nq}),
-                     heads_view(dheads.data(), dt, d.B, d.Nq, d.Hq, d.Dv), ag, ao_options);
-  apply_rope<T>(c, d, in, dq.data(), dk.data(), -1);
+                     head_major_view(dheads.data(), dt, d.B, d.Nq, d.Hq, d.Dv), ag, ao_options);
+  apply_rope<T>(c, d, in, dq.data(), dk.data(), -1, false, ldq, ldk);
 
   // Input projections; a shared input gathers its three parts in order q, k, v.
   OutRows<T> dxq(g.dx_q);
@@ -330,9 +372,9 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   OutRows<T>* to_k = in.x_k ? (dxk ? &*dxk : nullptr) : &dxq;
   OutRows<T>* to_v = in.x_v ? (dxv ? &*dxv : nullptr) : to_k;
   const bool k_adds = !in.x_k, v_adds = !in.x_v;
-  project_backward<T>(m.blas, x.xq, Rq, d.E, w.w_q, dq.data(), d.Hq * d.Dk, g.dw_q, g.db_q, &dxq, false);
-  project_backward<T>(m.blas, x.xk, Rk, d.kdim, w.w_k, dk.data(), d.Hkv * d.Dk, g.dw_k, g.db_k, to_k, k_adds);
-  project_backward<T>(m.blas, x.xv, Rk, d.vdim, w.w_v, dv.data(), d.Hkv * d.Dv, g.dw_v, g.db_v, to_v, v_adds);
+  project_backward<T>(m.blas, x.xq, Rq, d.E, w.w_q, dq.data(), d.Hq * d.Dk, ldq, g.dw_q, g.db_q, &dxq, false);
+  project_backward<T>(m.blas, x.xk, Rk, d.kdim, w.w_k, dk.data(), d.Hkv * d.Dk, ldk, g.dw_k, g.db_k, to_k, k_adds);
+  project_backward<T>(m.blas, x.xv, Rk, d.vdim, w.w_v, dv.data(), d.Hkv * d.Dv, ldv, g.dw_v, g.db_v, to_v, v_adds);
   dxq.finish();
   if (dxk) dxk->finish();
   if (dxv) dxv->finish();
@@ -389,10 +431,10 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   }
   std::vector<T> heads(R * d.Hq * d.Dv);
   Outputs ao;
-  ao.out = heads_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv);
+  ao.out = token_major_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv, d.Hq * d.Dv);
   Options o = options;
   o.causal = Causal::kBottomRight;
-  cache.attention(heads_view(q.data(), dt, d.B, d.Nq, d.Hq, d.Dk), seqs, ao, o);
+  cache.attention(token_major_view(q.data(), dt, d.B, d.Nq, d.Hq, d.Dk, d.Hq * d.Dk), seqs, ao, o);
   OutRows<T> yr(y);
   project<T>(true, InRows<T>{heads.data(), d.Hq * d.Dv, {}}, R, d.Hq * d.Dv, w.w_o, w.b_o, d.E, yr.data, yr.ld);
   yr.finish();
