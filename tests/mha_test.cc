@@ -498,6 +498,23 @@ TEST(Layer, Errors) {
       {"saved", "float32", "float64"});
   EXPECT_TRUE(dx.untouched());
 
+  // A forward whose scores overflowed (lse = +inf) has no gradient: Error, and no gradient written.
+  Layer big = make_layer(kCases[0], kF32, Layout::kContiguous, 62);
+  for (int64_t i = 0; i < big.xq.numel(); ++i) big.xq.set(i, 1e20);
+  for (GuardedTensor* t : {&big.w[0], &big.w[1], &big.w[4], &big.w[5]})  // q, k > 0: every score +inf
+    for (int64_t i = 0; i < t->numel(); ++i) t->set(i, std::abs(t->get(i)));
+  GuardedTensor ybig(kF32, big.xq.shape()), dxb(kF32, big.xq.shape()), dwo(kF32, big.w[3].shape()),
+      dbo(kF32, big.w[7].shape());
+  sdpa::multi_head_attention(big.cfg, big.weights(), big.inputs(), {ybig.view()}, {}, &saved);
+  sdpa::MultiHeadGradients gb{dxb.view()};
+  gb.dw_o = dwo.view();
+  gb.db_o = dbo.view();
+  expect_sdpa_error([&] { sdpa::multi_head_attention_backward(big.cfg, big.weights(), big.inputs(), saved, ybig.view(), gb); },
+                    {"lse"});
+  EXPECT_TRUE(dxb.untouched());
+  EXPECT_TRUE(dwo.untouched());
+  EXPECT_TRUE(dbo.untouched());
+
   // step: duplicate sequences, a full cache, a cache of other heads; nothing appended.
   sdpa::MultiHeadConfig sc;
   sc.d_model = 16, sc.num_heads = 2, sc.rope = true;

@@ -338,12 +338,11 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   const InRows<T> dY = internal::in_rows<T>(dy);
   const int64_t Rq = d.B * d.Nq, Rk = d.B * d.Nk;
 
-  // Output projection: dW_O = headsᵀ dY, db_O, and dheads = dY W_Oᵀ (head-major: the kernel's dout).
+  // Output projection: dheads = dY W_Oᵀ (head-major: the kernel's dout); dW_O and db_O are
+  // written after the attention's backward, which may still throw (lse = +inf).
   T* heads = as<T>(saved.heads);
   const int64_t ldo = row_stride<T>(d.Hq * d.Dv);
   Buf<T> dheads(Rq * d.Hq * d.Dv);
-  project_backward<T>(m.blas, InRows<T>{heads, ldo, {}}, Rq, d.Hq * d.Dv, w.w_o, dY.data, d.E, dY.ld, g.dw_o, g.db_o,
-                      nullptr, false);
   {
     const InRows<T> W = internal::in_rows<T>(w.w_o);
     internal::matmul_heads<T>(m.blas, false, true, d.B, d.Nq, d.Hq, d.Dv, d.E, dY.data, dY.ld, W.data, W.ld,
@@ -363,6 +362,8 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
                      TensorView::contiguous(as<T>(saved.lse), dt, {d.B, d.Hq, d.Nq}),
                      head_major_view(dheads.data(), dt, d.B, d.Nq, d.Hq, d.Dv), ag, ao_options);
   apply_rope<T>(c, d, in, dq.data(), dk.data(), -1, false, ldq, ldk);
+  project_backward<T>(m.blas, InRows<T>{heads, ldo, {}}, Rq, d.Hq * d.Dv, w.w_o, dY.data, d.E, dY.ld, g.dw_o, g.db_o,
+                      nullptr, false);
 
   // Input projections; a shared input gathers its three parts in order q, k, v.
   OutRows<T> dxq(g.dx_q);
