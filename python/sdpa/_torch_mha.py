@@ -185,7 +185,10 @@ class MultiheadAttention(torch.nn.Module):
         (contiguous): one copy, which the kernel repays by reading it ~15 % faster than the
         transposed view, whose rows lie heads·head_dim apart (docs/PERFORMANCE.md)."""
         B, N = x.shape[:2]
-        h = F.linear(x, w, b).view(B, N, heads, self.head_dim)
+        return self._head_major(F.linear(x, w, b).view(B, N, heads, self.head_dim), rope_position)
+
+    def _head_major(self, h, rope_position):
+        """(B, N, heads, head_dim) RoPE'd if asked, as a contiguous (B, heads, N, head_dim)."""
         if rope_position is not None:
             h = _rope(h, rope_position, self.rope_base)
         return h.transpose(1, 2).contiguous()
@@ -208,9 +211,14 @@ class MultiheadAttention(torch.nn.Module):
         H, Hkv = self.num_heads, self.num_kv_heads
         (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
         rope_q, rope_k = (position_q, position_k) if self.rope else (None, None)
-        q = self._heads(query, w_q, b_q, H, rope_q)
-        k = self._heads(key, w_k, b_k, Hkv, rope_k)
-        v = self._heads(value, w_v, b_v, Hkv, None)
+        if query is key and key is value and self._qkv_same_embed_dim:
+            # Self-attention: one product with in_proj_weight (3E × E) for q, k and v, as torch does.
+            qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(B, L, 3, H, self.head_dim)
+            q, k, v = (self._head_major(qkv[:, :, i], r) for i, r in enumerate((rope_q, rope_k, None)))
+        else:
+            q = self._heads(query, w_q, b_q, H, rope_q)
+            k = self._heads(key, w_k, b_k, Hkv, rope_k)
+            v = self._heads(value, w_v, b_v, Hkv, None)
         mask = _merged_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
         causal = bool(is_causal) and attn_mask is None
         if causal and mask is not None and mask.dtype == torch.bool:

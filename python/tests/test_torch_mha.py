@@ -22,14 +22,16 @@ from sdpa.torch import MultiheadAttention  # noqa: E402
 
 def run(module, inputs, kwargs, dtype):
     """Output, weights and every gradient (inputs, then parameters by name) of one call."""
-    xs = [x.detach().to(dtype).requires_grad_(True) for x in inputs]
+    # One leaf per distinct input: query is key is value stays so (the packed self-attention path).
+    leaves = {}
+    xs = [leaves.setdefault(id(x), x.detach().to(dtype).requires_grad_(True)) for x in inputs]
     y, w = module(*xs, **kwargs)
     torch.manual_seed(7)
     dy = torch.randn(y.shape, dtype=torch.float64).to(dtype)
     module.zero_grad()
     y.backward(dy)
     results = {"y": y, "weights": w}
-    for i, x in enumerate(xs):
+    for i, x in enumerate(dict.fromkeys(xs)):
         if x.grad is not None:
             results[f"d_input{i}"] = x.grad
     for name, p in module.named_parameters():
