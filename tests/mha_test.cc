@@ -32,19 +32,21 @@ using sdpa::Causal;
 struct LayerCase {
   const char* name;
   int64_t B, Nq, Nk, E, Hq, Hkv, Dk, Dv, kdim, vdim;
-  bool cross, bias, rope;
+  int cross;  // 0 self-attention, 1 x_k and x_v, 2 x_k alone (x_v = x_k)
+  bool bias, rope;
   Causal causal;
   int mask;  // 0 none, 1 bool key padding (B, 1, 1, Nk) with a fully padded batch row, 2 float (Nq, Nk) with -inf
   double dropout;
 };
 
 const LayerCase kCases[] = {
-    {"self", 2, 5, 5, 16, 4, 4, 4, 4, 16, 16, false, true, false, Causal::kNone, 0, 0.0},
-    {"causal_rope_gqa", 2, 33, 33, 32, 4, 2, 8, 8, 32, 32, false, true, true, Causal::kBottomRight, 0, 0.0},
-    {"cross_dims", 2, 7, 13, 24, 3, 3, 8, 6, 12, 10, true, true, false, Causal::kNone, 2, 0.0},
-    {"padding_dropout_nobias", 3, 9, 9, 16, 2, 2, 8, 8, 16, 16, false, false, false, Causal::kNone, 1, 0.25},
-    {"mqa_rope_odd", 1, 97, 97, 40, 5, 1, 8, 8, 40, 40, false, true, true, Causal::kTopLeft, 0, 0.0},
-    {"cross_rope_causal_mask", 1, 6, 11, 16, 2, 1, 4, 5, 16, 16, true, true, true, Causal::kBottomRight, 2, 0.1},
+    {"self", 2, 5, 5, 16, 4, 4, 4, 4, 16, 16, 0, true, false, Causal::kNone, 0, 0.0},
+    {"causal_rope_gqa", 2, 33, 33, 32, 4, 2, 8, 8, 32, 32, 0, true, true, Causal::kBottomRight, 0, 0.0},
+    {"cross_dims", 2, 7, 13, 24, 3, 3, 8, 6, 12, 10, 1, true, false, Causal::kNone, 2, 0.0},
+    {"padding_dropout_nobias", 3, 9, 9, 16, 2, 2, 8, 8, 16, 16, 0, false, false, Causal::kNone, 1, 0.25},
+    {"mqa_rope_odd", 1, 97, 97, 40, 5, 1, 8, 8, 40, 40, 0, true, true, Causal::kTopLeft, 0, 0.0},
+    {"cross_rope_causal_mask", 1, 6, 11, 16, 2, 1, 4, 5, 16, 16, 1, true, true, Causal::kBottomRight, 2, 0.1},
+    {"cross_shared_kv", 2, 5, 8, 16, 2, 1, 8, 8, 12, 12, 2, true, false, Causal::kNone, 0, 0.0},
 };
 
 void PrintTo(const LayerCase& c, std::ostream* os) { *os << c.name; }
@@ -65,7 +67,8 @@ struct Layer {
   sdpa::MultiHeadInputs inputs() const {
     sdpa::MultiHeadInputs in;
     in.x_q = xq.view();
-    if (xk) in.x_k = xk->view(), in.x_v = xv->view();
+    if (xk) in.x_k = xk->view();
+    if (xv) in.x_v = xv->view();
     if (mask) in.mask = mask->view();
     in.position_q = pos_q;
     in.position_k = pos_k;
@@ -98,8 +101,10 @@ Layer make_layer(const LayerCase& c, DType dt, Layout layout, uint32_t seed) {
   fill_normal(L.xq, rng);
   if (c.cross) {
     L.xk.emplace(dt, std::vector<int64_t>{c.B, c.Nk, c.kdim}, layout);
-    L.xv.emplace(dt, std::vector<int64_t>{c.B, c.Nk, c.vdim}, layout);
     fill_normal(*L.xk, rng);
+  }
+  if (c.cross == 1) {
+    L.xv.emplace(dt, std::vector<int64_t>{c.B, c.Nk, c.vdim}, layout);
     fill_normal(*L.xv, rng);
   }
   if (c.mask == 1) {
@@ -130,17 +135,20 @@ Parts run(const Layer& L, const sdpa::Options& o, const GuardedTensor& dy, Layou
   Parts p{{"y"}, {y.values()}};
   std::vector<GuardedTensor> g;
   g.emplace_back(dt, L.xq.shape(), out_layout);
-  if (L.xk) g.emplace_back(dt, L.xk->shape(), out_layout), g.emplace_back(dt, L.xv->shape(), out_layout);
+  if (L.xk) g.emplace_back(dt, L.xk->shape(), out_layout);
+  if (L.xv) g.emplace_back(dt, L.xv->shape(), out_layout);
   for (const GuardedTensor& w : L.w) g.emplace_back(dt, w.shape(), out_layout);
   sdpa::MultiHeadGradients grads{g[0].view()};
   size_t i = 1;
-  if (L.xk) grads.dx_k = g[i++].view(), grads.dx_v = g[i++].view();
+  if (L.xk) grads.dx_k = g[i++].view();
+  if (L.xv) grads.dx_v = g[i++].view();
   grads.dw_q = g[i++].view(), grads.dw_k = g[i++].view(), grads.dw_v = g[i++].view(), grads.dw_o = g[i++].view();
   if (L.cfg.bias) grads.db_q = g[i++].view(), grads.db_k = g[i++].view(), grads.db_v = g[i++].view(), grads.db_o = g[i++].view();
   sdpa::multi_head_attention_backward(L.cfg, L.weights(), L.inputs(), saved, dy.view(), grads, o);
   const char* names[] = {"dw_q", "dw_k", "dw_v", "dw_o", "db_q", "db_k", "db_v", "db_o"};
   p.names.push_back("dx_q");
-  if (L.xk) p.names.push_back("dx_k"), p.names.push_back("dx_v");
+  if (L.xk) p.names.push_back("dx_k");
+  if (L.xv) p.names.push_back("dx_v");
   for (size_t w = 0; w < L.w.size(); ++w) p.names.push_back(names[w]);
   for (const GuardedTensor& t : g) {
     EXPECT_TRUE(t.guards_intact());
@@ -194,7 +202,7 @@ GuardedTensor split_heads(const std::vector<double>& rows, int64_t B, int64_t N,
 }
 
 std::vector<double> oracle_y(const LayerCase& c, const Layer& L) {
-  const std::vector<double> xq = L.xq.values(), xk = L.xk ? L.xk->values() : xq, xv = L.xv ? L.xv->values() : xq;
+  const std::vector<double> xq = L.xq.values(), xk = L.xk ? L.xk->values() : xq, xv = L.xv ? L.xv->values() : xk;
   auto bias = [&](int p) { return c.bias ? &L.w[4 + p] : nullptr; };
   Tensors t{split_heads(linear(xq, c.B * c.Nq, L.w[0], bias(0)), c.B, c.Nq, c.Hq, c.Dk, c.rope, L.pos_q, 10000.0),
             split_heads(linear(xk, c.B * c.Nk, L.w[1], bias(1)), c.B, c.Nk, c.Hkv, c.Dk, c.rope, L.pos_k, 10000.0),
@@ -253,7 +261,8 @@ TEST_P(LayerTest, ReferenceGradientsMatchFiniteDifferences) {
   };
   const double L0 = std::abs(loss());
   std::vector<GuardedTensor*> params = {&L.xq};
-  if (L.xk) params.push_back(&*L.xk), params.push_back(&*L.xv);
+  if (L.xk) params.push_back(&*L.xk);
+  if (L.xv) params.push_back(&*L.xv);
   for (GuardedTensor& w : L.w) params.push_back(&w);
   std::mt19937 rng(5);
   const double h = 1e-5;
@@ -343,7 +352,7 @@ TEST(Layer, LoadingTheBlasKeepsTheThreadCount) {
 
 // Large enough that OpenBLAS splits its products across threads: still the same bits.
 TEST(Layer, BitwiseForAnyThreadCountLarge) {
-  const LayerCase c{"large", 2, 300, 300, 128, 4, 2, 32, 32, 128, 128, false, true, true, Causal::kBottomRight, 0, 0.0};
+  const LayerCase c{"large", 2, 300, 300, 128, 4, 2, 32, 32, 128, 128, 0, true, true, Causal::kBottomRight, 0, 0.0};
   expect_bitwise_for_any_thread_count(c, 35);
 }
 
@@ -374,7 +383,7 @@ TEST(Layer, NegativeStrideInputs) {
 TEST(Layer, StepMatchesFullForward) {
   for (DType dt : {kF32, kF64}) {
     SCOPED_TRACE(dtype_name(dt));
-    const LayerCase c{"step", 2, 13, 13, 32, 4, 2, 8, 8, 32, 32, false, true, true, Causal::kBottomRight, 0, 0.0};
+    const LayerCase c{"step", 2, 13, 13, 32, 4, 2, 8, 8, 32, 32, 0, true, true, Causal::kBottomRight, 0, 0.0};
     Layer L = make_layer(c, dt, Layout::kContiguous, 51);
     L.pos_q = L.pos_k = 0;
     Layer L32 = make_layer(c, kF32, Layout::kContiguous, 51);
@@ -411,7 +420,7 @@ TEST(Layer, OwningLayerInitialisesAsTorch) {
   sdpa::MultiHeadAttention layer(cfg, kF32, 3);
   const sdpa::MultiHeadWeights w = layer.weights();
   const float* wq = static_cast<const float*>(w.w_q.data);
-  const double bound = std::sqrt(6.0 / 128);  // Xavier-uniform, fan_in = fan_out = 64
+  const double bound = std::sqrt(6.0 / (64 + 3 * 64));  // Xavier-uniform on torch's (3E × E) in_proj_weight
   double lo = 0, hi = 0;
   for (int64_t i = 0; i < w.w_q.numel(); ++i) lo = std::min(lo, double(wq[i])), hi = std::max(hi, double(wq[i]));
   EXPECT_LE(hi, bound);
@@ -527,6 +536,15 @@ TEST(Layer, Errors) {
   sdpa::KVCache other_cache(4, 2, 1, 8, 8, kF32);
   other_cache.new_sequence(), other_cache.new_sequence();
   expect_sdpa_error([&] { layer.step(x.view(), other_cache, {0, 1}, ys.view()); }, {"cache", "Hkv 1", "Hkv 2"});
+  // Options the paged call refuses (sinks for 3 heads, not 2) are refused before appending.
+  sdpa::KVCache roomy = layer.make_cache(8, 2);
+  const std::vector<int64_t> both = {roomy.new_sequence(), roomy.new_sequence()};
+  std::vector<float> sinks(3, 0.0f);
+  sdpa::Options bad;
+  bad.sinks = sdpa::TensorView::contiguous(sinks.data(), kF32, {3});
+  expect_sdpa_error([&] { layer.step(x.view(), roomy, both, ys.view(), bad); }, {"sinks", "(3,)"});
+  EXPECT_EQ(roomy.length(both[0]), 0);
+  EXPECT_EQ(roomy.free_pages(), 8);
   EXPECT_EQ(cache.length(s0), 0);
   EXPECT_TRUE(ys.untouched());
 }

@@ -16,8 +16,9 @@
 // window, dropout, scale, softcap, ALiBi, sinks, block mask); Options::backend kReference runs
 // the float64 reference layer (plain loops for every product, kReference attention), kNaive
 // the same in the inputs' precision (the tolerance yardstick), kAuto/kFlash the fast layer:
-// the projections are GEMMs of a real BLAS (OpenBLAS, loaded at first use: src/blas.cc) that
-// write q, k, v as (B, N, H, D) and the kernel reads them through strides (no transposes).
+// the projections are GEMMs of a real BLAS (OpenBLAS, loaded at first use: src/layer/blas.cc)
+// in per-head tiles that write q, k, v head-major, (B, H, N, D), the layout the kernel reads
+// fastest (no transposing copies; docs/PERFORMANCE.md).
 //
 // RoPE (MultiHeadConfig::rope): the rotate-half form of GPT-NeoX and Llama on q and k, per
 // head, pairing element d with d + Dk/2 (Dk even): for position p,
@@ -122,8 +123,9 @@ void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWei
                                const Options& options = {});
 
 // A layer that owns its parameters (float32 or float64), initialised as
-// torch.nn.MultiheadAttention does: W_Q, W_K, W_V Xavier-uniform, W_O uniform ±1/sqrt(Hq·Dv),
-// biases 0; from a seeded generator.
+// torch.nn.MultiheadAttention does: W_Q, W_K, W_V Xavier-uniform (as one (3E × E) matrix when
+// all three are E × E, as torch's in_proj_weight), W_O uniform ±1/sqrt(Hq·Dv), biases 0; from a
+// seeded generator (give each layer of a model its own seed).
 class MultiHeadAttention {
  public:
   explicit MultiHeadAttention(const MultiHeadConfig& config, DType dtype = DType::kFloat32, uint64_t seed = 0);

@@ -981,6 +981,10 @@ class KVCache:
         return self._c.free_pages
 
     @property
+    def page_size(self):
+        return self._c.page_size
+
+    @property
     def dtype(self):
         return self._dtype
 

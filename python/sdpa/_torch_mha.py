@@ -20,6 +20,9 @@ head-major (contiguous) from the projections by one copy each: the kernel reads 
   second sdpa call (``sdpa.attention(..., return_weights=True)``), without gradient.
 - ``is_causal=True`` without ``attn_mask`` applies the causal mask (torch asks for the mask
   too); with ``attn_mask`` the mask is used as given, as in torch.
+- A query row that every mask blocks gives zeros (torch's module gives NaN there), and zero
+  gradients.
+- Masks are bool or floating point; other dtypes raise TypeError.
 - Extra keyword options: ``num_kv_heads`` (GQA/MQA: k_proj_weight and v_proj_weight are
   (num_kv_heads · head_dim, kdim/vdim), and in_proj_bias holds E + 2 · num_kv_heads · head_dim),
   ``rope`` with ``rope_base`` (rotary embedding on q and k as ``sdpa.MultiHeadAttention``'s,
@@ -65,21 +68,24 @@ def _merged_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
         if attn_mask.dim() == 2:
             if attn_mask.shape != (L, S):
                 raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected (L, S) = {(L, S)}")
-            am = attn_mask.view(1, 1, L, S)
+            am = attn_mask.reshape(1, 1, L, S)
         elif attn_mask.dim() == 3:
             if attn_mask.shape != (B * H, L, S):
                 raise RuntimeError(f"attn_mask has shape {tuple(attn_mask.shape)}, expected "
                                    f"(B·num_heads, L, S) = {(B * H, L, S)}")
-            am = attn_mask.view(B, H, L, S)
+            am = attn_mask.reshape(B, H, L, S)
         else:
             raise RuntimeError(f"attn_mask has {attn_mask.dim()} dims, expected 2 or 3")
         masks.append(am)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (B, S):
             raise RuntimeError(f"key_padding_mask has shape {tuple(key_padding_mask.shape)}, expected (B, S) = {(B, S)}")
-        masks.append(key_padding_mask.view(B, 1, 1, S))
+        masks.append(key_padding_mask.reshape(B, 1, 1, S))
     if not masks:
         return None
+    for name, m in zip(("attn_mask", "key_padding_mask"), (attn_mask, key_padding_mask)):
+        if m is not None and m.dtype != torch.bool and not m.is_floating_point():
+            raise TypeError(f"{name} has dtype {m.dtype}; it must be bool or floating point")
     if all(m.dtype == torch.bool for m in masks):
         allowed = ~masks[0]
         for m in masks[1:]:
@@ -197,6 +203,7 @@ class MultiheadAttention(torch.nn.Module):
                 average_attn_weights=True, is_causal=False, *, position_q=0, position_k=0):
         key = query if key is None else key
         value = key if value is None else value
+        shared = query is key and key is value  # self-attention: one product for q, k and v
         unbatched = query.dim() == 2
         if unbatched:
             query, key, value = (t.unsqueeze(0) for t in (query, key, value))
@@ -211,7 +218,7 @@ class MultiheadAttention(torch.nn.Module):
         H, Hkv = self.num_heads, self.num_kv_heads
         (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
         rope_q, rope_k = (position_q, position_k) if self.rope else (None, None)
-        if query is key and key is value and self._qkv_same_embed_dim:
+        if shared and self._qkv_same_embed_dim:
             # Self-attention: one product with in_proj_weight (3E × E) for q, k and v, as torch does.
             qkv = F.linear(query, self.in_proj_weight, self.in_proj_bias).view(B, L, 3, H, self.head_dim)
             q, k, v = (self._head_major(qkv[:, :, i], r) for i, r in enumerate((rope_q, rope_k, None)))
@@ -266,8 +273,17 @@ class MultiheadAttention(torch.nn.Module):
         if x.dtype != torch.float32:
             raise TypeError(f"step takes float32, got {x.dtype}")
         B, n = x.shape[:2]
+        seqs = [int(s) for s in seqs]
         if len(seqs) != B:
             raise ValueError(f"seqs has {len(seqs)} sequences, x has B = {B}")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs {seqs} names a sequence twice")
+        # Every sequence exists (length raises for an unknown one) and the pool has the pages,
+        # checked before anything is appended (as sdpa.MultiHeadAttention.step does).
+        size = cache.page_size
+        need = sum(-(-(cache.length(s) + n) // size) - (-(-cache.length(s) // size)) for s in seqs)
+        if need > cache.free_pages:
+            raise ValueError(f"the cache has {cache.free_pages} free pages, these tokens need {need}")
         (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
         q = F.linear(x, w_q, b_q).view(B, n, self.num_heads, self.head_dim)
         k = F.linear(x, w_k, b_k).view(B, n, self.num_kv_heads, self.head_dim)

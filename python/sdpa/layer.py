@@ -25,7 +25,9 @@ The weights act on the right (x @ w): a torch ``Linear``'s weight is the transpo
 (``rope=True``) rotates q and k per head in the rotate-half form (GPT-NeoX, Llama): element d
 pairs with d + Dk/2, angle (position) · rope_base^(-2d/Dk), query row i at position_q + i, key
 row j at position_k + j. Parameters start as ``torch.nn.MultiheadAttention``'s do (Xavier-uniform
-input projections, uniform ±1/sqrt(Hq·Dv) output projection, zero biases), from ``seed``.
+input projections, drawn as one (3E × E) matrix when all three are E × E as torch's
+in_proj_weight is; uniform ±1/sqrt(Hq·Dv) output projection; zero biases), from ``seed`` (None:
+fresh entropy).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class MultiHeadAttention:
     """The multi-head attention layer (see the module's docstring for shapes)."""
 
     def __init__(self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, head_dim_v=None, kdim=None,
-                 vdim=None, bias=True, rope=False, rope_base=10000.0, dtype=np.float32, seed=0):
+                 vdim=None, bias=True, rope=False, rope_base=10000.0, dtype=np.float32, seed=None):
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
@@ -90,7 +92,9 @@ class MultiHeadAttention:
             return rng.uniform(-bound, bound, size=shape).astype(self.dtype)
 
         xavier = [(E, Hq * Dk), (self.kdim, Hkv * Dk), (self.vdim, Hkv * Dv)]
-        self.w_q, self.w_k, self.w_v = (uniform(s, np.sqrt(6.0 / (s[0] + s[1]))) for s in xavier)
+        packed = all(s == (E, E) for s in xavier)  # torch's one (3E × E) in_proj_weight
+        self.w_q, self.w_k, self.w_v = (uniform(s, np.sqrt(6.0 / (s[0] + (3 * E if packed else s[1]))))
+                                        for s in xavier)
         self.w_o = uniform((Hq * Dv, E), 1.0 / np.sqrt(Hq * Dv))
         zeros = (lambda n: np.zeros(n, self.dtype)) if self.bias else (lambda n: None)
         self.b_q, self.b_k, self.b_v, self.b_o = zeros(Hq * Dk), zeros(Hkv * Dk), zeros(Hkv * Dv), zeros(E)
@@ -151,8 +155,8 @@ class MultiHeadAttention:
     __call__ = forward
 
     def backward(self, dy):
-        """The gradients (``LayerGradients``) of the last forward for dy = ∂loss/∂y (B, Nq, d_model),
-        with the parameters as that forward used them."""
+        """The gradients (``LayerGradients``) of the last forward for dy = ∂loss/∂y (B, Nq, d_model).
+        It reads the parameter arrays that forward read: update them in place only after it."""
         if self._last is None:
             raise RuntimeError("backward needs a forward first")
         params, x_q, x_k, x_v, mask, pos_q, pos_k, saved, options = self._last

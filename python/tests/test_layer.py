@@ -182,6 +182,17 @@ def test_weights_and_a_fresh_dropout_seed_per_call():
     assert not np.array_equal(a, b)
 
 
+def test_initialisation_is_torchs():
+    """Xavier-uniform over torch's (3E × E) in_proj_weight when q, k, v are all E × E, else per
+    matrix; the output projection ±1/sqrt(E); biases 0."""
+    layer = sdpa.MultiHeadAttention(64, 4, seed=1)
+    for w in (layer.w_q, layer.w_k, layer.w_v):
+        assert 0.9 * np.sqrt(6 / 256) < np.abs(w).max() <= np.sqrt(6 / 256)
+    assert np.abs(layer.w_o).max() <= 1 / 8 and not layer.b_q.any()
+    gqa = sdpa.MultiHeadAttention(64, 4, num_kv_heads=2, seed=1)
+    assert 0.9 * np.sqrt(6 / 96) < np.abs(gqa.w_k).max() <= np.sqrt(6 / 96)  # (64, 32): its own fans
+
+
 def test_errors_name_the_argument():
     layer, x, _ = make("self", np.float32)
     layer.w_q = np.zeros((3, 3), np.float32)

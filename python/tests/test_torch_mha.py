@@ -168,6 +168,40 @@ def test_step_matches_causal_forward():
     assert (got - full).abs().max().item() < 64 * 1.2e-7 * (1 + full.abs().max().item())
 
 
+def test_is_causal_alone_with_key_padding_matches_torch_with_the_causal_mask():
+    """sdpa's module applies causal from is_causal alone; torch's needs the mask with it."""
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    ours = MultiheadAttention(16, 2, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 6, 16)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    kpm[1, 4:] = True
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    y, w = ours(x, x, x, key_padding_mask=kpm, is_causal=True)
+    y2, w2 = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True)
+    ref64 = torch.nn.MultiheadAttention(16, 2, batch_first=True).double()
+    ref64.load_state_dict(ref.state_dict())
+    y64, w64 = ref64(x.double(), x.double(), x.double(), key_padding_mask=kpm, attn_mask=causal, is_causal=True)
+    for got, want32, want in ((y, y2, y64), (w, w2, w64)):
+        tol = 4 * (want32.double() - want).abs().max().item() + 1.2e-7 * want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= tol
+
+
+def test_step_checks_before_appending():
+    mod = MultiheadAttention(16, 2, batch_first=True)
+    cache = mod.new_cache(num_pages=2, page_size=2)
+    s0, s1 = cache.new_sequence(), cache.new_sequence()
+    x = torch.randn(2, 3, 16)
+    with pytest.raises(ValueError, match="twice"):
+        mod.step(x, cache, [s0, s0])
+    with pytest.raises(ValueError, match="2 free pages, these tokens need 4"):
+        mod.step(x, cache, [s0, s1])
+    with pytest.raises(ValueError):
+        mod.step(x, cache, [s0, 7])  # an unknown sequence
+    assert cache.length(s0) == cache.length(s1) == 0 and cache.free_pages == 2
+
+
 def test_unbatched_and_errors():
     torch.manual_seed(0)
     mod = MultiheadAttention(16, 4)
@@ -182,5 +216,7 @@ def test_unbatched_and_errors():
         MultiheadAttention(16, 4, add_bias_kv=True)
     with pytest.raises(ValueError, match="num_kv_heads \\(3\\) must divide num_heads \\(4\\)"):
         MultiheadAttention(16, 4, num_kv_heads=3)
+    with pytest.raises(TypeError, match="attn_mask has dtype torch.int64"):
+        mod(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="key_padding_mask has shape"):
         mod(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))

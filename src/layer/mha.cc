@@ -3,6 +3,7 @@
 // attention), so the two differ only in how they multiply and attend.
 #include "sdpa/mha.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -413,6 +414,27 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
     throw Error(std::string(fn) + ": the cache has " + num(cache.free_pages()) + " free pages, these tokens need " + num(pages));
   }
   const DType dt = x.dtype;
+  Options o = options;
+  o.causal = Causal::kBottomRight;
+  {
+    // The options as the paged call will see them (keys: the longest block-table row after
+    // the append, times page_size), checked before anything is appended. Stand-in q, k, v
+    // rows of zeros: validate reads no q, k or v element.
+    int64_t max_pages = 0;
+    for (int64_t s : seqs) {
+      const int64_t ps = cache.page_size();
+      max_pages = std::max(max_pages, (cache.length(s) + d.Nq + ps - 1) / ps);
+    }
+    const std::vector<T> zeros(static_cast<size_t>(std::max(d.Dk, d.Dv)), T(0));
+    auto stand_in = [&](int64_t H, int64_t N, int64_t D) {
+      TensorView t = TensorView::contiguous(const_cast<T*>(zeros.data()), dt, {d.B, H, N, D});
+      t.strides[0] = t.strides[1] = t.strides[2] = 0;
+      return t;
+    };
+    validate(Inputs{stand_in(d.Hq, d.Nq, d.Dk), stand_in(d.Hkv, max_pages * cache.page_size(), d.Dk),
+                    stand_in(d.Hkv, max_pages * cache.page_size(), d.Dv)},
+             o);
+  }
   const InRows<T> xr = internal::in_rows<T>(x);
   const int64_t R = d.B * d.Nq;
   std::vector<T> q(R * d.Hq * d.Dk), k(R * d.Hkv * d.Dk), v(R * d.Hkv * d.Dv);
@@ -433,8 +455,6 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   std::vector<T> heads(R * d.Hq * d.Dv);
   Outputs ao;
   ao.out = token_major_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv, d.Hq * d.Dv);
-  Options o = options;
-  o.causal = Causal::kBottomRight;
   cache.attention(token_major_view(q.data(), dt, d.B, d.Nq, d.Hq, d.Dk, d.Hq * d.Dk), seqs, ao, o);
   OutRows<T> yr(y);
   project<T>(true, InRows<T>{heads.data(), d.Hq * d.Dv, {}}, R, d.Hq * d.Dv, w.w_o, w.b_o, d.E, yr.data, yr.ld);
@@ -527,9 +547,13 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadConfig& config, DType dtyp
     if (p >= 4 && !c.bias) continue;
     params_[p].assign(static_cast<size_t>(n * dtype_size(dtype)), std::byte{0});
     if (p >= 4) continue;  // biases start at 0
-    // Xavier-uniform on the input projections (torch's in_proj_weight), ±1/sqrt(fan_in) on W_O
-    // (torch's out_proj, a Linear).
-    const double fan_in = static_cast<double>(shapes[p][0]), fan_out = static_cast<double>(shapes[p][1]);
+    // Xavier-uniform on the input projections, ±1/sqrt(fan_in) on W_O (torch's out_proj, a
+    // Linear). torch draws W_Q, W_K, W_V as one (3E × E) in_proj_weight when they are all E × E
+    // (kdim = vdim = E, one head width): fan-out 3E then.
+    const bool packed = c.kdim == c.d_model && c.vdim == c.d_model && c.num_heads * c.head_dim == c.d_model &&
+                        c.num_kv_heads * c.head_dim == c.d_model && c.num_kv_heads * c.head_dim_v == c.d_model;
+    const double fan_in = static_cast<double>(shapes[p][0]);
+    const double fan_out = packed && p < 3 ? 3.0 * static_cast<double>(c.d_model) : static_cast<double>(shapes[p][1]);
     const double bound = p < 3 ? std::sqrt(6.0 / (fan_in + fan_out)) : 1.0 / std::sqrt(fan_in);
     std::uniform_real_distribution<double> u(-bound, bound);
     for (int64_t i = 0; i < n; ++i) internal::store_as<double>(dtype, params_[p].data() + i * dtype_size(dtype), u(rng));
