@@ -10,7 +10,7 @@
 The constructor, the forward's signature and the parameters (``in_proj_weight``/``in_proj_bias``,
 or ``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` when kdim or vdim differ from
 embed_dim, ``out_proj``) are torch's, so a state_dict moves either way. The projections are
-torch's own ``F.linear``; the attention is ``sdpa.torch.scaled_dot_product_attention`` (sdpa's
+torch's own ``F.linear``; the attention is sdpa's torch operator (``torch.ops.sdpa.attention``: sdpa's
 kernel, autograd through sdpa's backward), reading q, k, v as (B, H, N, D) tensors made
 head-major (contiguous) from the projections by one copy each: the kernel reads that layout
 ~15 % faster than the transposed views (docs/PERFORMANCE.md). Differences from torch:
@@ -18,8 +18,10 @@ head-major (contiguous) from the projections by one copy each: the kernel reads 
 - ``add_bias_kv`` and ``add_zero_attn`` raise ValueError (not supported).
 - ``need_weights`` returns the softmax before dropout (torch's are after it), computed by a
   second sdpa call (``sdpa.attention(..., return_weights=True)``), without gradient.
-- ``is_causal=True`` without ``attn_mask`` applies the causal mask (torch asks for the mask
-  too); with ``attn_mask`` the mask is used as given, as in torch.
+- ``is_causal=True`` applies the causal mask in the kernel, which then skips the tiles above
+  the diagonal: without ``attn_mask`` (torch asks for the mask too), or with it, which torch
+  documents as a hint that it is the causal mask: it is not read then (torch reads it when a
+  key_padding_mask or need_weights is given). A key_padding_mask applies on top.
 - A query row that every mask blocks gives zeros (torch's module gives NaN there), and zero
   gradients.
 - Masks are bool or floating point; other dtypes raise TypeError.
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from .torch import scaled_dot_product_attention, _as_numpy
+from .torch import _as_numpy, _attention, _options
 
 __all__ = ["MultiheadAttention"]
 
@@ -226,16 +228,17 @@ class MultiheadAttention(torch.nn.Module):
             q = self._heads(query, w_q, b_q, H, rope_q)
             k = self._heads(key, w_k, b_k, Hkv, rope_k)
             v = self._heads(value, w_v, b_v, Hkv, None)
-        mask = _merged_mask(attn_mask, key_padding_mask, B, H, L, S, q.dtype)
-        causal = bool(is_causal) and attn_mask is None
-        if causal and mask is not None and mask.dtype == torch.bool:
-            mask = mask & torch.ones(L, S, dtype=torch.bool).tril()
-            causal = False
-        elif causal and mask is not None:
-            mask = mask.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(), -math.inf)
-            causal = False
-        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=causal, enable_gqa=Hkv != H)
+        # is_causal is torch's hint that attn_mask is the causal mask: sdpa's kernel applies causal
+        # itself (skipping the tiles above the diagonal) and does not read attn_mask then; a
+        # key_padding_mask still applies on top.
+        causal = bool(is_causal)
+        mask = _merged_mask(None if causal else attn_mask, key_padding_mask, B, H, L, S, q.dtype)
+        dropout_p, seed = (self.dropout, None) if self.training and self.dropout > 0 else (0.0, None)
+        if dropout_p > 0:
+            dropout_p, _, seed = _options(dropout_p, None)
+        # The operator itself (q, k, v are already (B, H, N, D); GQA is native): it takes a mask
+        # and causal together, which scaled_dot_product_attention's torch semantics refuse.
+        out, _ = _attention(q, k, v, mask, "top_left" if causal else "none", None, -1, -1, dropout_p, seed)
         y = self.out_proj(_MergeHeads.apply(out))
         weights = None
         if need_weights:
