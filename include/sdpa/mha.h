@@ -5,7 +5,7 @@
 //   y = Concat(head_0, …, head_{Hq-1}) W_O + b_O
 //
 // Shapes (E = d_model; Dk, Dv the head dims):
-//   x_q   (B, Nq, E)         x_k (B, Nk, kdim), x_v (B, Nk, vdim): absent = x_q (self-attention)
+//   x_q   (B, Nq, E)         x_k (B, Nk, kdim) (absent: x_q, self-attention), x_v (B, Nk, vdim) (absent: x_k)
 //   W_Q   (E, Hq·Dk)         b_Q (Hq·Dk)        column h·Dk + d of q is head h's element d
 //   W_K   (kdim, Hkv·Dk)     b_K (Hkv·Dk)
 //   W_V   (vdim, Hkv·Dv)     b_V (Hkv·Dv)
@@ -117,7 +117,8 @@ void multi_head_attention_backward(const MultiHeadConfig& config, const MultiHea
 // cache.length(seqs[b]) + i, appends their k and v to the cache, and attends with causal
 // bottom-right (token i sees the cache up to itself), writing y (B, n, E). Equal to the
 // forward on the whole sequence with causal, row for row (tests/mha_test.cc). Self-attention
-// only (kdim = vdim = E); options.causal is ignored (always bottom-right), no dropout.
+// only (kdim = vdim = E); options.causal is ignored (always bottom-right), no dropout; the
+// products are the fast layer's whatever options.backend says.
 void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWeights& weights, const TensorView& x,
                                KVCache& cache, const std::vector<int64_t>& seqs, const TensorView& y,
                                const Options& options = {});
