@@ -156,7 +156,8 @@ class MultiHeadAttention:
 
     def backward(self, dy):
         """The gradients (``LayerGradients``) of the last forward for dy = ∂loss/∂y (B, Nq, d_model).
-        It reads the parameter arrays that forward read: update them in place only after it."""
+        It reads the parameter and input arrays that forward read: change them in place only
+        after it."""
         if self._last is None:
             raise RuntimeError("backward needs a forward first")
         params, x_q, x_k, x_v, mask, pos_q, pos_k, saved, options = self._last
