@@ -275,30 +275,16 @@ class MultiheadAttention(torch.nn.Module):
         the cache and attends causally: y (B, n, embed_dim), equal to the causal forward's rows."""
         if x.dtype != torch.float32:
             raise TypeError(f"step takes float32, got {x.dtype}")
-        B, n = x.shape[:2]
-        seqs = [int(s) for s in seqs]
-        if len(seqs) != B:
-            raise ValueError(f"seqs has {len(seqs)} sequences, x has B = {B}")
-        if len(set(seqs)) != len(seqs):
-            raise ValueError(f"seqs {seqs} names a sequence twice")
-        # Every sequence exists (length raises for an unknown one) and the pool has the pages,
-        # checked before anything is appended (as sdpa.MultiHeadAttention.step does).
-        size = cache.page_size
-        need = sum(-(-(cache.length(s) + n) // size) - (-(-cache.length(s) // size)) for s in seqs)
-        if need > cache.free_pages:
-            raise ValueError(f"the cache has {cache.free_pages} free pages, these tokens need {need}")
+        # The C++ layer's step (sdpa.MultiHeadAttention.step's): it checks the sequences, the free
+        # pages and the options before appending. Its weights act on the right: torch's transposed.
+        from . import _core
         (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
-        q = F.linear(x, w_q, b_q).view(B, n, self.num_heads, self.head_dim)
-        k = F.linear(x, w_k, b_k).view(B, n, self.num_kv_heads, self.head_dim)
-        v = F.linear(x, w_v, b_v).view(B, n, self.num_kv_heads, self.head_dim)
-        qs = []
-        for b, s in enumerate(seqs):
-            pos = cache.length(s)
-            qb, kb = (q[b:b + 1], k[b:b + 1])
-            if self.rope:
-                qb, kb = _rope(qb, pos, self.rope_base), _rope(kb, pos, self.rope_base)
-            cache.append(s, kb[0].contiguous().numpy(), v[b].contiguous().numpy())
-            qs.append(qb)
-        qh = torch.cat(qs).transpose(1, 2).contiguous()  # (B, H, n, D)
-        out = torch.from_numpy(cache.attention(qh.numpy(), list(seqs), causal=True))
-        return self.out_proj(out.transpose(1, 2).reshape(B, n, self.num_heads * self.head_dim))
+        params = [_as_numpy(n, w).T for n, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v),
+                                                ("w_o", self.out_proj.weight))]
+        params += [None if b is None else _as_numpy("bias", b) for b in (b_q, b_k, b_v, self.out_proj.bias)]
+        config = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.embed_dim,
+                  self.embed_dim, self.in_proj_bias is not None, self.rope, self.rope_base)
+        xs = _as_numpy("x", x.contiguous())
+        y = np.empty(xs.shape[:2] + (self.embed_dim,), np.float32)
+        _core.mha_step(config, params, xs, cache._c, [int(s) for s in seqs], y, None, -1, -1, "auto")
+        return torch.from_numpy(y)
