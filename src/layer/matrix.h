@@ -23,11 +23,6 @@ struct InRows {
   std::vector<T> copy;
 };
 
-inline int64_t row_count(const TensorView& t) {
-  int64_t r = 1;
-  for (int d = 0; d + 1 < t.rank; ++d) r *= t.shape[d];
-  return r;
-}
 inline int64_t width(const TensorView& t) { return t.shape[t.rank - 1]; }
 
 // Whether t's rows are evenly spaced with unit last stride: then row r is at data + r · ld.
