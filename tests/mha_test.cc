@@ -366,6 +366,34 @@ TEST(Layer, BitwiseForAnyThreadCountLarge) {
   expect_bitwise_for_any_thread_count(c, 35);
 }
 
+// The float32 layer's reference backend computes in float64 and writes the weights and
+// statistics through float64 shadows: exactly the float64 layer's on the same values, rounded.
+TEST(Layer, ReferenceWeightsAndStatsOfAFloat32LayerAreTheFloat64OnesRounded) {
+  const LayerCase& c = kCases[2];  // cross-attention, a float mask with empty rows
+  const Layer L32 = make_layer(c, kF32, Layout::kContiguous, 45);
+  Layer L64 = make_layer(c, kF64, Layout::kContiguous, 45);  // then the float32 layer's values
+  for (size_t p = 0; p < L64.w.size(); ++p) L64.w[p].set_values(L32.w[p].values());
+  L64.xq.set_values(L32.xq.values());
+  L64.xk->set_values(L32.xk->values());
+  L64.xv->set_values(L32.xv->values());
+  L64.mask->set_values(L32.mask->values());
+  std::vector<double> got[2];
+  for (const Layer* L : {&L32, static_cast<const Layer*>(&L64)}) {
+    const DType dt = L->xq.dtype();
+    GuardedTensor y(dt, L->xq.shape()), w(dt, {c.B, c.Hq, c.Nq, c.Nk}, Layout::kPadded, false),
+        h(dt, {c.B, c.Hq, c.Nq});
+    sdpa::MultiHeadOutputs out{y.view(), w.view()};
+    out.stats.entropy = h.view();
+    sdpa::multi_head_attention(L->cfg, L->weights(), L->inputs(), out, options_of(c, Backend::kReference));
+    EXPECT_TRUE(w.guards_intact());
+    std::vector<double>& g = got[dt == kF64];
+    g = w.values();
+    for (double e : h.values()) g.push_back(e);
+  }
+  for (double& x : got[1]) x = static_cast<float>(x);
+  EXPECT_TRUE(all_close("weights and entropy", got[0], got[1], 0.0));
+}
+
 // Inputs given through negative strides (the batch's rows backwards) give the same bits.
 TEST(Layer, NegativeStrideInputs) {
   const LayerCase& c = kCases[2];

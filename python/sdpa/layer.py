@@ -36,8 +36,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import (_asarray, _core, _core_view, _empty, _parsed_dropout, _parsed_options, _prepared, _prepared_mask,
-               KVCache)
+from . import (_asarray, _checked_int, _core, _core_view, _empty, _parsed_dropout, _parsed_options, _prepared,
+               _prepared_mask, KVCache)
 
 __all__ = ["MultiHeadAttention", "LayerGradients"]
 
@@ -61,12 +61,6 @@ class LayerGradients(NamedTuple):
     b_o: Optional[np.ndarray]
 
 
-def _int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    return int(value)
-
-
 class MultiHeadAttention:
     """The multi-head attention layer (see the module's docstring for shapes)."""
 
@@ -75,11 +69,11 @@ class MultiHeadAttention:
         self.dtype = np.dtype(dtype)
         if self.dtype not in (np.float32, np.float64):
             raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
-        config = (_int("d_model", d_model, 1), _int("num_heads", num_heads, 1),
-                  0 if num_kv_heads is None else _int("num_kv_heads", num_kv_heads, 1),
-                  0 if head_dim is None else _int("head_dim", head_dim, 1),
-                  0 if head_dim_v is None else _int("head_dim_v", head_dim_v, 1),
-                  0 if kdim is None else _int("kdim", kdim, 1), 0 if vdim is None else _int("vdim", vdim, 1),
+        config = (_checked_int("d_model", d_model, 1), _checked_int("num_heads", num_heads, 1),
+                  0 if num_kv_heads is None else _checked_int("num_kv_heads", num_kv_heads, 1),
+                  0 if head_dim is None else _checked_int("head_dim", head_dim, 1),
+                  0 if head_dim_v is None else _checked_int("head_dim_v", head_dim_v, 1),
+                  0 if kdim is None else _checked_int("kdim", kdim, 1), 0 if vdim is None else _checked_int("vdim", vdim, 1),
                   bool(bias), bool(rope), float(rope_base))
         self._config = _core.mha_resolved(config)  # defaults filled in and checked by the C++ layer
         (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v, self.kdim, self.vdim,

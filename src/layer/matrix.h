@@ -35,17 +35,19 @@ inline bool evenly_spaced(const TensorView& t, int64_t* ld) {
   return true;
 }
 
-// Visits every element of a rank 1-3 view in C order: f(flat index, element pointer).
+// Visits every element of a rank 1-4 view in C order: f(flat index, element pointer).
 template <typename F>
 void for_each_element(const TensorView& t, F f) {
   const int64_t sz = dtype_size(t.dtype);
-  int64_t shape[3] = {1, 1, 1}, strides[3] = {0, 0, 0};
-  for (int d = 0; d < t.rank; ++d) shape[3 - t.rank + d] = t.shape[d], strides[3 - t.rank + d] = t.strides[d];
+  int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  for (int d = 0; d < t.rank; ++d) shape[4 - t.rank + d] = t.shape[d], strides[4 - t.rank + d] = t.strides[d];
   int64_t flat = 0;
   for (int64_t a = 0; a < shape[0]; ++a)
     for (int64_t b = 0; b < shape[1]; ++b)
-      for (int64_t c = 0; c < shape[2]; ++c, ++flat)
-        f(flat, static_cast<char*>(t.data) + (a * strides[0] + b * strides[1] + c * strides[2]) * sz);
+      for (int64_t c = 0; c < shape[2]; ++c)
+        for (int64_t e = 0; e < shape[3]; ++e, ++flat)
+          f(flat, static_cast<char*>(t.data) +
+                      (a * strides[0] + b * strides[1] + c * strides[2] + e * strides[3]) * sz);
 }
 
 template <typename T>

@@ -149,11 +149,7 @@ struct Shadow {
   }
   void finish() {
     if (buffer.empty()) return;
-    for (int64_t i = 0; i < user->numel(); ++i) {
-      int64_t off = 0, r = i;
-      for (int d = user->rank - 1; d >= 0; --d) off += (r % user->shape[d]) * user->strides[d], r /= user->shape[d];
-      internal::store_as<double>(user->dtype, static_cast<char*>(user->data) + off * dtype_size(user->dtype), buffer[i]);
-    }
+    internal::for_each_element(*user, [&](int64_t i, void* p) { internal::store_as<double>(user->dtype, p, buffer[i]); });
   }
 };
 
@@ -403,12 +399,15 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   }
   if (options.dropout_p != 0.0) throw Error(std::string(fn) + ": no dropout in incremental decoding");
   // Every sequence exists, appears once, and the pool has the pages: checked before any append.
-  int64_t pages = 0;
+  // max_pages: the longest block-table row after the append (the paged call's keys / page_size).
+  const int64_t ps = cache.page_size();
+  int64_t pages = 0, max_pages = 0;
   for (size_t b = 0; b < seqs.size(); ++b) {
     for (size_t a = 0; a < b; ++a)
       if (seqs[a] == seqs[b]) throw Error(std::string(fn) + ": sequence " + num(seqs[b]) + " appears twice in seqs");
-    const int64_t L = cache.length(seqs[b]), ps = cache.page_size();
-    pages += (L + d.Nq + ps - 1) / ps - (L + ps - 1) / ps;
+    const int64_t L = cache.length(seqs[b]), after = (L + d.Nq + ps - 1) / ps;
+    pages += after - (L + ps - 1) / ps;
+    max_pages = std::max(max_pages, after);
   }
   if (pages > cache.free_pages()) {
     throw Error(std::string(fn) + ": the cache has " + num(cache.free_pages()) + " free pages, these tokens need " + num(pages));
@@ -417,22 +416,16 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   Options o = options;
   o.causal = Causal::kBottomRight;
   {
-    // The options as the paged call will see them (keys: the longest block-table row after
-    // the append, times page_size), checked before anything is appended. Stand-in q, k, v
-    // rows of zeros: validate reads no q, k or v element.
-    int64_t max_pages = 0;
-    for (int64_t s : seqs) {
-      const int64_t ps = cache.page_size();
-      max_pages = std::max(max_pages, (cache.length(s) + d.Nq + ps - 1) / ps);
-    }
+    // The options as the paged call will see them (max_pages · page_size keys), checked before
+    // anything is appended. Stand-in q, k, v rows of zeros: validate reads no q, k or v element.
     const std::vector<T> zeros(static_cast<size_t>(std::max(d.Dk, d.Dv)), T(0));
     auto stand_in = [&](int64_t H, int64_t N, int64_t D) {
       TensorView t = TensorView::contiguous(const_cast<T*>(zeros.data()), dt, {d.B, H, N, D});
       t.strides[0] = t.strides[1] = t.strides[2] = 0;
       return t;
     };
-    validate(Inputs{stand_in(d.Hq, d.Nq, d.Dk), stand_in(d.Hkv, max_pages * cache.page_size(), d.Dk),
-                    stand_in(d.Hkv, max_pages * cache.page_size(), d.Dv)},
+    validate(Inputs{stand_in(d.Hq, d.Nq, d.Dk), stand_in(d.Hkv, max_pages * ps, d.Dk),
+                    stand_in(d.Hkv, max_pages * ps, d.Dv)},
              o);
   }
   const InRows<T> xr = internal::in_rows<T>(x);
