@@ -7,16 +7,26 @@
 # that sdpa.torch's operators are built and tested), so it works on a fresh clone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Each stage's wall time, printed when the next one starts and at the end, so that a CI run that
+# grows shows where (issue 27: the limit is 90 minutes, the target 45).
+start=$SECONDS; stage_start=$SECONDS; stage_name="setup (apt, .venv, the Python package, the C++ build)"
+stage() {
+  echo "== time: ${stage_name}: $((SECONDS - stage_start)) s (total $((SECONDS - start)) s)"
+  stage_name="$1"; stage_start=$SECONDS
+  echo "== $1"
+}
+trap 'echo "== time: ${stage_name}: $((SECONDS - stage_start)) s (total $((SECONDS - start)) s)"' EXIT
 scripts/setup.sh --no-demo --torch
 jobs=$(nproc)
 
-echo "== C++ tests (Release)"
+stage "C++ tests (Release)"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
-echo "== C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
+stage "C++ build (AddressSanitizer + UndefinedBehaviorSanitizer)"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_SANITIZE=address,undefined \
   -DSDPA_BUILD_BENCH=OFF >/dev/null
 cmake --build build-asan
+stage "C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 # Every test but the six sweep tables (Table/Sweep*, Table/BackwardSweep*: three quarters of the
 # suite's tests and of its Release CPU time), and a fixed third of those (every third test
 # number, so each table's dtypes, shapes and SIMD passes all appear): with the whole suite under
@@ -25,7 +35,7 @@ sweeps='^Table/(Backward)?Sweep'
 ctest --test-dir build-asan --output-on-failure -j"$jobs" -E "$sweeps"
 ctest --test-dir build-asan --output-on-failure -j"$jobs" -R "$sweeps" -I 1,,3
 
-echo "== C++ threaded tests (ThreadSanitizer; clang + LLVM OpenMP with its Archer annotations)"
+stage "C++ threaded tests (ThreadSanitizer; clang + LLVM OpenMP with its Archer annotations)"
 # GCC's libgomp is not instrumented and makes TSan report its own barriers; LLVM's libomp
 # with libarcher tells TSan about OpenMP's synchronisation, so reports are real races.
 CC=clang CXX=clang++ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSDPA_SANITIZE=thread \
@@ -36,17 +46,17 @@ archer=$(clang -print-resource-dir)/../../libarcher.so
 OMP_TOOL_LIBRARIES="$archer" TSAN_OPTIONS="halt_on_error=1 ignore_noninstrumented_modules=1" \
   build-tsan/tests/threads_test
 
-echo "== Fuzzing (libFuzzer, clang, ASan + UBSan): the API and the .npy reader, a few minutes"
+stage "Fuzzing (libFuzzer, clang, ASan + UBSan): the API and the .npy reader, a few minutes"
 # Bounded here, and with a fixed seed so that CI's inputs are the same every run (a long run with
 # random seeds is `fuzz/run.sh 3600`; fuzz/README.md).
 FUZZ_SEED=1 FUZZ_RUNS=2500 SCRATCH="$(mktemp -d)" fuzz/run.sh "${SDPA_FUZZ_SECONDS:-180}"
 
-echo "== C++ example through find_package(sdpa)"
+stage "C++ example through find_package(sdpa)"
 cmake --install build --prefix build/install >/dev/null
 cmake -S examples/basic -B build/example -G Ninja -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 cmake --build build/example
 build/example/basic
 
-echo "== Python tests (with torch from python/requirements-test.txt, installed by setup.sh --torch)"
+stage "Python tests (with torch from python/requirements-test.txt, installed by setup.sh --torch)"
 # CI set: test_torch.py fails instead of skipping if torch cannot be imported after all.
 CI="${CI:-1}" .venv/bin/python -m pytest -q python/tests
