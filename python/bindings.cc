@@ -147,8 +147,10 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
       outs.scores_stage = sdpa::ScoresStage::kBiased;
     } else if (scores_stage == "final") {
       outs.scores_stage = sdpa::ScoresStage::kFinal;
+    } else if (scores_stage == "softcapped") {
+      outs.scores_stage = sdpa::ScoresStage::kSoftcapped;
     } else {
-      throw nb::value_error(("return_scores must be None, 'scaled', 'biased' or 'final', got '" + scores_stage + "'").c_str());
+      throw nb::value_error(("return_scores must be None, 'scaled', 'softcapped', 'biased' or 'final', got '" + scores_stage + "'").c_str());
     }
   }
   const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);

@@ -51,7 +51,12 @@ void run_forward(const Problem& p, Backend backend) {
   if (p.scores_are_biases_only()) {
     internal::Problem weights_only = p;
     weights_only.lse.reset();
-    if (weights_only.weights || weights_only.stats.any()) run_backend(weights_only, backend);
+    if (p.stats.any() && !p.weights && p.biases_constant_along_keys()) {
+      computes_in_f64(p.compute) || backend == Backend::kReference ? internal::stats_of_constant_rows<double>(p)
+                                                                    : internal::stats_of_constant_rows<float>(p);
+    } else if (weights_only.weights || weights_only.stats.any()) {
+      run_backend(weights_only, backend);
+    }
     if (p.lse) internal::lse_of_biases(p);
     return;
   }

@@ -541,7 +541,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
     check_shape("scores", sc, full_weights + (4 - r), r, r == 2 ? "(Nq, Nk)" : r == 3 ? "(Hq, Nq, Nk)" : "(B, Hq, Nq, Nk)");
     if (written) check_no_zero_stride("scores", sc);
     const auto stage = static_cast<int>(outs.scores_stage);
-    if (stage > static_cast<int>(ScoresStage::kFinal)) {
+    if (stage > static_cast<int>(ScoresStage::kSoftcapped)) {
       fail("scores_stage has an unknown value " + std::to_string(stage));
     }
     p.scores = to_view4(sc);

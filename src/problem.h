@@ -222,6 +222,10 @@ struct Problem {
   // over the keys (see attention.cc): Nk may be huge (k and v of shape (2^40, 0) hold no
   // element) and work must follow the elements.
   bool scores_are_biases_only() const { return Dk == 0 && Dv == 0; }
+  // Whether the biases of a row are one value for all of its keys: no mask row in memory (a mask
+  // broadcast along the keys), no ALiBi distances, no block mask. With scores_are_biases_only,
+  // a row's lse and statistics then follow from its key range alone, in closed form.
+  bool biases_constant_along_keys() const { return !(mask && mask->strides[3] != 0) && !has_alibi() && !block_mask; }
 
   // Whether the block mask lets row i of (b, h) see key j (true without one).
   bool block_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
@@ -289,15 +293,20 @@ struct Problem {
   // the references use it. (Causal, window and length are the caller's.)
   template <typename T>
   T score(T x, int64_t b, int64_t h, int64_t i, int64_t j) const {
-    const T cap = static_cast<T>(softcap);
-    if (softcap != 0 && !cap_after_bias) x = cap * std::tanh(x / cap);
+    if (!cap_after_bias) x = capped(x);
     if (has_alibi()) x += alibi_bias<T>(b, h, i, j);
     x = with_bias(x, mask_bias<T>(b, h, i, j));
     if (softcap != 0 && cap_after_bias) {
       x = in_compute_range(x);
-      if (x != -std::numeric_limits<T>::infinity()) x = cap * std::tanh(x / cap);
+      if (x != -std::numeric_limits<T>::infinity()) x = capped(x);
     }
     return x;
+  }
+  // cap · tanh(x / cap) with cap = softcap; x itself without a softcap.
+  template <typename T>
+  T capped(T x) const {
+    const T cap = static_cast<T>(softcap);
+    return softcap == 0 ? x : cap * std::tanh(x / cap);
   }
   // ∂score/∂x for softcap: 1 - tanh² of the capped argument (1 without a cap), from the same x.
   template <typename T>

@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include "flash/row_stats.h"
+
 namespace sdpa::internal {
 
 template <typename Acc>
@@ -20,13 +22,14 @@ void score_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* s, Scores
   // float64 holds what float32 cannot (1e-50 · inf would be inf here, but 0 · inf = NaN
   // there). Only the ends of the range: the precision stays float64's. (Partial sums are
   // not rounded: they may stay finite here where float32's overflow.)
-  const KeyRange range = stage == ScoresStage::kScaled ? KeyRange{0, p.keys_of(b)} : p.key_range(b, i);
+  const bool masked = stage == ScoresStage::kBiased || stage == ScoresStage::kFinal;
+  const KeyRange range = masked ? p.key_range(b, i) : KeyRange{0, p.keys_of(b)};
   const auto in_range = [&p](Acc x) { return p.in_compute_range(x); };
   for (int64_t j = 0; j < p.Nk; ++j) {
     s[j] = neg_inf;
     // A key the block mask blocks is not read (the kernels' overflow fallback, finish_block,
     // calls this, and the header promises blocked tiles untouched: fuzz finding F18).
-    if (j < range.begin || j >= range.end || (stage != ScoresStage::kScaled && !p.block_allows(b, h, i, j))) continue;
+    if (j < range.begin || j >= range.end || (masked && !p.block_allows(b, h, i, j))) continue;
     Acc dot = 0;
     for (int64_t d = 0; d < p.Dk; ++d) {
       dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
@@ -36,6 +39,8 @@ void score_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* s, Scores
     } else if (stage == ScoresStage::kBiased) {
       const Acc alibi = p.has_alibi() ? p.alibi_bias<Acc>(b, h, i, j) : Acc(0);
       s[j] = in_range(with_bias(in_range(dot + alibi), p.mask_bias<Acc>(b, h, i, j)));
+    } else if (stage == ScoresStage::kSoftcapped) {
+      s[j] = in_range(p.capped(in_range(dot)));
     } else {
       s[j] = in_range(dot);
     }
@@ -173,7 +178,7 @@ void lse_of_biases(const Problem& p) {
       for (int64_t i = 0; i < p.Nq; ++i) {
         const KeyRange range = p.key_range(b, i);
         double lse = neg_inf;
-        if (!range.empty() && ((p.mask && p.mask->strides[3] != 0) || p.has_alibi() || p.block_mask)) {
+        if (!range.empty() && !p.biases_constant_along_keys()) {
           // The scores vary along the keys (the mask's row exists in memory; ALiBi's distances;
           // the block mask's blocks): walk them.
           double row_max = lse, sum = 0;
@@ -197,6 +202,50 @@ void lse_of_biases(const Problem& p) {
   }
 }
 
+template <typename T>
+void stats_of_constant_rows(const Problem& p) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const int64_t k = std::max<int64_t>(p.stats.topk, 1);
+  std::vector<T> reals(static_cast<size_t>(LaneStats<T>::reals_size(1, k)));
+  std::vector<int64_t> ints(static_cast<size_t>(LaneStats<T>::ints_size(1, k)));
+  const LaneStats<T> ls{1, k, reals.data(), ints.data()};
+  const std::optional<View4>& pooled = p.stats.pooled_weights;
+  const int64_t G = pooled ? pooled->shape[3] : 0;
+  // The first key of run g (key j is in run floor(j · G / Nk)): ceil(g · Nk / G).
+  __extension__ using Wide = __int128;  // g · Nk may pass int64_t
+  const auto run_begin = [&](int64_t g) {
+    return static_cast<int64_t>((static_cast<Wide>(g) * p.Nk + G - 1) / G);
+  };
+  for (int64_t b = 0; b < p.B; ++b) {
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        const KeyRange range = p.key_range(b, i);
+        const T s = range.empty() ? neg_inf : p.score(T(0), b, h, i, range.begin);
+        ls.begin();
+        T m = 0, l = 0;  // write_row_stats' row with no allowed key
+        if (s > neg_inf) {
+          const int64_t n = range.end - range.begin;
+          ls.allowed()[0] = n;
+          ls.argmax()[0] = range.begin;
+          for (int64_t r = 0; r < std::min(k, n); ++r) {
+            ls.top_s(0)[r] = s;
+            ls.top_i(0)[r] = range.begin + r;
+          }
+          m = s;
+          l = static_cast<T>(n);  // Σ exp(s - m) over the n keys; t = Σ exp(s - m)·(s - m) = 0
+        }
+        const T w = write_row_stats(p, b, h, i, m, l, p.has_sinks() ? p.sink<T>(h) : neg_inf, ls, 0);
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t c = std::min(range.end, run_begin(g + 1)) - std::max(range.begin, run_begin(g));
+          pooled->store(b, h, i, g, c > 0 && s > neg_inf ? static_cast<T>(static_cast<double>(c) * static_cast<double>(w)) : T(0));
+        }
+      }
+    }
+  }
+}
+
+template void stats_of_constant_rows<float>(const Problem& p);
+template void stats_of_constant_rows<double>(const Problem& p);
 template float softmax_row<float>(const Problem&, int64_t, int64_t, int64_t, float*, float*);
 template double softmax_row<double>(const Problem&, int64_t, int64_t, int64_t, double*, double*);
 template float attend_row<float, float>(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*);

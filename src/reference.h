@@ -39,6 +39,13 @@ void write_scores(const Problem& p);
 // log of the number of allowed keys plus the bias when the mask is constant along the keys
 // (so Nk may be huge and hold no element), a pass over the mask row otherwise. Every backend.
 void lse_of_biases(const Problem& p);
+// Outputs::stats (pooled_weights too) of every row in the same case when the biases are also
+// constant along the keys (Problem::biases_constant_along_keys): a row's n allowed keys share
+// one score, so each weighs w (write_row_stats' arithmetic, as the kernels end a row), argmax and
+// top-k are its first keys, and a run of c of them pools c·w, rounded once. Work per row is
+// O(topk + G), not O(Nk). T: the stats' type (float64 for kReference and float64 inputs).
+template <typename T>
+void stats_of_constant_rows(const Problem& p);
 
 // The backward pass the same way (reference_backward.cc): recomputes each row's softmax,
 // accumulates dq, dk, dv in Acc.

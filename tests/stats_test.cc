@@ -394,6 +394,57 @@ TEST(Stats, TiedScoresKeepTheLowerKeyInEveryPath) {
   }
 }
 
+// The rank is the score's, not the weight's (issue 26 item 1): keys whose scores differ keep the
+// scores' order where their weights are equal, (a) because they round to the same float32
+// value (scores 0.3 and the next float32 above it: weights exp(-ulp) and 1, equal in float32) and
+// (b) because they underflow to 0 (scores -10, -5, 0 beside 1000). A rule "by weight, ties to the
+// lower key" would give argmax 0 and top-k [0, 1, 2] in (a), [3, 0, 1, 2] in (b). Every backend
+// and path: decode rows (Nq = 1), tile rows, key chunks (Nk past a chunk), float32 and float64.
+TEST(Stats, KeysAreRankedByScoreNotByRoundedWeight) {
+  for (const DType dt : {kF32, kF64}) {
+    for (const auto& [Nq, pad] : {std::pair<int64_t, int64_t>{1, 0}, {16, 0}, {1, 4997}, {40, 4497}}) {
+      for (const int example : {0, 1}) {
+        // Keys of the example first; `pad` keys of score -1e4 after them (weight 0, never ranked above).
+        std::vector<double> keys = example == 0 ? std::vector<double>{0.3, std::nextafter(0.3f, 1.0f), 0.0}
+                                                : std::vector<double>{-10.0, -5.0, 0.0, 1000.0};
+        const std::vector<int64_t> want_top = example == 0 ? std::vector<int64_t>{1, 0, 2} : std::vector<int64_t>{3, 2, 1};
+        if (dt == kF64 && example == 0) keys[1] = std::nextafter(0.3, 1.0);  // equal weights in float64 too
+        const int64_t n = static_cast<int64_t>(keys.size()), Nk = n + pad;
+        keys.resize(static_cast<size_t>(Nk), -1e4);
+        Tensors t{GuardedTensor(dt, {Nq, 1}), GuardedTensor(dt, {Nk, 1}), GuardedTensor(dt, {Nk, 1}), std::nullopt};
+        t.q.set_values(std::vector<double>(static_cast<size_t>(Nq), 1.0));
+        t.k.set_values(keys);
+        t.v.set_values(keys);
+        for (const Backend backend : {Backend::kFlash, Backend::kReference, Backend::kNaive}) {
+          SCOPED_TRACE(std::string(dt == kF32 ? "float32" : "float64") + ", example " + std::to_string(example) + ", Nq " +
+                       std::to_string(Nq) + ", Nk " + std::to_string(Nk) + ", backend " +
+                       std::to_string(static_cast<int>(backend)));
+          sdpa::Options o;
+          o.scale = 1.0;
+          o.backend = backend;
+          const StatValues got = run_stats(t, o, 3);
+          for (int64_t r = 0; r < Nq; ++r) {
+            const size_t row = static_cast<size_t>(r);
+            if (example == 0 && backend != Backend::kReference) {  // the premise: equal weights in the compute type
+              ASSERT_EQ(got.base.weights[row * Nk + 0], got.base.weights[row * Nk + 1]);
+            }
+            if (example == 1) {
+              ASSERT_EQ(got.base.weights[row * Nk + 0], 0.0);
+            }
+            EXPECT_EQ(got.argmax[row], want_top[0]);
+            for (size_t x = 0; x < 3; ++x) EXPECT_EQ(got.topk_i[row * 3 + x], want_top[x]) << "rank " << x;
+            // max_weight and the top-k weights are the weights at those keys, bit for bit.
+            EXPECT_EQ(got.max_weight[row], got.base.weights[row * Nk + static_cast<size_t>(want_top[0])]);
+            for (size_t x = 0; x < 3; ++x) {
+              EXPECT_EQ(got.topk_w[row * 3 + x], got.base.weights[row * Nk + static_cast<size_t>(want_top[x])]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A row the mask blocks entirely; a row whose key 7 takes all the weight; a row with two
 // scores past float32's range (+inf: they share the weight); a NaN row.
 TEST(Stats, MaskedOneHotOverflowedAndNaNRows) {
@@ -504,7 +555,7 @@ TEST(Scores, StagesByHand) {
   o.softcap = 3.0;
   o.alibi_slopes = sdpa::TensorView::contiguous(slopes.data(), kF64, {H});
   for (const auto& [stage, name] : {std::pair{sdpa::ScoresStage::kScaled, "scaled"}, {sdpa::ScoresStage::kBiased, "biased"},
-                                    {sdpa::ScoresStage::kFinal, "final"}}) {
+                                    {sdpa::ScoresStage::kFinal, "final"}, {sdpa::ScoresStage::kSoftcapped, "softcapped"}}) {
     for (Backend backend : {Backend::kReference, Backend::kFlash, Backend::kNaive}) {
       SCOPED_TRACE(std::string(name) + " " + backend_name(backend));
       o.backend = backend;
@@ -528,6 +579,8 @@ TEST(Scores, StagesByHand) {
                 want.push_back(-kInf);
               } else if (stage == sdpa::ScoresStage::kScaled) {
                 want.push_back(x);
+              } else if (stage == sdpa::ScoresStage::kSoftcapped) {  // the cap alone, every key
+                want.push_back(o.softcap * std::tanh(x / o.softcap));
               } else if (blocked) {
                 want.push_back(-kInf);
               } else if (stage == sdpa::ScoresStage::kBiased) {
@@ -558,6 +611,149 @@ TEST(Scores, BadViewsAndPagedCallsAreErrors) {
   expect_sdpa_error(call(wrong), {"scores has shape (3, 4)", "(3, 5)"});
   expect_sdpa_error(call(f64), {"scores", "float64", "float32"});
   EXPECT_TRUE(out.untouched());
+}
+
+// ---- Scores that are the biases alone (Dk = Dv = 0) ----
+
+// Every statistic of q (B, H, Nq, 0) against k, v (B, H, Nk, 0): views with no element (null
+// data), so Nk may be 2^40; T is the compute type (float64 for float64 inputs). `mask` and
+// `seqlens` as the caller gives them.
+template <typename T>
+struct FeaturelessStats {
+  std::vector<int64_t> allowed, argmax, topk_i;
+  std::vector<T> entropy, normalized, max_weight, topk_w, pooled;
+};
+template <typename T>
+FeaturelessStats<T> featureless_stats(int64_t B, int64_t Nq, int64_t Nk, const sdpa::Options& o, int64_t topk, int64_t G,
+                                      std::optional<sdpa::TensorView> mask = std::nullopt,
+                                      std::optional<sdpa::TensorView> seqlens = std::nullopt) {
+  const DType dt = sizeof(T) == 8 ? kF64 : kF32;
+  const int64_t H = 2, rows = B * H * Nq;
+  FeaturelessStats<T> r{std::vector<int64_t>(static_cast<size_t>(rows), -7), std::vector<int64_t>(static_cast<size_t>(rows), -7),
+                        std::vector<int64_t>(static_cast<size_t>(rows * topk), -7),
+                        std::vector<T>(static_cast<size_t>(rows), T(-7)), std::vector<T>(static_cast<size_t>(rows), T(-7)),
+                        std::vector<T>(static_cast<size_t>(rows), T(-7)), std::vector<T>(static_cast<size_t>(rows * topk), T(-7)),
+                        std::vector<T>(static_cast<size_t>(rows * G), T(-7))};
+  sdpa::Inputs in;
+  in.q = sdpa::TensorView::contiguous(nullptr, dt, {B, H, Nq, 0});
+  in.k = sdpa::TensorView::contiguous(nullptr, dt, {B, H, Nk, 0});
+  in.v = sdpa::TensorView::contiguous(nullptr, dt, {B, H, Nk, 0});
+  in.mask = mask;
+  in.seqlens_k = seqlens;
+  sdpa::Outputs out;
+  out.out = sdpa::TensorView::contiguous(nullptr, dt, {B, H, Nq, 0});
+  out.stats.allowed = sdpa::TensorView::contiguous(r.allowed.data(), DType::kInt64, {B, H, Nq});
+  out.stats.argmax = sdpa::TensorView::contiguous(r.argmax.data(), DType::kInt64, {B, H, Nq});
+  out.stats.entropy = sdpa::TensorView::contiguous(r.entropy.data(), dt, {B, H, Nq});
+  out.stats.entropy_normalized = sdpa::TensorView::contiguous(r.normalized.data(), dt, {B, H, Nq});
+  out.stats.max_weight = sdpa::TensorView::contiguous(r.max_weight.data(), dt, {B, H, Nq});
+  out.stats.topk_weights = sdpa::TensorView::contiguous(r.topk_w.data(), dt, {B, H, Nq, topk});
+  out.stats.topk_indices = sdpa::TensorView::contiguous(r.topk_i.data(), DType::kInt64, {B, H, Nq, topk});
+  out.stats.pooled_weights = sdpa::TensorView::contiguous(r.pooled.data(), dt, {B, H, Nq, G});
+  sdpa::attention(in, out, o);
+  return r;
+}
+
+// Issue 26 item 2: with no features the statistics follow the key range in closed form, as lse
+// does: k of shape (2^40, 0) holds no element and must not be walked (it ran for hours). Rows
+// see Nk, Nk - 1 and Nk - 2 keys (causal bottom-right), one sequence 5 keys (seqlens_k), a
+// window of 3 keys; with and without sinks; every backend; float32 and float64.
+template <typename T>
+void check_huge_featureless_rows() {
+  const int64_t Nk = int64_t{1} << 40, Nq = 3, topk = 4, G = 5;
+  const DType dt = sizeof(T) == 8 ? kF64 : kF32;
+  const double tol = 4 * eps(dt);
+  for (const Backend backend : {Backend::kFlash, Backend::kReference, Backend::kNaive}) {
+    for (const int variant : {0, 1, 2, 3}) {  // causal; causal + sinks; seqlens_k {Nk, 5}; window left 2
+      SCOPED_TRACE("variant " + std::to_string(variant) + ", backend " + std::to_string(static_cast<int>(backend)));
+      sdpa::Options o;
+      o.backend = backend;
+      std::vector<double> sinks = {0.5, -1.0};
+      std::vector<int64_t> lengths = {Nk, 5};
+      std::optional<sdpa::TensorView> seqlens;
+      if (variant <= 1) o.causal = Causal::kBottomRight;
+      if (variant == 1) o.sinks = sdpa::TensorView::contiguous(sinks.data(), kF64, {2});
+      if (variant == 2) seqlens = sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {2});
+      if (variant == 3) o.window = {2, 0};
+      const FeaturelessStats<T> got = featureless_stats<T>(2, Nq, Nk, o, topk, G, std::nullopt, seqlens);
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t h = 0; h < 2; ++h) {
+          for (int64_t i = 0; i < Nq; ++i) {
+            const size_t row = static_cast<size_t>((b * 2 + h) * Nq + i);
+            const int64_t L = variant == 2 ? lengths[static_cast<size_t>(b)] : Nk;
+            const int64_t end = variant != 2 ? L - (Nq - 1 - i) : L;  // causal, or the window's right bound 0
+            const int64_t begin = variant == 3 ? end - 3 : 0, n = end - begin;
+            const double sink_share = variant == 1 ? std::exp(sinks[static_cast<size_t>(h)]) : 0.0;
+            const double w = 1.0 / (static_cast<double>(n) + sink_share);  // each key's weight
+            EXPECT_EQ(got.allowed[row], n);
+            EXPECT_EQ(got.argmax[row], begin);
+            EXPECT_NEAR(got.max_weight[row], w, tol * w);
+            EXPECT_NEAR(got.entropy[row], -static_cast<double>(n) * w * std::log(w), tol * std::log(static_cast<double>(n)));
+            if (variant != 1) {
+              EXPECT_NEAR(got.normalized[row], 1.0, tol);
+            }
+            for (int64_t r = 0; r < topk; ++r) {
+              EXPECT_EQ(got.topk_i[row * topk + static_cast<size_t>(r)], r < n ? begin + r : -1);
+              EXPECT_EQ(got.topk_w[row * topk + static_cast<size_t>(r)], r < n ? got.max_weight[row] : T(0));
+            }
+            for (int64_t g = 0; g < G; ++g) {  // run g: keys [ceil(g Nk / G), ceil((g + 1) Nk / G))
+              const auto first = [&](int64_t x) { return static_cast<int64_t>(std::ceil(static_cast<double>(x) * static_cast<double>(Nk) / G)); };
+              const int64_t c = std::max<int64_t>(0, std::min(end, first(g + 1)) - std::max(begin, first(g)));
+              EXPECT_NEAR(got.pooled[row * G + static_cast<size_t>(g)], static_cast<double>(c) * w, tol * c * w) << "run " << g;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+TEST(Stats, FeaturelessRowsOfHugeNkAreClosedForm) {
+  check_huge_featureless_rows<float>();
+  check_huge_featureless_rows<double>();
+}
+
+// The closed form against the kernels' and the reference's walk over the keys, which a mask row
+// in memory forces (an all-zero float bias of shape (Nk,), the same scores), on a small Nk:
+// the same keys exactly, the same weights within rounding; masks that block rows, sinks,
+// softcap, causal both ways.
+TEST(Stats, FeaturelessClosedFormMatchesTheWalk) {
+  const int64_t Nq = 5, Nk = 37, topk = 6, G = 4;
+  std::vector<float> zeros(Nk, 0.0f);
+  std::vector<uint8_t> rows_kept = {1, 0, 1, 1, 0};  // a bool mask (Nq, 1): rows 1 and 4 blocked
+  std::vector<double> sinks = {2.0, -3.0};
+  for (const Backend backend : {Backend::kFlash, Backend::kReference}) {
+    for (const int variant : {0, 1, 2, 3}) {
+      SCOPED_TRACE("variant " + std::to_string(variant) + ", backend " + std::to_string(static_cast<int>(backend)));
+      sdpa::Options o;
+      o.backend = backend;
+      std::optional<sdpa::TensorView> constant;
+      if (variant == 0) o.causal = Causal::kBottomRight;
+      if (variant == 1) o.causal = Causal::kTopLeft, o.sinks = sdpa::TensorView::contiguous(sinks.data(), kF64, {2});
+      if (variant == 2) constant = sdpa::TensorView::contiguous(rows_kept.data(), DType::kBool, {Nq, 1});
+      if (variant == 3) o.softcap = 3.0, o.window = {4, 2};
+      const FeaturelessStats<float> got = featureless_stats<float>(1, Nq, Nk, o, topk, G, constant);
+      // The walk: the same call with a float bias row of zeros (and the bool rows, as a float mask).
+      std::vector<float> bias(static_cast<size_t>(Nq * Nk), 0.0f);
+      if (variant == 2) {
+        for (int64_t i = 0; i < Nq; ++i) {
+          if (!rows_kept[static_cast<size_t>(i)]) std::fill_n(bias.begin() + i * Nk, Nk, -INFINITY);
+        }
+      }
+      const FeaturelessStats<float> want =
+          featureless_stats<float>(1, Nq, Nk, o, topk, G, sdpa::TensorView::contiguous(bias.data(), kF32, {Nq, Nk}));
+      EXPECT_EQ(got.allowed, want.allowed);
+      EXPECT_EQ(got.argmax, want.argmax);
+      EXPECT_EQ(got.topk_i, want.topk_i);
+      const auto near = [](const std::vector<float>& a, const std::vector<float>& b, double rel, const char* what) {
+        for (size_t x = 0; x < a.size(); ++x) EXPECT_NEAR(a[x], b[x], rel * std::max(1.0, std::fabs(double(b[x])))) << what << " " << x;
+      };
+      near(got.max_weight, want.max_weight, 2 * FLT_EPSILON, "max_weight");
+      near(got.topk_w, want.topk_w, 2 * FLT_EPSILON, "topk_w");
+      near(got.entropy, want.entropy, 4 * FLT_EPSILON, "entropy");
+      near(got.normalized, want.normalized, 4 * FLT_EPSILON, "normalized");
+      near(got.pooled, want.pooled, Nk * FLT_EPSILON, "pooled");  // summed key by key: Nk roundings
+    }
+  }
 }
 
 // ---- Errors ----

@@ -224,11 +224,15 @@ struct Inputs {
 //   entropy_normalized  H_i / log(allowed) (0 when allowed <= 1): in [0, 1], 1 = uniform, except
 //                       with sinks, whose weights summing to S < 1 allow up to S (log n - log S)
 //   max_weight          max_j w_ij, bit for bit weights[argmax]
-//   argmax              the key of the largest score (the largest weight), the lowest such j
-//   topk_weights        (..., k): the k largest weights of the row, largest first, bit for bit
-//                       the weights at topk_indices; ties go to the lower key index. k <= 32.
-//   topk_indices        (..., k) int64: their keys. A row with fewer than k allowed keys fills
-//                       the rest with index -1 and weight 0.
+//   argmax              the key of the largest score, the lowest j among equal scores
+//   topk_weights        (..., k): the weights of the row's k largest scores, largest score first,
+//                       bit for bit the weights at topk_indices. k <= 32.
+//   topk_indices        (..., k) int64: their keys; equal scores go to the lower key index. A row
+//                       with fewer than k allowed keys fills the rest with index -1 and weight 0.
+//                       Keys are ranked by score (in the compute type; kReference's float64), not
+//                       by weight: scores that differ keep their order where their weights round
+//                       to the same value or underflow to 0 (scores 0.3 and the next float32
+//                       above it give equal float32 weights; argmax is the second key).
 //   pooled_weights      (..., G): the row's weights summed over G runs of keys, key j in run
 //                       floor(j · G / Nk), summed in key order (G = 0: nothing): the row at a picture's
 //                       resolution without its Nk weights (sdpa inspect's heatmaps of long
@@ -250,10 +254,15 @@ struct Stats {
 // Which scores Outputs::scores holds (ONNX Attention's qk_matmul_output_mode), for query i and
 // key j of head h, x = q_i·k_j · scale:
 enum class ScoresStage : uint8_t {
-  kScaled,  // x, for every key of the sequence (the masks not applied, blocked blocks read too)
-  kBiased,  // x + ALiBi + the mask's bias, -inf where causal, the window or a mask blocks the key
-  kFinal,   // what the softmax takes: kBiased with the softcap in its order (Options::softcap)
+  kScaled,      // x, for every key of the sequence (the masks not applied, blocked blocks read too)
+  kBiased,      // x + ALiBi + the mask's bias, -inf where causal, the window or a mask blocks the key
+  kFinal,       // what the softmax takes: kBiased with the softcap in its order (Options::softcap)
+  kSoftcapped,  // cap·tanh(x / cap) (x without a softcap), for every key of the sequence as kScaled:
+                // the capped scores before ALiBi and the mask, kBeforeBias's intermediate (ONNX's
+                // qk_matmul_output_mode 1); under kAfterBias the softmax takes no such value
 };
+// ONNX Attention's qk_matmul_output_mode: 0 is kScaled, 1 kSoftcapped, 2 kFinal (kBeforeBias; no
+// ALiBi in ONNX), 3 Outputs::weights (python/tests/test_onnx_attention.py maps all four).
 
 struct Outputs {
   TensorView out = {};                               // q's dtype

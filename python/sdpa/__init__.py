@@ -385,9 +385,15 @@ class Stats(NamedTuple):
         entropy_normalized  entropy / log(allowed) (0 when allowed <= 1): in [0, 1], except with
                             sinks (weights summing to S < 1 allow up to S·(log n - log S))
         max_weight          the largest weight; exactly weights[..., argmax]
-        argmax              its key, the lowest on ties (-1: no allowed key)
-        topk_weights        the topk largest weights, largest first (exactly the weights there)
-        topk_indices        their keys, ties to the lower key; -1 (weight 0) past the allowed keys
+        argmax              the key of the largest score, the lowest on equal scores (-1: no
+                            allowed key)
+        topk_weights        the weights of the topk largest scores, largest first (exactly the
+                            weights there)
+        topk_indices        their keys, equal scores to the lower key; -1 (weight 0) past the
+                            allowed keys
+
+    Keys are ranked by score, not by weight: scores that differ keep their order where their
+    weights round to the same value or underflow to 0.
 
     A row with no allowed key has entropy 0, max_weight 0, argmax -1. A row with a NaN score
     has NaN entropy, max_weight and top-k weights and -1 indices. With sinks the weights sum
@@ -523,9 +529,12 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
         return_scores: also return the raw scores (ONNX Attention's qk_matmul_output_mode), in
             the compute dtype, O(Nq · Nk) memory, from a plain loop (not the fused kernel: they
             may differ from its scores by rounding): "scaled" = q·k · scale for every key (no
-            mask, modifier or causal applied), "biased" = that + ALiBi + the mask's bias with
-            -inf where causal, the window or a mask blocks, "final" = what the softmax takes
-            (the softcap too). Keys past seqlens_k are -inf at every stage (never read).
+            mask, modifier or causal applied), "softcapped" = softcap·tanh(that / softcap) for
+            every key (the cap alone, before the mask; "scaled" without a softcap), "biased" =
+            "scaled" + ALiBi + the mask's bias with -inf where causal, the window or a mask
+            blocks, "final" = what the softmax takes (the softcap too, in its order). ONNX's
+            modes 0, 1, 2 are "scaled", "softcapped", "final". Keys past seqlens_k are -inf at
+            every stage (never read).
         dropout_p, seed: dropout on the weights after the softmax: each weight (b, h, i, j) is
             dropped with probability dropout_p, kept ones are scaled by 1 / (1 - dropout_p).
             The decision is a pure function of (seed, b, h, i, j) (Philox4x32-10): the same in
@@ -598,8 +607,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
     stats = _stats_arrays(lead, dtype, topk) if return_stats else None
-    if return_scores not in (None, "scaled", "biased", "final"):
-        raise ValueError(f"return_scores must be None, 'scaled', 'biased' or 'final', got {return_scores!r}")
+    if return_scores not in (None, "scaled", "softcapped", "biased", "final"):
+        raise ValueError(f"return_scores must be None, 'scaled', 'softcapped', 'biased' or 'final', got {return_scores!r}")
     scores = _empty("scores", lead + (k.shape[-2],), dtype) if return_scores else None
     _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
                     backend, p, seed, **mods, stats=list(stats) if stats is not None else None, scores=scores,

@@ -11,7 +11,7 @@ attn_mask as the reference does, and to build a structural causal or window mask
 reference defines it, only where ONNX's alignment has no exact sdpa spelling (a causal past whose
 new K/V have another length than Q: ONNX aligns the query block right after the past, not to the
 end of the keys). Every piece of attention maths (scale, softcap, mask, causal, window,
-nonpad_kv_seqlen, softmax, weights) is sdpa.attention's.
+nonpad_kv_seqlen, softmax, weights, the qk_matmul_output scores of every mode) is sdpa.attention's.
 
 scripts/test.sh installs onnx (python/requirements-test.txt). Without onnx the module is skipped,
 except where the environment variable CI is set: there it fails, so CI never passes without it.
@@ -73,30 +73,16 @@ def _collect():
 
 CASES = {case[0]: case for case in _collect()}
 
-# qk_matmul_output modes sdpa has no output for (mode 3, the softmax weights, is return_weights).
-_SCORES = {
-    0: "qk_matmul_output mode 0 (the scaled scores q·kᵀ·scale): sdpa returns no pre-softmax scores",
-    1: "qk_matmul_output mode 1 (the softcapped scores, before the mask): sdpa returns no pre-softmax scores",
-    2: "qk_matmul_output mode 2 (the scores plus the mask and causal bias): sdpa returns no pre-softmax scores",
-}
+# qk_matmul_output_mode -> sdpa's return_scores stage (mode 3, the softmax weights, is
+# return_weights). The reference caps the scores in place before it reads modes 0 and 1, so with
+# a softcap both give the capped scores; without one "softcapped" is "scaled". Mode 2 is the
+# capped scores plus the mask's and causal's bias: "final" under softcap_order="before_bias".
+_STAGES = {0: "scaled", 1: "softcapped", 2: "final"}
 
-# The parts of a case sdpa cannot check, named. Y and present_key/present_value of these cases are
-# still compared; the test then skips with this reason. A listed case that needs nothing unsupported,
-# or an unlisted one that does, fails (test_case below).
-UNSUPPORTED = {
-    "test_attention_4d_with_qk_matmul": _SCORES[0],
-    "test_attention_4d_with_past_and_present_qk_matmul": _SCORES[0],
-    "test_attention_3d_with_past_and_present_qk_matmul": _SCORES[0],
-    "test_attention_4d_with_qk_matmul_softcap": _SCORES[1],
-    "test_attention_3d_with_past_and_present_qk_matmul_softcap": _SCORES[1],
-    "test_attention_4d_with_qk_matmul_bias": _SCORES[2],
-    "test_attention_4d_with_past_and_present_qk_matmul_bias": _SCORES[2],
-    "test_attention_4d_with_past_and_present_qk_matmul_bias_3d_mask": _SCORES[2],
-    "test_attention_4d_with_past_and_present_qk_matmul_bias_4d_mask": _SCORES[2],
-    "test_attention_4d_with_past_and_present_qk_matmul_bias_3d_mask_causal": _SCORES[2],
-    "test_attention_4d_with_past_and_present_qk_matmul_bias_4d_mask_causal": _SCORES[2],
-    "test_attention_3d_with_past_and_present_qk_matmul_bias": _SCORES[2],
-}
+# The parts of a case sdpa cannot check, named (none today: every qk_matmul_output mode maps).
+# Y and present_key/present_value of a listed case are still compared; the test then skips with
+# this reason. A listed case that needs nothing unsupported, or an unlisted one that does, fails.
+UNSUPPORTED = {}
 
 
 @pytest.fixture(autouse=True)
@@ -228,7 +214,10 @@ def run_on_sdpa(node, inputs):
 
     mode = at["qk_matmul_output_mode"]
     wants_qk = len(node.output) > 3 and node.output[3] != ""
-    unsupported = [_SCORES[mode]] if wants_qk and mode != 3 else []
+    unsupported = []
+    stage = None
+    if wants_qk and mode != 3:
+        stage = "softcapped" if mode == 0 and at["softcap"] > 0 else _STAGES[mode]
 
     # softmax_precision: sdpa computes 16-bit inputs in float32 (= softmax_precision FLOAT, the
     # attribute the 16-bit case here sets) and float32 inputs in float32; a DOUBLE softmax for
@@ -236,7 +225,7 @@ def run_on_sdpa(node, inputs):
     # float64, and must still meet ONNX's tolerance against the float64-softmax golden.
     result = sdpa.attention(q, k, v, mask, causal=causal, scale=at["scale"], window=window, seqlens_k=seqlens_k,
                             softcap=at["softcap"], softcap_order="before_bias",
-                            return_weights=wants_qk and mode == 3)
+                            return_weights=wants_qk and mode == 3, return_scores=stage)
     y, weights = result if isinstance(result, tuple) else (result, None)
     if three_d:
         y = y.transpose(0, 2, 1, 3).reshape(y.shape[0], nq, -1)
@@ -245,7 +234,7 @@ def run_on_sdpa(node, inputs):
     if weights is not None:
         # ONNX's qk_matmul_output has the type T1 of Q; sdpa's weights are in its compute dtype
         # (float32 for 16-bit inputs): rounded once to T1 here, as the reference rounds its own.
-        out["qk_matmul_output"] = weights.astype(x["Q"].dtype)
+        out["qk_matmul_output"] = weights.astype(x["Q"].dtype)  # the scores, when return_scores
     return out, unsupported
 
 

@@ -94,6 +94,11 @@ def test_return_scores_stages():
     x = q @ k.transpose(0, 2, 1) / np.sqrt(3)
     out, scaled = sdpa.attention(q, k, v, mask, causal=True, softcap=2.0, return_scores="scaled")
     assert np.allclose(scaled, x, atol=1e-14)
+    # The cap alone, for every key (ONNX's qk_matmul_output_mode 1); without a softcap, "scaled".
+    _, softcapped = sdpa.attention(q, k, v, mask, causal=True, softcap=2.0, return_scores="softcapped")
+    assert np.allclose(softcapped, 2.0 * np.tanh(x / 2.0), atol=1e-14)
+    _, uncapped = sdpa.attention(q, k, v, mask, causal=True, return_scores="softcapped")
+    assert np.array_equal(uncapped, scaled)
     allowed = mask & (np.arange(6)[None, :] <= np.arange(4)[:, None] + 2)  # bottom-right causal
     _, biased = sdpa.attention(q, k, v, mask, causal=True, softcap=2.0, return_scores="biased")
     assert np.array_equal(np.isinf(biased), np.broadcast_to(~allowed, biased.shape))

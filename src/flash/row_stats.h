@@ -118,9 +118,10 @@ void merge_stats_chunks(const T* partial, const T* reals, const int64_t* ints, i
 }
 
 // Writes row (b, h, i)'s statistics from the keys' max m (0 when none), sum l (NaN after a NaN
-// score), t and the lane's counts; sink: the row's sink logit, or -inf without one.
+// score), t and the lane's counts; sink: the row's sink logit, or -inf without one. Returns the
+// weight of the row's largest score (max_weight, written or not).
 template <typename T>
-void write_row_stats(const Problem& p, int64_t b, int64_t h, int64_t i, T m, T l, T sink, const LaneStats<T>& ls,
+T write_row_stats(const Problem& p, int64_t b, int64_t h, int64_t i, T m, T l, T sink, const LaneStats<T>& ls,
                      int64_t lane) {
   const T nan = std::numeric_limits<T>::quiet_NaN();
   const int64_t allowed = ls.allowed()[lane];
@@ -149,6 +150,7 @@ void write_row_stats(const Problem& p, int64_t b, int64_t h, int64_t i, T m, T l
     const int64_t j = none || is_nan ? -1 : ls.top_i(lane)[r];
     return std::pair<int64_t, T>{j, is_nan ? nan : j < 0 ? T(0) : weight(ls.top_s(lane)[r], M, L)};
   });
+  return max_weight;
 }
 
 }  // namespace sdpa::internal
