@@ -18,8 +18,6 @@ import ml_dtypes
 import numpy as np
 
 from . import _core
-from .blocks import (block_mask_bigbird, block_mask_dilated, block_mask_documents, block_mask_from_mask,
-                     document_mask)
 
 __all__ = ["attention", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
@@ -28,7 +26,7 @@ __version__ = "0.1.0"
 
 _CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
            "top_left": "top_left"}
-_INT64_MAX = 2**63 - 1
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
 _FLOAT16 = np.dtype(np.float16)
 _BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _FLOAT32 = np.dtype(np.float32)
@@ -58,6 +56,51 @@ def _describe(x):
     except ValueError:  # e.g. a Fraction whose parts have more than 4300 digits
         return f"a {type(x).__name__} too long to print"
     return text if len(text) <= 80 else text[:60] + "..."
+
+
+class _NotAnInteger(TypeError, ValueError):
+    """A value that is not an integer, given for an integer argument: a TypeError, and also a
+    ValueError, which this package raised for it before (callers catching that keep working)."""
+
+
+def _bound(n):
+    return {_INT64_MIN: "-2**63", _INT64_MAX: "2**63 - 1", 2**64 - 1: "2**64 - 1"}.get(n, str(n))
+
+
+def _checked_int(name, value, low=_INT64_MIN, high=_INT64_MAX):
+    """value as an int in [low, high] (high None: unbounded), by default int64's range, which
+    _core takes (it checks tighter ranges itself, naming the argument): the one rule for every
+    integer argument. A Python or NumPy integer; a bool (True is a slip, not 1), a float (2.0
+    too: nothing is truncated), a str (nothing is parsed) or None is _NotAnInteger, a value
+    outside the range ValueError, each naming `name`."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise _NotAnInteger(f"{name} must be an integer, got {_describe(value)}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be an integer in [{_bound(low)}, {'inf' if high is None else _bound(high)}], "
+                         f"got {_describe(value)}")
+    return int(value)
+
+
+def _dtype_arg(name, dtype, allowed, names):
+    """np.dtype(dtype) when it is one of `allowed` (spelt `names` in the message), else TypeError
+    naming it; None is refused (NumPy would read it as float64)."""
+    try:
+        dt = None if dtype is None else np.dtype(dtype)
+    except TypeError:  # not a dtype at all ("nonsense", 5)
+        dt = None
+    if dt is None or dt not in allowed:  # (np.dtype == None is float64's test, hence the first)
+        raise TypeError(f"{name} must be {names}, got {_describe(dtype)}")
+    return dt
+
+
+def _generator(seed):
+    """np.random.default_rng(seed) (None: fresh entropy; an integer or a sequence of them), its
+    refusals (a float, a str, a negative integer) naming seed."""
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"seed must be None, a non-negative integer or a sequence of them, got {_describe(seed)} "
+                      f"({e})") from None
 
 
 def _byte_size(n):
@@ -97,9 +140,20 @@ def _asarray(name, a):
 
 
 def _check_real(name, a):
+    """The one rule for arrays of values (q, k, v, dout, out, lse, slopes, sinks, a cache's k and
+    v, the layer's inputs, weights and dy): real numbers, which are converted as each function
+    says; complex (its imaginary part would be dropped), strings (they would be parsed), object,
+    datetime and other dtypes (ml_dtypes' float8 types) are TypeError naming the array."""
     if a.dtype.kind not in "biuf" and a.dtype != _BFLOAT16:
         raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers (float32, float64, "
-                        "float16, ml_dtypes.bfloat16, or integer/bool promoted to float64)")
+                        "float16, ml_dtypes.bfloat16, or integers and bool, converted)")
+
+
+def _real_array(name, a):
+    """np.asarray(a) (see _asarray) when it holds real numbers (see _check_real)."""
+    a = _asarray(name, a)
+    _check_real(name, a)
+    return a
 
 
 def _check_kind(name, a):
@@ -183,18 +237,23 @@ def _prepared(name, a, dtype, unit_last_stride=True):
     return a
 
 
+def _check_mask_dtype(name, mask):
+    """The rule for element masks: bool (True = attend) or floating point (a bias), else TypeError."""
+    if mask.dtype != np.bool_ and mask.dtype.kind != "f" and mask.dtype != _BFLOAT16:
+        raise TypeError(f"{name} has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
+                        "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
+
+
 def _prepared_mask(mask, q_dtype, scores_shape):
     """mask as bool, as q's dtype `q_dtype` when it has that dtype, or else as q's compute
     dtype; its rank checked against the scores' (B, Hq, Nq, Nk)."""
     mask = _asarray("mask", mask)
+    _check_mask_dtype("mask", mask)
     if mask.ndim > 4:  # _core only takes up to 4 dims and would not say which shape it got
         raise ValueError(f"mask has shape {mask.shape}, more dims than the scores {scores_shape}; "
                          "a mask has at most 4 dims, (B, Hq, Nq, Nk)")
     if mask.dtype == np.bool_:
         return _converted("mask", mask, mask.dtype)
-    if mask.dtype.kind != "f" and mask.dtype != _BFLOAT16:
-        raise TypeError(f"mask has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
-                        "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
     if q_dtype in _LOW and _narrow_float(mask) == q_dtype:
         return _converted("mask", mask, q_dtype)  # a 16-bit mask of q's own dtype: _core widens it
     dtype = _compute_dtype(q_dtype)
@@ -252,17 +311,23 @@ def _prepared_inputs(q, k, v, mask):
     return _compute_dtype(q_dtype), q, k, v, mask
 
 
-def _scale_value(scale):
-    """A scale (a real number, not a bool) as a finite float; TypeError or ValueError naming it."""
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {scale!r}")
+def _real_number(name, x):
+    """x (a real number, not a bool: a str is not parsed, a complex not cut) as a finite float;
+    TypeError or ValueError naming it."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_describe(x)}")
     try:
-        value = float(scale)
+        value = float(x)
     except OverflowError:  # an int or Fraction beyond float64
         value = math.inf
     if not math.isfinite(value):
-        raise ValueError(f"scale must be finite, got {_describe(scale)}")
+        raise ValueError(f"{name} must be finite, got {_describe(x)}")
     return value
+
+
+def _scale_value(scale):
+    """A scale as a finite float (see _real_number)."""
+    return _real_number("scale", scale)
 
 
 def _parsed_options(causal, scale, window, backend, dtype):
@@ -311,18 +376,23 @@ def _parsed_dropout(dropout_p, seed):
             raise ValueError("seed must be given when dropout_p > 0: the same seed draws the same "
                              "dropout mask in attention and attention_backward")
         seed = 0
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an integer in [0, 2**64), got {_describe(seed)}")
-    return p, int(seed)
+    return p, _checked_int("seed", seed, 0, 2**64 - 1)
 
 
 def _prepared_indices(name, a, meaning, ndim=1):
-    """An index array (seqlens_k, cu_seqlens) as the 1-dim int64 array _core reads; _core checks
-    its length and values, so that its messages name the batch and the sizes. `meaning` says
-    what it holds, for the messages here."""
+    """An index array (seqlens_k, cu_seqlens, block_table, sequence ids) as the int64 array _core
+    reads; _core checks its length and values, so that its messages name the batch and the
+    sizes. `meaning` says what it holds, for the messages here. The one rule for indices:
+    integers only, a float (1.0 too: nothing is truncated) or bool array is TypeError."""
     if a is None:
         return None
-    a = _asarray(name, a)
+    given, a = a, _asarray(name, a)
+    if a.size == 0 and not isinstance(given, np.ndarray):
+        a = a.astype(np.int64)  # [] has no dtype of its own (NumPy makes it float64)
+    if a.dtype == object:  # NumPy keeps integers beyond int64 and uint64 ([2**64]) as Python objects
+        big = [x for x in a.flat if isinstance(x, numbers.Integral) and not _INT64_MIN <= x <= _INT64_MAX]
+        if big:
+            raise ValueError(f"{name} holds {_describe(big[0])}, beyond int64 ({meaning})")
     if a.dtype == np.bool_ or a.dtype.kind not in "iu":
         raise TypeError(f"{name} has dtype {a.dtype}, but must hold integers ({meaning})")
     if a.ndim != ndim:
@@ -339,12 +409,13 @@ def _prepared_seqlens(seqlens_k):
 _SOFTCAP_ORDERS = ("before_bias", "after_bias")
 
 
-def _block_sizes(block_size):
-    """(block_q, block_k) from an int or a pair of ints (_core checks that they are >= 1)."""
+def _block_sizes(block_size, low=_INT64_MIN):
+    """(block_q, block_k) from an int or a pair of ints, each in [low, 2**63 - 1] (_core checks
+    that they are >= 1, naming block_q and block_k)."""
     pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
-    if len(pair) != 2 or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in pair):
+    if len(pair) != 2:
         raise TypeError(f"block_size must be an int or a pair of ints (block_q, block_k), got {_describe(block_size)}")
-    return int(pair[0]), int(pair[1])
+    return tuple(_checked_int("block_size", b, low) for b in pair)
 
 
 def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128):
@@ -359,9 +430,7 @@ def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=
     mods = {"softcap": float(softcap), "softcap_order": softcap_order}
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
-            a = _asarray(name, a)
-            _check_real(name, a)
-            mods[name] = np.ascontiguousarray(a, dtype=dtype)
+            mods[name] = np.ascontiguousarray(_real_array(name, a), dtype=dtype)
     block_q, block_k = _block_sizes(block_size)
     if block_mask is not None:
         bm = _asarray("block_mask", block_mask)
@@ -406,13 +475,6 @@ class Stats(NamedTuple):
     argmax: np.ndarray
     topk_weights: np.ndarray
     topk_indices: np.ndarray
-
-
-def _checked_int(name, value, low, high=None):
-    """value as an int in [low, high] (high None: unbounded), else ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer in [{low}, {'inf' if high is None else high}], got {value!r}")
-    return int(value)
 
 
 def _stats_arrays(lead, dtype, topk):
@@ -669,9 +731,7 @@ def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlen
 def _backward_arrays(dout, out, lse, q, k, v, dtype):
     """dout, out (q's dtype) and lse (the compute dtype `dtype`) ready for _core, and empty dq,
     dk, dv shaped and typed like q, k, v: what both backward functions take and return."""
-    arrays = {name: _asarray(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
-    for name, a in arrays.items():
-        _check_real(name, a)
+    arrays = {name: _real_array(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
     return (_prepared("dout", arrays["dout"], q.dtype), _prepared("out", arrays["out"], q.dtype),
             _prepared("lse", arrays["lse"], dtype, unit_last_stride=False),
             _empty("dq", q.shape, q.dtype), _empty("dk", k.shape, k.dtype), _empty("dv", v.shape, v.dtype))
@@ -854,8 +914,7 @@ def _pool_array(name, a):
 def _paged_query(q, pool_dtype, nq_name="q", packed=False):
     """q as the kernels take it against a pool of `pool_dtype`: the pool's dtype, or float32 over
     a 16-bit pool. packed: (total_q, Hq, Dk) rows cut by cu_seqlens_q, else (B, Hq, Nq, Dk)."""
-    q = _asarray(nq_name, q)
-    _check_real(nq_name, q)
+    q = _real_array(nq_name, q)
     if q.ndim != (3 if packed else 4):
         raise ValueError(f"{nq_name} has shape {q.shape}, but must be "
                          f"{'(total_q, Hq, Dk) with cu_seqlens_q' if packed else '(B, Hq, Nq, Dk)'}")
@@ -953,14 +1012,18 @@ class KVCache:
     attends row b of q (len(seqs), Hq, Nq, Dk) to sequence seqs[b]. Errors (ValueError) for a
     full pool, an unknown sequence, and mismatched heads, dims or token counts; nothing is
     written then. Not thread-safe while it changes.
+
+    Arguments are checked as ``attention`` checks its own: sizes and sequence ids are integers
+    (Python or NumPy, not bool; a float such as 1.0 is a TypeError, never truncated), k and v
+    real numbers (complex, strings, object or float8 arrays are a TypeError, never cast).
     """
 
     def __init__(self, num_pages, page_size, num_kv_heads, head_dim_k, head_dim_v=None, dtype=np.float32):
-        self._dtype = np.dtype(dtype)
-        if self._dtype not in _POOL_DTYPES:
-            raise TypeError(f"dtype {self._dtype} must be float32, float64, float16 or ml_dtypes.bfloat16")
-        self._c = _core.KVCache(num_pages, page_size, num_kv_heads, head_dim_k,
-                                head_dim_k if head_dim_v is None else head_dim_v, _POOL_DTYPES[self._dtype])
+        sizes = [_checked_int(name, n) for name, n in (("num_pages", num_pages), ("page_size", page_size),
+                                                       ("num_kv_heads", num_kv_heads), ("head_dim_k", head_dim_k))]
+        sizes.append(sizes[3] if head_dim_v is None else _checked_int("head_dim_v", head_dim_v))
+        self._dtype = _dtype_arg("dtype", dtype, _POOL_DTYPES, "float32, float64, float16 or ml_dtypes.bfloat16")
+        self._c = _core.KVCache(*sizes, _POOL_DTYPES[self._dtype])
 
     def new_sequence(self):
         """A new, empty sequence; returns its id (the lowest not in use)."""
@@ -968,19 +1031,20 @@ class KVCache:
 
     def append(self, seq, k, v):
         """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv)."""
-        k, v = (_prepared(name, _asarray(name, a), self._dtype) for name, a in (("k", k), ("v", v)))
+        seq = _checked_int("seq", seq)
+        k, v = (_prepared(name, _real_array(name, a), self._dtype) for name, a in (("k", k), ("v", v)))
         self._c.append(seq, _core_view(k), _core_view(v))
 
     def free(self, seq):
         """Gives the sequence's pages back to the pool; its id may be reused."""
-        self._c.free(seq)
+        self._c.free(_checked_int("seq", seq))
 
     def length(self, seq):
-        return self._c.length(seq)
+        return self._c.length(_checked_int("seq", seq))
 
     def pages(self, seq):
         """The sequence's pages in order: its block-table row."""
-        return list(self._c.pages(seq))
+        return list(self._c.pages(_checked_int("seq", seq)))
 
     def sequences(self):
         return list(self._c.sequences())
@@ -1010,9 +1074,10 @@ class KVCache:
 
     def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto",
                   softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
-        """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (ids; one may
-        appear more than once): row b attends to sequence seqs[b]. Options as ``attention``."""
-        seqs = [int(s) for s in (seqs if isinstance(seqs, (list, tuple, np.ndarray)) else [seqs])]
+        """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (one id, or a
+        list, tuple or 1-dim array of integer ids; one may appear more than once): row b attends
+        to sequence seqs[b]. Options as ``attention``."""
+        seqs = _sequence_ids(seqs, "q")
         q = _paged_query(q, self._dtype)
         dtype = _compute_dtype(q.dtype)
         causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
@@ -1022,6 +1087,16 @@ class KVCache:
         self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,
                           backend, **mods)
         return (out, lse) if return_lse else out
+
+
+def _sequence_ids(seqs, rows):
+    """seqs (one id, or a list, tuple or 1-dim array of ids) as the list of ints _core takes, by
+    the rule of index arrays (_prepared_indices): [0.9], np.array([1.0]) and [True] are
+    TypeError naming seqs, never sequence 0 or 1; `rows` names the array they index."""
+    a = _asarray("seqs", seqs)
+    # One id is a list of one; a list goes on as it is, so that [] is an empty list of ids.
+    return _prepared_indices("seqs", a.reshape(1) if a.ndim == 0 else seqs,
+                             f"sequence ids, one per row of {rows}").tolist()
 
 
 def dropout_mask(shape, dropout_p, seed):
@@ -1036,14 +1111,11 @@ def dropout_mask(shape, dropout_p, seed):
     try:
         dims = tuple(shape)
     except TypeError:
-        raise TypeError(f"shape must be a tuple of integers like the weights' shape, got {shape!r}") from None
-    if any(isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral) for n in dims):
-        raise TypeError(f"shape must be a tuple of integers like the weights' shape, got {shape!r}")
+        raise TypeError(f"shape must be a tuple of integers like the weights' shape, got {_describe(shape)}") from None
+    dims = tuple(_checked_int(f"shape[{i}]", n, 0) for i, n in enumerate(dims))
     if not 2 <= len(dims) <= 4:
         raise ValueError(f"shape must have 2, 3 or 4 dims like the weights, got {dims}")
-    if not all(0 <= n <= _INT64_MAX for n in dims):
-        raise ValueError(f"shape must have dims in [0, 2**63), got ({', '.join(_describe(n) for n in dims)})")
-    mask = _empty("the dropout mask", tuple(int(n) for n in dims), np.bool_)
+    mask = _empty("the dropout mask", dims, np.bool_)
     _core.dropout_mask(p, seed, mask)
     return mask
 
@@ -1053,12 +1125,7 @@ def set_num_threads(n):
     else all cores). Outputs are bitwise identical whatever the count.
 
     Raises TypeError for an n that is not an integer, ValueError for one outside [0, 2**31)."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"set_num_threads: n must be an integer (the thread count, 0 = OpenMP's default), got {n!r}")
-    if not 0 <= n < 2**31:
-        raise ValueError(f"set_num_threads: n must be in [0, 2**31) (the thread count, 0 = OpenMP's default), "
-                         f"got {_describe(n)}")
-    _core.set_num_threads(int(n))
+    _core.set_num_threads(_checked_int("set_num_threads: n", n, 0, 2**31 - 1))
 
 
 def num_threads():
@@ -1066,4 +1133,7 @@ def num_threads():
     return _core.num_threads()
 
 
-from .layer import LayerGradients, MultiHeadAttention  # noqa: E402  (layer.py uses the helpers above)
+# blocks.py and layer.py use the helpers above.
+from .blocks import (block_mask_bigbird, block_mask_dilated, block_mask_documents, block_mask_from_mask,  # noqa: E402
+                     document_mask)
+from .layer import LayerGradients, MultiHeadAttention  # noqa: E402

@@ -19,31 +19,21 @@ block mask lets the kernels skip what is empty::
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
+
+from . import _asarray, _block_sizes, _check_fits, _check_mask_dtype, _checked_int, _generator
 
 __all__ = ["block_mask_bigbird", "block_mask_dilated", "block_mask_from_mask", "document_mask",
            "block_mask_documents"]
 
 
-def _sizes(block_size):
-    pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
-    if len(pair) != 2 or any(isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1 for b in pair):
-        raise ValueError(f"block_size must be a positive int or a pair of them (bq, bk), got {block_size!r}")
-    return int(pair[0]), int(pair[1])
-
-
-def _count(name, n):
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    return int(n)
-
-
 def _blocks(nq, nk, block_size):
-    bq, bk = _sizes(block_size)
-    nq, nk = _count("nq", nq), _count("nk", nk)
-    return -(-nq // bq), -(-nk // bk)
+    """(QB, KB) for nq queries and nk keys, refused by name when the (QB, KB) mask cannot fit."""
+    bq, bk = _block_sizes(block_size, low=1)
+    nq, nk = _checked_int("nq", nq, 0), _checked_int("nk", nk, 0)
+    shape = (-(-nq // bq), -(-nk // bk))
+    _check_fits("the block mask would have", shape, np.bool_)
+    return shape
 
 
 def block_mask_bigbird(nq, nk, *, block_size=128, window=3, global_blocks=1, random_blocks=0, seed=0):
@@ -53,8 +43,9 @@ def block_mask_bigbird(nq, nk, *, block_size=128, window=3, global_blocks=1, ran
     with ``np.random.default_rng(seed)``; the first ``global_blocks`` query blocks see every key
     block. Returns a (QB, KB) bool array."""
     QB, KB = _blocks(nq, nk, block_size)
-    for name, x in (("window", window), ("global_blocks", global_blocks), ("random_blocks", random_blocks)):
-        _count(name, x)
+    window, global_blocks, random_blocks = (_checked_int(name, x, 0) for name, x in (
+        ("window", window), ("global_blocks", global_blocks), ("random_blocks", random_blocks)))
+    rng = _generator(seed)
     if window % 2 == 0 and window != 0:
         raise ValueError(f"window must be odd (centred on the query block) or 0, got {window}")
     qi = np.arange(QB)[:, None]
@@ -62,7 +53,6 @@ def block_mask_bigbird(nq, nk, *, block_size=128, window=3, global_blocks=1, ran
     bm = np.abs(qi - kj) <= window // 2 if window else np.zeros((QB, KB), bool)
     bm[:, :global_blocks] = True
     bm[:global_blocks, :] = True
-    rng = np.random.default_rng(seed)
     for row in bm:
         free = np.flatnonzero(~row)
         if free.size and random_blocks:
@@ -75,12 +65,11 @@ def block_mask_dilated(nq, nk, *, block_size=128, dilation=2, window=None):
     multiple of ``dilation``, and, with ``window`` (in blocks), when also |qi - kj| <= window.
     Returns a (QB, KB) bool array."""
     QB, KB = _blocks(nq, nk, block_size)
-    if isinstance(dilation, bool) or not isinstance(dilation, numbers.Integral) or dilation < 1:
-        raise ValueError(f"dilation must be a positive int, got {dilation!r}")
+    dilation = _checked_int("dilation", dilation, 1)
     diff = np.arange(QB)[:, None] - np.arange(KB)[None, :]
     bm = diff % dilation == 0
     if window is not None:
-        bm &= np.abs(diff) <= _count("window", window)
+        bm &= np.abs(diff) <= _checked_int("window", window, 0)
     return bm
 
 
@@ -89,12 +78,15 @@ def block_mask_from_mask(mask, block_size=128):
     some query see (a bool mask's True, a float mask's value above -inf). mask: (…, Nq, Nk);
     returns (…, QB, KB). With both passed to ``attention``, the result is the mask's alone and
     the kernels skip the empty blocks."""
-    bq, bk = _sizes(block_size)
-    m = np.asarray(mask)
+    bq, bk = _block_sizes(block_size, low=1)
+    m = _asarray("mask", mask)
+    _check_mask_dtype("mask", m)  # attention's rule: an integer 0/1 mask is not read as all True
     if m.ndim < 2:
         raise ValueError(f"mask must have at least 2 dims (…, Nq, Nk), got shape {m.shape}")
     allowed = m if m.dtype == np.bool_ else m > -np.inf
     *lead, nq, nk = allowed.shape
+    # A block larger than the mask holds all of it: the same blocks, and padding of at most nq, nk.
+    bq, bk = min(bq, max(nq, 1)), min(bk, max(nk, 1))
     QB, KB = -(-nq // bq), -(-nk // bk)
     padded = np.zeros((*lead, QB * bq, KB * bk), bool)
     padded[..., :nq, :nk] = allowed
@@ -115,7 +107,7 @@ def document_mask(doc_q, doc_k=None):
 def block_mask_documents(doc_q, doc_k=None, *, block_size=128):
     """``block_mask_from_mask(document_mask(doc_q, doc_k), block_size)`` without the (Nq, Nk)
     mask: block (qi, kj) is True when a document has a query in qi and a key in kj."""
-    bq, bk = _sizes(block_size)
+    bq, bk = _block_sizes(block_size, low=1)
     dq = np.asarray(doc_q)
     dk = dq if doc_k is None else np.asarray(doc_k)
     if dq.ndim != 1 or dk.ndim != 1:

@@ -36,8 +36,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import (_asarray, _checked_int, _core, _core_view, _empty, _parsed_dropout, _parsed_options, _prepared,
-               _prepared_mask, KVCache)
+from . import (_checked_int, _core, _core_view, _dtype_arg, _empty, _generator, _parsed_dropout, _parsed_options,
+               _prepared, _prepared_mask, _real_array, _real_number, _sequence_ids, KVCache)
 
 __all__ = ["MultiHeadAttention", "LayerGradients"]
 
@@ -66,20 +66,17 @@ class MultiHeadAttention:
 
     def __init__(self, d_model, num_heads, *, num_kv_heads=None, head_dim=None, head_dim_v=None, kdim=None,
                  vdim=None, bias=True, rope=False, rope_base=10000.0, dtype=np.float32, seed=None):
-        self.dtype = np.dtype(dtype)
-        if self.dtype not in (np.float32, np.float64):
-            raise TypeError(f"dtype must be float32 or float64, got {self.dtype}")
+        self.dtype = _dtype_arg("dtype", dtype, (np.dtype(np.float32), np.dtype(np.float64)), "float32 or float64")
+        optional = (("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("head_dim_v", head_dim_v), ("kdim", kdim),
+                    ("vdim", vdim))
         config = (_checked_int("d_model", d_model, 1), _checked_int("num_heads", num_heads, 1),
-                  0 if num_kv_heads is None else _checked_int("num_kv_heads", num_kv_heads, 1),
-                  0 if head_dim is None else _checked_int("head_dim", head_dim, 1),
-                  0 if head_dim_v is None else _checked_int("head_dim_v", head_dim_v, 1),
-                  0 if kdim is None else _checked_int("kdim", kdim, 1), 0 if vdim is None else _checked_int("vdim", vdim, 1),
-                  bool(bias), bool(rope), float(rope_base))
+                  *(0 if n is None else _checked_int(name, n, 1) for name, n in optional),  # 0: the layer's default
+                  bool(bias), bool(rope), _real_number("rope_base", rope_base))
         self._config = _core.mha_resolved(config)  # defaults filled in and checked by the C++ layer
         (self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v, self.kdim, self.vdim,
          self.bias, self.rope, self.rope_base) = self._config
         E, Hq, Hkv, Dk, Dv = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim_v
-        rng = np.random.default_rng(seed)
+        rng = _generator(seed)
         self._rng = rng  # dropout seeds when none is given
 
         def uniform(shape, bound):
@@ -102,18 +99,17 @@ class MultiHeadAttention:
         out = []
         for name in _PARAMS:
             a = getattr(self, name)
-            out.append(None if a is None else _prepared(name, _asarray(name, a), self.dtype))
+            out.append(None if a is None else _prepared(name, _real_array(name, a), self.dtype))
         return out
 
-    def _inputs(self, x_q, x_k, x_v):
+    def _inputs(self, x_q, x_k, x_v, q_name="x_q"):
+        """The inputs as the layer's dtype (3 dims, real numbers); q_name: what the caller calls x_q."""
         arrays = []
-        for name, a in (("x_q", x_q), ("x_k", x_k), ("x_v", x_v)):
+        for name, a in ((q_name, x_q), ("x_k", x_k), ("x_v", x_v)):
             if a is None:
                 arrays.append(None)
                 continue
-            a = _asarray(name, a)
-            if a.dtype.kind not in "biuf":
-                raise TypeError(f"{name} has dtype {a.dtype}; the layer takes real numbers")
+            a = _real_array(name, a)
             if a.ndim != 3:
                 raise ValueError(f"{name} has shape {a.shape}, expected 3 dims (B, N, width)")
             arrays.append(_prepared(name, a, self.dtype))
@@ -131,6 +127,7 @@ class MultiHeadAttention:
         B, Nq = x_q.shape[:2]
         Nk = x_k.shape[1] if x_k is not None else Nq
         causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, self.dtype)
+        positions = _checked_int("position_q", position_q), _checked_int("position_k", position_k)
         if seed is None and isinstance(dropout_p, (int, float)) and dropout_p > 0:
             seed = int(self._rng.integers(0, 2**62))
         dropout_p, seed = _parsed_dropout(dropout_p, seed)
@@ -141,9 +138,9 @@ class MultiHeadAttention:
         params = self._params()
         saved = _core.MultiHeadSaved()
         options = (scale, causal_code, left, right, backend, dropout_p, seed)
-        _core.mha_forward(self._config, params, x_q, x_k, x_v, _core_view(mask), int(position_q), int(position_k), y,
-                          weights, saved, *options)
-        self._last = (params, x_q, x_k, x_v, mask, int(position_q), int(position_k), saved, options)
+        _core.mha_forward(self._config, params, x_q, x_k, x_v, _core_view(mask), *positions, y, weights, saved,
+                          *options)
+        self._last = (params, x_q, x_k, x_v, mask, *positions, saved, options)
         return (y, weights) if need_weights else y
 
     __call__ = forward
@@ -155,7 +152,7 @@ class MultiHeadAttention:
         if self._last is None:
             raise RuntimeError("backward needs a forward first")
         params, x_q, x_k, x_v, mask, pos_q, pos_k, saved, options = self._last
-        dy = _prepared("dy", _asarray("dy", dy), self.dtype)
+        dy = _prepared("dy", _real_array("dy", dy), self.dtype)
         grads = [np.empty(x.shape, self.dtype) if x is not None else None for x in (x_q, x_k, x_v)]
         grads += [None if p is None else np.empty(p.shape, self.dtype) for p in params]
         _core.mha_backward(self._config, params, x_q, x_k, x_v, _core_view(mask), pos_q, pos_k, saved, dy,
@@ -170,9 +167,11 @@ class MultiHeadAttention:
         """Incremental decoding: x (B, n, d_model) are the next n tokens of cache sequences seqs[b].
         Projects them, applies RoPE at their positions (the sequences' lengths so far), appends
         their keys and values to the cache and attends causally (each token sees the cache up to
-        itself): y (B, n, d_model), equal to the causal forward of the whole sequences' rows."""
-        x = self._inputs(x, None, None)[0]
-        seqs = [int(s) for s in (seqs if isinstance(seqs, (list, tuple, np.ndarray)) else [seqs])]
+        itself): y (B, n, d_model), equal to the causal forward of the whole sequences' rows.
+        seqs: one id, or a list, tuple or 1-dim array of integer ids, as ``KVCache.attention``
+        takes them (a float such as 1.0, or a bool, is a TypeError, never truncated)."""
+        x = self._inputs(x, None, None, q_name="x")[0]
+        seqs = _sequence_ids(seqs, "x")
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an sdpa.KVCache, got {type(cache).__name__}")
         _, scale, left, right = _parsed_options(False, scale, window, backend, self.dtype)

@@ -64,7 +64,7 @@ def test_dropout_p_beyond_float64_raises_value_error(p):
 def test_seed_beyond_int_digits_limit_names_seed():
     # repr(10**5000) itself raises ValueError (Python's 4300-digit limit): the message must not.
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"^seed must be an integer in \[0, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"^seed must be an integer in \[0, 2\*\*64 - 1\]"):
         sdpa.attention(q, k, v, dropout_p=0.5, seed=10**5000)
 
 

@@ -300,3 +300,30 @@ def test_later_calls_work_after_an_error():
     for a, b in zip((q, k, v), copies):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(sdpa.attention(q, k, v), good)
+
+
+# ---------------------------------------------------------------- issue 26: integers that do not fit
+
+
+@pytest.mark.parametrize("fn", ["attention", "attention_backward", "inspect"])
+@pytest.mark.parametrize("block_size,error", [(2**64, ValueError), ((2, -2**64), ValueError), ((2**70, 2), ValueError),
+                                              (2.0, TypeError), ((2, "2"), TypeError), ((2, True), TypeError)],
+                         ids=repr)
+def test_block_size_is_checked_by_name(fn, block_size, error):
+    # block_size=2**64 gave nanobind's "incompatible function arguments" dump.
+    q, k, v = _qkv()
+    args = {"attention": (q, k, v), "inspect": (q, k, v),
+            "attention_backward": (np.ones((2, 4, 3, 6)), q, k, v, np.ones((2, 4, 3, 6)), np.zeros((2, 4, 3)))}[fn]
+    with pytest.raises(error, match=r"^block_size must be an integer") as info:
+        getattr(sdpa, fn)(*args, block_mask=np.ones((1, 1), bool), block_size=block_size)
+    assert "incompatible function arguments" not in str(info.value)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(topk=2**64), "topk"), (dict(cells=2**64), "cells"),
+                                     (dict(max_heads=2**64), "max_heads"), (dict(max_heads=-2**64), "max_heads")],
+                         ids=repr)
+def test_inspect_integers_beyond_int64_are_named(kw, name):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=rf"^{name} must be an integer in") as info:
+        sdpa.inspect(q, k, v, progress=False, **kw)
+    assert "incompatible function arguments" not in str(info.value)

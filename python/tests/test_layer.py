@@ -3,6 +3,7 @@ the docstring's formulas, its gradients against central differences of the oracl
 float32 layer against the reference layer (tolerance from the naive layer's error), step()
 against the causal forward, dropout's keep decisions shared by forward and backward, errors."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -217,3 +218,81 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"dy has shape \(2, 5, 3\)"):
         layer.backward(np.zeros((2, 5, 3), np.float32))
     assert y.shape == x.shape
+
+
+# ---------------------------------------------------------------- issue 26: argument types
+
+
+@pytest.mark.filterwarnings("error")  # numpy's ComplexWarning, the sign of a silent cast, fails the test
+@pytest.mark.parametrize("name", ["w_q", "w_o", "b_k", "dy", "x_q", "x_k"])
+@pytest.mark.parametrize("bad", [lambda a: a + 1j, lambda a: a.astype(str), lambda a: a.astype(object),
+                                 lambda a: a.astype(ml_dtypes.float8_e4m3fn)], ids=["complex", "str", "object",
+                                                                                     "float8"])
+def test_weights_and_inputs_that_are_not_real_are_refused(name, bad):
+    # A complex w_q or dy used to be cast to its real part.
+    layer, x, _ = make("self", np.float32)
+    layer(x)
+    before = {n: a.copy() for n, a in layer.parameters().items()}
+    with pytest.raises(TypeError, match=rf"^{name} has dtype"):
+        if name == "dy":
+            layer.backward(bad(np.ones_like(x)))
+        elif name.startswith("x_"):
+            layer(**{"x_q": x, "x_k": x, name: bad(x)})
+        else:
+            setattr(layer, name, bad(getattr(layer, name)))
+            layer(x)
+    for n, a in before.items():
+        if n != name:
+            np.testing.assert_array_equal(getattr(layer, n), a)
+
+
+@pytest.mark.parametrize("seqs", [np.array([1.7]), [0.9], np.array([1.0]), [True], 0.0], ids=repr)
+def test_step_takes_integer_sequence_ids_only(seqs):
+    # np.array([1.7]) used to append to sequence 1.
+    layer, x, _ = make("causal_rope_gqa", np.float32)
+    cache = layer.new_cache(num_pages=8, page_size=4)
+    for _ in range(2):
+        cache.new_sequence()
+    with pytest.raises(TypeError, match=r"^seqs has dtype (float64|bool), but must hold integers"):
+        layer.step(x[:1, :1], cache, seqs)
+    assert [cache.length(s) for s in (0, 1)] == [0, 0]
+    layer.step(x[:1, :1], cache, np.array([1], np.int32))
+    assert [cache.length(s) for s in (0, 1)] == [0, 1]
+
+
+def test_step_names_its_argument_x():
+    # step's argument is x; its errors used to call it x_q (the forward's name).
+    layer, x, _ = make("causal_rope_gqa", np.float32)
+    cache = layer.new_cache(num_pages=8, page_size=4)
+    s = cache.new_sequence()
+    for bad, match in ((np.zeros((1, 1, 7), np.float32), r"^multi_head_attention_step: x has shape \(1, 1, 7\)"),
+                       (np.zeros((1, 7), np.float32), r"^x has shape \(1, 7\)"),
+                       (np.zeros((1, 1, 32), np.complex64), r"^x has dtype complex64")):
+        with pytest.raises((TypeError, ValueError), match=match) as info:
+            layer.step(bad, cache, [s])
+        assert "x_q" not in str(info.value)
+    assert cache.length(s) == 0
+
+
+@pytest.mark.parametrize("kw,name,error", [
+    (dict(d_model=2**64), "d_model", ValueError), (dict(d_model=8.0), "d_model", TypeError),
+    (dict(num_heads=-2**64), "num_heads", ValueError), (dict(num_kv_heads=2**64), "num_kv_heads", ValueError),
+    (dict(head_dim="4"), "head_dim", TypeError), (dict(kdim=True), "kdim", TypeError),
+    (dict(rope_base="10000"), "rope_base", TypeError), (dict(rope_base=1j), "rope_base", TypeError),
+    (dict(dtype=None), "dtype", TypeError), (dict(dtype="nonsense"), "dtype", TypeError),
+    (dict(seed=2.5), "seed", TypeError)], ids=repr)
+def test_constructor_arguments_are_named_in_errors(kw, name, error):
+    # d_model=2**64 gave nanobind's "incompatible function arguments" dump.
+    with pytest.raises(error, match=rf"^{name}\b") as info:
+        sdpa.MultiHeadAttention(**{"d_model": 8, "num_heads": 2, **kw})
+    assert "incompatible function arguments" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["position_q", "position_k"])
+@pytest.mark.parametrize("value,error", [(2.5, TypeError), (1.0, TypeError), (2**64, ValueError),
+                                         ("1", TypeError)], ids=repr)
+def test_positions_are_integers(name, value, error):
+    # position_q=2.5 used to be truncated to 2, 2**64 gave nanobind's dump.
+    layer, x, _ = make("causal_rope_gqa", np.float32)
+    with pytest.raises(error, match=rf"^{name} must be an integer"):
+        layer(x, **{name: value})

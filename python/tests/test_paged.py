@@ -191,3 +191,77 @@ def test_packed_query_errors_name_the_argument_and_the_sequence():
         sdpa.attention_paged(q, k_pages, v_pages, bad, [20, 20], cu_seqlens_q=[0, 2, 5])
     with pytest.raises(ValueError, match=r"q has shape \(1, 5, 2, 8\), but must be \(total_q, Hq, Dk\) with cu_seqlens_q"):
         sdpa.attention_paged(q[None], k_pages, v_pages, table, [20, 20], cu_seqlens_q=[0, 2, 5])
+
+
+# ---------------------------------------------------------------- issue 26: nothing converted silently
+
+
+@pytest.mark.filterwarnings("error")  # numpy's ComplexWarning, the sign of a silent cast, fails the test
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("bad", ["complex", "str", "float8", "object"])
+def test_kv_cache_append_refuses_what_attention_refuses(which, bad):
+    # A complex k used to be stored as its real part, a str array parsed, float8 widened.
+    cache = sdpa.KVCache(2, 2, 1, 2)
+    s = cache.new_sequence()
+    good = np.ones((1, 1, 2))
+    wrong = {"complex": good + 1j, "str": good.astype(str), "float8": good.astype(ml_dtypes.float8_e4m3fn),
+             "object": good.astype(object)}[bad]
+    args = {"k": good, "v": good, which: wrong}
+    with pytest.raises(TypeError, match=rf"^{which} has dtype"):
+        cache.append(s, args["k"], args["v"])
+    assert cache.length(s) == 0 and cache.free_pages == 2
+    with pytest.raises(TypeError, match=rf"^{which} has dtype"):  # attention's own rule, the same message
+        sdpa.attention(np.ones((1, 2)), *(a[:, 0] for a in (args["k"], args["v"])))
+
+
+@pytest.mark.parametrize("seqs", [[0.9], np.array([1.0]), np.array([0.0, 1.0]), 0.5, [True], [0, 1.0]], ids=repr)
+def test_kv_cache_attention_takes_integer_sequence_ids_only(seqs):
+    # [0.9] used to attend to sequence 0: an id is never truncated, nor a bool read as 0/1.
+    cache = sdpa.KVCache(4, 2, 1, 2)
+    for _ in range(2):
+        cache.append(cache.new_sequence(), np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    q = np.ones((np.size(seqs), 1, 1, 2), np.float32)
+    with pytest.raises(TypeError, match=r"^seqs has dtype (float64|bool), but must hold integers"):
+        cache.attention(q, seqs)
+    for ok in ([1], np.array([1], np.int32), np.int64(1), 1):
+        np.testing.assert_array_equal(cache.attention(q[:1], ok), cache.attention(q[:1], [1]))
+
+
+@pytest.mark.parametrize("method", ["append", "free", "length", "pages"])
+@pytest.mark.parametrize("seq,error", [(0.5, TypeError), (0.0, TypeError), (True, TypeError), ("0", TypeError),
+                                       (2**64, ValueError), (-2**64, ValueError)], ids=repr)
+def test_kv_cache_sequence_argument_is_an_integer(method, seq, error):
+    cache = sdpa.KVCache(2, 2, 1, 2)
+    cache.append(cache.new_sequence(), np.ones((1, 1, 2)), np.ones((1, 1, 2)))
+    args = (np.ones((1, 1, 2)), np.ones((1, 1, 2))) if method == "append" else ()
+    with pytest.raises(error, match=r"^seq must be an integer") as info:
+        getattr(cache, method)(seq, *args)
+    assert "incompatible function arguments" not in str(info.value)
+    assert cache.length(0) == 1 and cache.free_pages == 1
+
+
+@pytest.mark.parametrize("args,name,error", [
+    ((2.5, 2, 1, 2), "num_pages", TypeError), ((4, 2**64, 1, 2), "page_size", ValueError),
+    ((4, 2, 1.0, 2), "num_kv_heads", TypeError), ((4, 2, 1, -2**64), "head_dim_k", ValueError),
+    ((4, 2, 1, 2, "2"), "head_dim_v", TypeError), ((4, True, 1, 2), "page_size", TypeError)], ids=repr)
+def test_kv_cache_sizes_are_integers_named_in_errors(args, name, error):
+    # These gave nanobind's "incompatible function arguments" dump, naming nothing.
+    with pytest.raises(error, match=rf"^{name} must be an integer"):
+        sdpa.KVCache(*args)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.int32, None, "float8", "nonsense"], ids=repr)
+def test_kv_cache_dtype_is_named_in_errors(dtype):
+    with pytest.raises(TypeError, match=r"^dtype must be float32, float64, float16 or ml_dtypes.bfloat16"):
+        sdpa.KVCache(2, 2, 1, 2, dtype=ml_dtypes.float8_e4m3fn if dtype == "float8" else dtype)
+
+
+def test_empty_batches_of_ids():
+    # An empty list of ids (or of lengths) has no dtype of its own: it is an empty int64 array.
+    cache = sdpa.KVCache(2, 2, 1, 2)
+    assert cache.attention(np.ones((0, 1, 1, 2), np.float32), []).shape == (0, 1, 1, 2)
+    pool = np.zeros((2, 2, 1, 2), np.float32)
+    assert sdpa.attention_paged(np.ones((0, 1, 1, 2), np.float32), pool, pool, np.zeros((0, 1), np.int64),
+                                []).shape == (0, 1, 1, 2)
+    with pytest.raises(TypeError, match="^seqs has dtype float64"):  # an explicit float array is still refused
+        cache.attention(np.ones((0, 1, 1, 2), np.float32), np.array([]))

@@ -26,10 +26,11 @@ struct Dims {
   int64_t B, Nq, Nk, E, kdim, vdim, Hq, Hkv, Dk, Dv;
 };
 
-void check_float(const char* fn, const char* name, const TensorView& t, DType dtype) {
+// `input` names the query input as the caller knows it: x_q (forward, backward) or x (step).
+void check_float(const char* fn, const char* name, const TensorView& t, DType dtype, const char* input = "x_q") {
   if (t.dtype != dtype) {
     throw Error(std::string(fn) + ": " + name + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype) +
-                " (the layer's dtype, x_q's)");
+                " (the layer's dtype, " + input + "'s)");
   }
   if (t.numel() > 0 && !t.data) throw Error(std::string(fn) + ": " + name + " has no data");
 }
@@ -46,17 +47,20 @@ void check_shape(const char* fn, const char* name, const TensorView& t, std::ini
   }
 }
 
-// Checks the weights and inputs against the config (resolved) and returns the sizes.
-Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHeadInputs& in) {
+// Checks the weights and inputs against the config (resolved) and returns the sizes; `input`
+// names in.x_q in the messages, as the caller knows it (step's argument is x).
+Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHeadInputs& in,
+           const char* input = "x_q") {
   const TensorView& xq = in.x_q;
   if (xq.dtype != DType::kFloat32 && xq.dtype != DType::kFloat64) {
-    throw Error(std::string(fn) + ": x_q is " + dtype_name(xq.dtype) + "; the layer takes float32 or float64");
+    throw Error(std::string(fn) + ": " + input + " is " + dtype_name(xq.dtype) + "; the layer takes float32 or float64");
   }
   if (xq.rank != 3 || xq.shape[2] != c.d_model) {
-    throw Error(std::string(fn) + ": x_q has shape " + sh(xq) + ", expected (B, Nq, d_model = " + num(c.d_model) + ")");
+    throw Error(std::string(fn) + ": " + input + " has shape " + sh(xq) + ", expected (B, Nq, d_model = " +
+                num(c.d_model) + ")");
   }
   const DType dt = xq.dtype;
-  check_float(fn, "x_q", xq, dt);
+  check_float(fn, input, xq, dt, input);
   const TensorView& xk = in.x_k ? *in.x_k : xq;
   const TensorView& xv = in.x_v ? *in.x_v : xk;
   if (!in.x_k && c.kdim != c.d_model) throw Error(std::string(fn) + ": kdim " + num(c.kdim) + " != d_model " + num(c.d_model) + " needs x_k");
@@ -66,20 +70,20 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
   const Dims d{xq.shape[0], xq.shape[1], xk.shape[1], c.d_model, c.kdim, c.vdim,
                c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim_v};
   if (in.x_k) {
-    check_float(fn, "x_k", xk, dt);
+    check_float(fn, "x_k", xk, dt, input);
     check_shape(fn, "x_k", xk, {d.B, xk.rank == 3 ? xk.shape[1] : -1, d.kdim}, "(B, Nk, kdim)");
   }
   if (in.x_v) {
-    check_float(fn, "x_v", xv, dt);
+    check_float(fn, "x_v", xv, dt, input);
     check_shape(fn, "x_v", xv, {d.B, d.Nk, d.vdim}, "(B, Nk, vdim)");
   }
-  check_float(fn, "w_q", w.w_q, dt);
+  check_float(fn, "w_q", w.w_q, dt, input);
   check_shape(fn, "w_q", w.w_q, {d.E, d.Hq * d.Dk}, "(d_model, num_heads·head_dim)");
-  check_float(fn, "w_k", w.w_k, dt);
+  check_float(fn, "w_k", w.w_k, dt, input);
   check_shape(fn, "w_k", w.w_k, {d.kdim, d.Hkv * d.Dk}, "(kdim, num_kv_heads·head_dim)");
-  check_float(fn, "w_v", w.w_v, dt);
+  check_float(fn, "w_v", w.w_v, dt, input);
   check_shape(fn, "w_v", w.w_v, {d.vdim, d.Hkv * d.Dv}, "(vdim, num_kv_heads·head_dim_v)");
-  check_float(fn, "w_o", w.w_o, dt);
+  check_float(fn, "w_o", w.w_o, dt, input);
   check_shape(fn, "w_o", w.w_o, {d.Hq * d.Dv, d.E}, "(num_heads·head_dim_v, d_model)");
   const std::optional<TensorView>* b[4] = {&w.b_q, &w.b_k, &w.b_v, &w.b_o};
   const char* names[4] = {"b_q", "b_k", "b_v", "b_o"};
@@ -89,7 +93,7 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
       throw Error(std::string(fn) + ": " + names[i] + (c.bias ? " is missing (config.bias is true)" : " is given but config.bias is false"));
     }
     if (*b[i]) {
-      check_float(fn, names[i], **b[i], dt);
+      check_float(fn, names[i], **b[i], dt, input);
       check_shape(fn, names[i], **b[i], {widths[i]}, "(width of the projection)");
     }
   }
@@ -385,8 +389,8 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   MultiHeadInputs in;
   in.x_q = x;
   if (c.kdim != c.d_model || c.vdim != c.d_model) throw Error(std::string(fn) + ": self-attention only (kdim = vdim = d_model)");
-  const Dims d = check(fn, c, w, in);
-  check_float(fn, "y", y, x.dtype);
+  const Dims d = check(fn, c, w, in, "x");
+  check_float(fn, "y", y, x.dtype, "x");
   check_shape(fn, "y", y, {d.B, d.Nq, d.E}, "(B, n, d_model)");
   if (static_cast<int64_t>(seqs.size()) != d.B) {
     throw Error(std::string(fn) + ": seqs has " + num(static_cast<int64_t>(seqs.size())) + " sequences, x has B = " + num(d.B));
