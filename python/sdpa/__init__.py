@@ -311,16 +311,17 @@ def _prepared_inputs(q, k, v, mask):
     return _compute_dtype(q_dtype), q, k, v, mask
 
 
-def _real_number(name, x):
-    """x (a real number, not a bool: a str is not parsed, a complex not cut) as a finite float;
-    TypeError or ValueError naming it."""
+def _real_number(name, x, finite=True):
+    """x (a real number, not a bool: a str is not parsed, a complex not cut) as a float, an int
+    or Fraction beyond float64 as ±inf; TypeError naming it, and ValueError when `finite` and it
+    is not (else the caller checks its range)."""
     if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_describe(x)}")
     try:
         value = float(x)
     except OverflowError:  # an int or Fraction beyond float64
-        value = math.inf
-    if not math.isfinite(value):
+        value = math.inf if x > 0 else -math.inf
+    if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {_describe(x)}")
     return value
 
@@ -363,12 +364,7 @@ def _parsed_options(causal, scale, window, backend, dtype):
 
 def _parsed_dropout(dropout_p, seed):
     """(p, seed) for _core: p a real number in [0, 1); seed an integer, required when p > 0."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p must be a real number, got {dropout_p!r}")
-    try:
-        p = float(dropout_p)
-    except OverflowError:  # an int or Fraction beyond float64
-        p = math.inf
+    p = _real_number("dropout_p", dropout_p, finite=False)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {_describe(dropout_p)}")
     if seed is None:
@@ -423,11 +419,10 @@ def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=
     range), the order one of _SOFTCAP_ORDERS, slopes and sinks real arrays in the compute dtype
     `dtype` (_core checks shapes and values, naming the batch and heads), a bool block_mask
     and its block sizes (_core checks its shape against them)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {_describe(softcap)}")
+    softcap = _real_number("softcap", softcap, finite=False)  # 10**400 is inf, which _core refuses by name
     if softcap_order not in _SOFTCAP_ORDERS:
         raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {_describe(softcap_order)}")
-    mods = {"softcap": float(softcap), "softcap_order": softcap_order}
+    mods = {"softcap": softcap, "softcap_order": softcap_order}
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
             mods[name] = np.ascontiguousarray(_real_array(name, a), dtype=dtype)

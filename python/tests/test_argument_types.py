@@ -4,7 +4,8 @@ Every function, class and public method the package exports (enumerated from ``s
 so that a new entry point without a row in ENTRY_POINTS fails ``test_every_entry_point_has_a_row``)
 is called once validly, then once per wrong argument: arrays of dtypes it must refuse (complex,
 strings, object, float8, datetime, ...), integers that do not fit int64 or are not integers
-(2**64, 2.5, 2.0, True, "3", None), integer-valued float sequence ids. Each must raise
+(2**64, 2.5, 2.0, True, "3", None), integer-valued float sequence ids, real numbers that are
+not (a str, a complex) or that float64 cannot hold (10**400). Each must raise
 TypeError or ValueError whose message starts with the argument's name (after an optional
 "function: " prefix), never nanobind's "incompatible function arguments" nor OverflowError,
 nothing may be converted silently (a complex array's real part stored, a float id truncated),
@@ -20,6 +21,7 @@ The rules the rows encode (one rule each, in sdpa/__init__.py):
   masks: bool or floating point; block masks: bool
   integer arguments: Python or NumPy integers (not bool) within int64, TypeError otherwise
       (also a ValueError, as before), ValueError outside the range
+  real-number arguments (scale, softcap, dropout_p, rope_base): numbers.Real, not bool
 """
 
 import inspect as pyinspect
@@ -61,6 +63,10 @@ IDS_BAD = {
 INT_BAD = {"2**64": (2**64, ValueError), "-2**64": (-2**64, ValueError), "10**5000": (10**5000, ValueError),
            "2.5": (2.5, TypeError), "2.0": (2.0, TypeError), "True": (True, TypeError), "'3'": ("3", TypeError),
            "None": (None, TypeError), "np.float64": (np.float64(2), TypeError)}
+# Real numbers (scale, softcap, dropout_p, rope_base): never parsed from a str, never cut from a
+# complex, never an OverflowError.
+REAL_NUMBER_BAD = {"10**400": (10**400, ValueError), "-10**400": (-10**400, ValueError), "'3'": ("3", TypeError),
+                   "1j": (1j, TypeError), "True": (True, TypeError), "array": (np.ones(2), TypeError)}
 DTYPE_BAD = {"complex64": np.complex64, "int32": np.int32, "float8": ml_dtypes.float8_e4m3fn, "'foo'": "foo",
              "None": None, "5": 5}
 KINDS = {"real": REAL_BAD, "pool": POOL_BAD, "index": INDEX_BAD, "mask": MASK_BAD, "block_mask": BLOCK_MASK_BAD}
@@ -143,10 +149,11 @@ class Row:
     values the valid call's arguments (the wrong arrays are made from them). `arrays` maps
     array arguments to their kind (a key of KINDS), `ints` integer arguments to the bad values
     they must refuse (default INT_BAD), `ids` the sequence-id arguments, `dtypes` the dtype
-    arguments; `exempt` says why an argument is not fuzzed."""
+    arguments, `reals` the real-number arguments; `exempt` says why an argument is not fuzzed."""
 
-    def __init__(self, setup, arrays=(), ints=(), ids=(), dtypes=(), exempt=None):
+    def __init__(self, setup, arrays=(), ints=(), ids=(), dtypes=(), reals=(), exempt=None):
         self.setup, self.arrays, self.ids, self.dtypes = setup, dict(arrays), tuple(ids), tuple(dtypes)
+        self.reals = tuple(reals)
         self.exempt = exempt
         self.ints = {name: bad for name, bad in (i if isinstance(i, tuple) else (i, INT_BAD) for i in ints)}
 
@@ -213,24 +220,28 @@ RNG_SEED_BAD = {k: INT_BAD[k] for k in ("-2**64", "2.5", "2.0", "'3'", "np.float
 
 ENTRY_POINTS = {
     "attention": Row(_function(sdpa.attention, lambda: dict(_attention_args(), return_stats=True)),
-                     ATTENTION_ARRAYS, ints=["topk", "block_size"]),
+                     ATTENTION_ARRAYS, ints=["topk", "block_size"], reals=["scale", "softcap", "dropout_p"]),
     "inspect": Row(_function(sdpa.inspect, lambda: dict(_attention_args(), progress=False)),
-                   ATTENTION_ARRAYS, ints=["topk", "cells", "max_heads", "block_size"]),
+                   ATTENTION_ARRAYS, ints=["topk", "cells", "max_heads", "block_size"], reals=["scale", "softcap"]),
     "attention_backward": Row(_function(sdpa.attention_backward, _backward_args),
-                              dict(ATTENTION_ARRAYS, dout="real", out="real", lse="real"), ints=["block_size"]),
+                              dict(ATTENTION_ARRAYS, dout="real", out="real", lse="real"), ints=["block_size"],
+                              reals=["scale", "softcap", "dropout_p"]),
     "attention_varlen": Row(_function(sdpa.attention_varlen, _varlen_args),
                             dict(q="real", k="real", v="real", cu_seqlens_q="index", cu_seqlens_k="index",
-                                 alibi_slopes="real", sinks="real", block_mask="block_mask"), ints=["block_size"]),
+                                 alibi_slopes="real", sinks="real", block_mask="block_mask"), ints=["block_size"],
+                            reals=["scale", "softcap", "dropout_p"]),
     "attention_varlen_backward": Row(_function(sdpa.attention_varlen_backward, _varlen_backward_args),
                                      dict(q="real", k="real", v="real", dout="real", out="real", lse="real",
                                           cu_seqlens_q="index", cu_seqlens_k="index", alibi_slopes="real",
-                                          sinks="real", block_mask="block_mask"), ints=["block_size"]),
+                                          sinks="real", block_mask="block_mask"), ints=["block_size"],
+                                     reals=["scale", "softcap", "dropout_p"]),
     "attention_paged": Row(_function(sdpa.attention_paged, _paged_args),
                            dict(q="real", k_pages="pool", v_pages="pool", block_table="index", seqlens_k="index",
                                 cu_seqlens_q="index", alibi_slopes="real", sinks="real", block_mask="block_mask"),
-                           ints=["block_size"]),
+                           ints=["block_size"], reals=["scale", "softcap"]),
     "dropout_mask": Row(_function(sdpa.dropout_mask, lambda: dict(shape=(2, 3), dropout_p=0.5, seed=1)),
-                        ints=[("seed", {k: v for k, v in INT_BAD.items() if k != "None"})]),  # None: see below
+                        ints=[("seed", {k: v for k, v in INT_BAD.items() if k != "None"})],  # None: ValueError
+                        reals=["dropout_p"]),
     "set_num_threads": Row(_threads_setup, ints=["n"]),
     "num_threads": Row(_function(sdpa.num_threads, dict)),
     "block_mask_bigbird": Row(_function(sdpa.block_mask_bigbird, lambda: dict(nq=5, nk=7, block_size=2, window=1,
@@ -259,20 +270,22 @@ ENTRY_POINTS = {
     "KVCache.sequences": Row(_cache_method("sequences")),
     "KVCache.attention": Row(_cache_method("attention", lambda c: dict(
         q=np.ones((1, 2, 1, 4), np.float32), seqs=[0], alibi_slopes=MODS["alibi_slopes"], sinks=MODS["sinks"])),
-        dict(q="real", alibi_slopes="real", sinks="real"), ids=["seqs"]),
+        dict(q="real", alibi_slopes="real", sinks="real"), ids=["seqs"], reals=["scale", "softcap"]),
     "MultiHeadAttention": Row(_constructor(sdpa.MultiHeadAttention, dict(d_model=8, num_heads=2, seed=0)),
                               ints=["d_model", "num_heads"] + [(n, {k: v for k, v in INT_BAD.items() if k != "None"})
                                                                for n in ("num_kv_heads", "head_dim", "head_dim_v",
                                                                          "kdim", "vdim")] + [("seed", RNG_SEED_BAD)],
-                              dtypes=["dtype"]),
+                              dtypes=["dtype"], reals=["rope_base"]),
     "MultiHeadAttention.forward": Row(_layer_method("forward", lambda layer, cache: dict(
         x_q=np.ones((1, 2, 8), np.float32), x_k=np.ones((1, 3, 8), np.float32), x_v=np.ones((1, 3, 8), np.float32),
         mask=np.zeros((2, 3), np.float32), position_q=1, position_k=0)),
-        dict(MHA_ARRAYS, x_q="real", x_k="real", x_v="real", mask="mask"), ints=["position_q", "position_k"]),
+        dict(MHA_ARRAYS, x_q="real", x_k="real", x_v="real", mask="mask"), ints=["position_q", "position_k"],
+        reals=["scale", "dropout_p"]),
     "MultiHeadAttention.backward": Row(_layer_method("backward", lambda layer, cache: dict(
         dy=np.ones((1, 2, 8), np.float32))), dict(dy="real")),
     "MultiHeadAttention.step": Row(_layer_method("step", lambda layer, cache: dict(
-        x=np.ones((1, 1, 8), np.float32), cache=cache, seqs=[0])), dict(MHA_ARRAYS, x="real"), ids=["seqs"]),
+        x=np.ones((1, 1, 8), np.float32), cache=cache, seqs=[0])), dict(MHA_ARRAYS, x="real"), ids=["seqs"],
+        reals=["scale"]),
     "MultiHeadAttention.new_cache": Row(_layer_method("new_cache", lambda layer, cache: dict(num_pages=2, page_size=2)),
                                         ints=["num_pages", "page_size"]),
     "MultiHeadAttention.parameters": Row(_layer_method("parameters", lambda layer, cache: {})),
@@ -329,6 +342,9 @@ def _cases():
         for name in row.dtypes:
             for label in DTYPE_BAD:
                 yield pytest.param(entry, name, ("dtype", label), id=f"{entry}-{name}-{label}")
+        for name in row.reals:
+            for label in REAL_NUMBER_BAD:
+                yield pytest.param(entry, name, ("real", label), id=f"{entry}-{name}-{label}")
 
 
 def _expect_error(call, state, name, error, **over):
@@ -355,6 +371,9 @@ def test_wrong_argument_is_an_error_naming_it(entry, name, case):
         _expect_error(call, state, name, error, **{name: value})
     elif kind == "ids":
         value, error = IDS_BAD[label]
+        _expect_error(call, state, name, error, **{name: value})
+    elif kind == "real":
+        value, error = REAL_NUMBER_BAD[label]
         _expect_error(call, state, name, error, **{name: value})
     else:
         _expect_error(call, state, name, TypeError, **{name: DTYPE_BAD[label]})
