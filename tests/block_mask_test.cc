@@ -1,8 +1,8 @@
 // Block-sparse attention (Options::block_mask, block_q, block_k): the header's picture; every
 // backend, dtype and SIMD path against the same call with the equivalent element mask (written
-// out here from the header's rule, independently of src/), bitwise, forward and backward, and
-// within the tolerance rule of kReference; the tiles it skips provably unread (their K/V rows
-// on pages that cannot be read); and errors that name the argument.
+// out here from the header's rule, independently of src/), bitwise (a zero's sign included),
+// forward and backward, and within the tolerance rule of kReference; the tiles it skips provably
+// unread (their K/V rows on pages that cannot be read); and errors that name the argument.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -239,6 +239,132 @@ TEST_P(BlockSweep, BackwardEqualsTheEquivalentElementMask) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, BlockSweep, testing::ValuesIn(kCases),
                          [](const testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// A zero's sign (issue 26 item 11, fuzz finding F22: fuzz/findings/block_equiv_zero_sign-1). The
+// fused kernels skip what the block mask blocks for a whole block of keys (the backward: a row
+// of the dk / dv pass, a tile of the dq pass; the forward: a tile of 128 keys), where the
+// equivalent element mask's call adds its p = 0 and ds = 0 terms: +0 · x. A sum that underflowed
+// to -0 (a tiny p or ds times a tiny negative value) stays -0 without them and becomes +0 with
+// them (-0 + +0 = +0), so the kernels write a zero as +0 (the one place each output is written):
+// then the two calls agree bit for bit, as the header promises. Rows 0 .. bq - 1 (block row 0)
+// see every key; key 1 scores `lo` below the others, so its p (about e^-50) times the rows' tiny
+// second columns of q and dout underflows: dk[1][1] and dv[1][1] are -0 before any other term.
+// The rows of block rows 1 and 2 come later and see only keys from 35 on (their block mask row
+// blocks every block that starts below 35), so the dk / dv pass skips them for key 1's block of
+// keys (at most 32 keys), and with the element mask adds their +0 · (1, 1). float32 and float64,
+// with and without a sink, no softcap and one before / after the bias, block sizes that do not
+// divide Nq or Nk, every SIMD target and AVX2, kAuto and kReference.
+TEST(BlockMask, ZerosHaveTheElementMasksSign) {
+  constexpr int64_t Nk = 43, D = 2;
+  for (const DType dtype : {kF32, kF64}) {
+    // Normal in both dtypes, and e^-50 times it underflows to a signed zero.
+    const double tiny = dtype == kF32 ? 1e-30 : 1e-305;
+    for (bool sinks : {false, true}) {
+      for (int cap : {0, 1, 2}) {  // none, kBeforeBias, kAfterBias (60 · tanh(-72 / 60) = -50)
+        for (const auto& [bq, bk] : {std::pair<int64_t, int64_t>{1, 5}, {2, 7}, {3, 4}}) {
+          for (bool avx2 : {false, true}) {
+            if (avx2 && !avx2_pass_skip_reason().empty()) continue;
+            SCOPED_TRACE(std::string(dtype == kF32 ? "float32" : "float64") + (sinks ? ", sink" : "") + ", softcap " +
+                         std::to_string(cap) + ", block_q " + std::to_string(bq) + ", block_k " + std::to_string(bk) +
+                         (avx2 ? ", AVX2" : ""));
+            std::optional<Avx2Only> only;
+            if (avx2) only.emplace();
+            const int64_t Nq = 2 * bq + 1, KB = blocks(Nk, bk);
+            const double lo = cap == 0 ? -50.0 : -72.0;
+            std::vector<double> q, k, v, dout, bm, full;
+            for (int64_t i = 0; i < Nq; ++i) {
+              q.insert(q.end(), {1.0, i < bq ? tiny : 1.0});
+              dout.insert(dout.end(), {i < bq ? -1.0 : 1.0, i < bq ? -tiny : 1.0});
+            }
+            for (int64_t j = 0; j < Nk; ++j) {
+              k.insert(k.end(), {j == 1 ? lo : 0.0, 0.0});
+              v.insert(v.end(), {j == 1 ? 1.0 : 0.0, j == 1 ? 1.0 : 0.0});
+            }
+            for (int64_t qb = 0; qb < 3; ++qb)
+              for (int64_t kb = 0; kb < KB; ++kb) bm.push_back(qb == 0 || kb * bk >= 35 ? 1 : 0);
+            for (int64_t i = 0; i < Nq; ++i)
+              for (int64_t j = 0; j < Nk; ++j) full.push_back(bm[static_cast<size_t>(i / bq * KB + j / bk)]);
+            const GuardedTensor block_mask = tensor(DType::kBool, {3, KB}, bm);
+            const GuardedTensor sink = tensor(kF64, {1}, {0.0});
+            sdpa::Options plain;
+            plain.scale = 1.0;
+            if (sinks) plain.sinks = sink.view();
+            if (cap > 0) {
+              plain.softcap = 60.0;
+              plain.softcap_order = cap == 1 ? sdpa::Options::SoftcapOrder::kBeforeBias : sdpa::Options::SoftcapOrder::kAfterBias;
+            }
+            sdpa::Options o = plain;
+            o.block_mask = block_mask.view();
+            o.block_q = bq;
+            o.block_k = bk;
+            const Tensors t{tensor(dtype, {Nq, D}, q), tensor(dtype, {Nk, D}, k), tensor(dtype, {Nk, D}, v), std::nullopt};
+            Problem pb = make_problem(t.converted(dtype), o, Layout::kContiguous, 1);
+            pb.dout.set_values(dout);
+            // The element mask's call on the same out, lse and dout.
+            Problem pe{t.converted(dtype), pb.out.converted(dtype, Layout::kContiguous),
+                       pb.lse.converted(compute_dtype(dtype), Layout::kContiguous), pb.dout.converted(dtype, Layout::kContiguous)};
+            pe.t.mask = tensor(DType::kBool, {Nq, Nk}, full);
+            for (Backend backend : {Backend::kAuto, Backend::kReference}) {
+              SCOPED_TRACE(backend_name(backend));
+              o.backend = plain.backend = backend;
+              const Grads got = backward(pb, o), want = backward(pe, plain);
+              EXPECT_TRUE(bitwise_equal(got, want));
+              // The premise: the sums that underflow are zeros (dk[1][1], dv[1][1]).
+              const GradValues g = values(got);
+              EXPECT_EQ(g.g[1][3], 0.0);
+              EXPECT_EQ(g.g[2][3], 0.0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The forward's skipped tiles: rows see keys 0 .. 127 only (block (0, 1) of 128 keys is false),
+// key 1 scores -50 below the others and its value row is tiny and negative, the others' -0, so
+// out underflows to -0; the element mask's call processes tile 1 (keys 128 .. 199, values 1)
+// with weight 0 and adds +0 · 1. Decode (1 row), a few rows and a block of tiles' rows.
+TEST(BlockMask, ForwardZerosHaveTheElementMasksSign) {
+  constexpr int64_t Nk = 200, D = 2;
+  for (const DType dtype : {kF32, kF64}) {
+    const double tiny = dtype == kF32 ? 1e-30 : 1e-305;
+    for (int64_t Nq : {1, 3, 40}) {
+      for (bool avx2 : {false, true}) {
+        if (avx2 && !avx2_pass_skip_reason().empty()) continue;
+        SCOPED_TRACE(std::string(dtype == kF32 ? "float32" : "float64") + ", Nq " + std::to_string(Nq) + (avx2 ? ", AVX2" : ""));
+        std::optional<Avx2Only> only;
+        if (avx2) only.emplace();
+        std::vector<double> q, k, v, full;
+        for (int64_t i = 0; i < Nq; ++i) q.insert(q.end(), {1.0, 0.0});
+        for (int64_t j = 0; j < Nk; ++j) {
+          k.insert(k.end(), {j == 1 ? -50.0 : 0.0, 0.0});
+          const double x = j == 1 ? -tiny : j < 128 ? -0.0 : 1.0;
+          v.insert(v.end(), {x, x});
+        }
+        for (int64_t i = 0; i < Nq; ++i)
+          for (int64_t j = 0; j < Nk; ++j) full.push_back(j < 128 ? 1 : 0);
+        const GuardedTensor block_mask = tensor(DType::kBool, {1, 2}, {1, 0});
+        sdpa::Options plain;
+        plain.scale = 1.0;
+        sdpa::Options o = plain;
+        o.block_mask = block_mask.view();
+        o.block_q = Nq;
+        o.block_k = 128;
+        const Tensors t{tensor(dtype, {Nq, D}, q), tensor(dtype, {Nk, D}, k), tensor(dtype, {Nk, D}, v), std::nullopt};
+        Tensors e{tensor(dtype, {Nq, D}, q), tensor(dtype, {Nk, D}, k), tensor(dtype, {Nk, D}, v),
+                  tensor(DType::kBool, {Nq, Nk}, full)};
+        for (Backend backend : {Backend::kAuto, Backend::kReference}) {
+          SCOPED_TRACE(backend_name(backend));
+          o.backend = plain.backend = backend;
+          const Outs got = run(t, o), want = run(e, plain);
+          EXPECT_TRUE(bitwise_equal(got, want));
+          EXPECT_EQ(values(got).out[0], 0.0);  // the premise: out underflows to a zero
+        }
+      }
+    }
+  }
+}
 
 // A (1, 1, N, D) tensor on pages of its own whose rows [r0, r1) cannot be read: reading them
 // kills the test with SIGSEGV. Rows are filled with normal values first.

@@ -177,7 +177,10 @@ struct Options {
   // and value once, checking for non-finite values). A block_k that is a multiple of 128
   // therefore skips exactly the false blocks; smaller blocks are also masked key by key inside
   // tiles they share with allowed ones.
-  // Results equal those of the same call with the equivalent bool mask (block_mask_test.cc).
+  // Results equal those of the same call with the equivalent bool mask, bit for bit, a zero's
+  // sign included: the fused kernels write every zero of out, dq, dk and dv as +0 (a sum left at
+  // -0 by an underflowed product would otherwise keep it where the element mask's call adds the
+  // skipped tiles' +0 terms). Tests: block_mask_test.cc.
   // Packed sequences (attention_varlen, attention_paged with cu_seqlens_q): the block_mask is
   // (..., ceil(max_b Nq_b / block_q), ceil(max_b Nk_b / block_k)), its leading dims broadcasting
   // to (sequences, Hq), and sequence b reads the top-left (ceil(Nq_b / block_q),

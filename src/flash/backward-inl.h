@@ -357,8 +357,10 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   T* dk = s.grad_row.data();
   T* dv = s.grad_row2.data();
   for (int64_t l = 0; l < nk; ++l) {
-    for (int64_t c = 0; c < p.Dk; ++c) dk[c] = s.gk[c * mq + l] * scale;
-    for (int64_t e = 0; e < p.Dv; ++e) dv[e] = s.gv[e * mq + l];
+    // (+0 for a zero: the same bits as the equivalent element mask's call, which adds the +0
+    // terms of the rows this pass skips; positive_zero in flash_plan.h.)
+    for (int64_t c = 0; c < p.Dk; ++c) dk[c] = positive_zero(s.gk[c * mq + l] * scale);
+    for (int64_t e = 0; e < p.Dv; ++e) dv[e] = positive_zero(s.gv[e * mq + l]);
     write_row(bp.dk, b, kvh, j0 + l, dk, p.Dk);
     write_row(bp.dv, b, kvh, j0 + l, dv, p.Dv);
   }
@@ -439,7 +441,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
   }
   T* dq = s.grad_row.data();
   for (int64_t l = 0; l < blk.rows; ++l) {
-    for (int64_t c = 0; c < p.Dk; ++c) dq[c] = s.gk[c * mq + l] * scale;
+    for (int64_t c = 0; c < p.Dk; ++c) dq[c] = positive_zero(s.gk[c * mq + l] * scale);  // (as dk)
     write_row(bp.dq, blk.b, bs.lanes[l].h, bs.lanes[l].i, dq, p.Dk);
   }
 }
@@ -573,7 +575,7 @@ void FlashBackward(const BackwardProblem& bp) {
         for (int64_t c = 0; c < p.Dk; ++c) {
           T sum = row[c];
           for (int64_t chunk = 1; chunk < chunks; ++chunk) sum += row[chunk * p.B * p.Hkv * head_rows + c];
-          dq[c] = sum * scale;
+          dq[c] = positive_zero(sum * scale);  // (as dk)
         }
         write_row(bp.dq, b, h, i, dq.data(), p.Dk);
       }

@@ -39,6 +39,18 @@ inline constexpr double kMinWorkPerThread = 1 << 16;
 inline int64_t tile_start(int64_t j) { return j / kTileKeys * kTileKeys; }
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// x + 0 (round to nearest): -0 becomes +0, every other value (±inf, NaN) stays as it is. Each
+// output of the fused kernels goes through it where it is written (out in finish_block; dq, dk, dv
+// in backward-inl.h), so a zero is written as +0. The reason is the block mask: the kernels skip
+// the tiles (and, in the backward, the rows) it blocks for a whole block, where the same call with
+// the equivalent element mask adds their p = 0 or ds = 0 terms, +0 · x. Both sums agree except
+// that one may be -0 (a tiny negative product that underflowed, with nothing added after it) where
+// the other got +0 from such a term (-0 + +0 = +0); the header promises the two calls the same bits.
+template <typename T>
+inline T positive_zero(T x) {
+  return x + T(0);
+}
+
 // Rows [r0, r0 + rows) of kv head kvh's "group rows" r = i·group + g (query row i of query
 // head kvh·group + g): one block, one lane per row.
 struct BlockRows {
@@ -389,6 +401,7 @@ void finish_block(const Problem& p, const BlockRows& blk, const T* ot, const T* 
       if (has(kBadNegInf)) out[e] -= std::numeric_limits<T>::infinity();  // after +inf: NaN
       if (has(kBadNaN)) out[e] = std::numeric_limits<T>::quiet_NaN();
     }
+    for (int64_t e = 0; e < p.Dv; ++e) out[e] = positive_zero(out[e]);  // a zero as +0 (above)
     if (!in_place) write_row(p.out, blk.b, r.h, r.i, out, p.Dv);
     if (p.lse) {
       p.lse->store(blk.b, r.h, r.i, 0, any ? m[lane] + std::log(l[lane]) : -std::numeric_limits<T>::infinity());
