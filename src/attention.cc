@@ -98,10 +98,10 @@ void run_backward(const BackwardProblem& bp, Backend backend) {
         throw Error("backend has an unknown value " + std::to_string(static_cast<int>(backend)));
     }
   }
-  // The mask's gradient has a pass of its own (bias_grad.cc), in the compute type (float64 for
-  // kReference), after the kernels; written even where dq, dk and dv are empty (Dk = 0: the
-  // scores are the biases alone).
-  if (bp.dbias) {
+  // The mask's and the ALiBi slopes' gradients have a pass of their own (bias_grad.cc), in the
+  // compute type (float64 for kReference), after the kernels; written even where dq, dk and dv
+  // are empty (Dk = 0: the scores are the biases alone).
+  if (bp.dbias || bp.dalibi) {
     if (backend == Backend::kAuto || backend == Backend::kFlash) {
       f64 ? internal::fast_bias_gradients<double>(bp) : internal::fast_bias_gradients<float>(bp);
     } else {

@@ -556,12 +556,26 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) 
   return make_problem(in, outs, opt, /*written=*/true);
 }
 
+void check_alibi_gradient(const TensorView& t, const Options& opt) {
+  if (!opt.alibi_slopes) {
+    fail("dalibi_slopes is given but Options::alibi_slopes is not: dalibi_slopes is the gradient of the slopes");
+  }
+  const TensorView& slopes = *opt.alibi_slopes;
+  check_basic("dalibi_slopes", t, 1, 2);
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat64) {
+    fail(std::string("dalibi_slopes has dtype ") + dtype_name(t.dtype) + " but must be float32 or float64");
+  }
+  check_shape("dalibi_slopes", t, slopes.shape, slopes.rank, "the shape of alibi_slopes");
+  check_no_zero_stride("dalibi_slopes", t);
+}
+
 BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, const TensorView& lse,
                                       const TensorView& dout, const Gradients& grads, const Options& opt) {
   Outputs outs;
   outs.out = out;
   outs.lse = lse;
-  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {}, std::nullopt, std::nullopt};
+  BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {},
+                     std::nullopt, std::nullopt, std::nullopt};
   // Each gradient has the shape, dtype and layout needs of its forward twin.
   const std::pair<const char*, const TensorView*> pairs[] = {
       {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
@@ -604,6 +618,10 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     check_shape("dbias", t, m.shape, m.rank, "the shape of mask");
     check_no_zero_stride("dbias", t);
     bp.dbias = to_view4(t);
+  }
+  if (grads.dalibi_slopes) {
+    check_alibi_gradient(*grads.dalibi_slopes, opt);
+    bp.dalibi = to_view4(*grads.dalibi_slopes);  // (1 or B, Hq) in the last two slots
   }
   bp.dout = to_view4(dout);
   bp.dq = to_view4(grads.dq);

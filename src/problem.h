@@ -356,6 +356,9 @@ struct BackwardProblem {
   // The float mask's gradient, the mask's own shape padded to rank 4 (a size 1 where the mask
   // broadcasts), unlike fwd.mask, which is broadcast to (B, Hq, Nq, Nk).
   std::optional<View4> dbias;
+  // Gradients::dalibi_slopes, the slopes' shape in the last two slots: (1, 1, 1, Hq) for (Hq,)
+  // (summed over the batch), (1, 1, S, Hq) for (S, Hq) with S = 1 (summed too) or B.
+  std::optional<View4> dalibi;
   // True when dq, dk and dv all have a zero extent (see Problem::writes_nothing).
   bool writes_nothing() const {
     const Problem& p = fwd;
@@ -363,6 +366,11 @@ struct BackwardProblem {
     return (no_q || p.Dk == 0) && (no_kv || p.Dk == 0) && (no_kv || p.Dv == 0);
   }
 };
+
+// Gradients::dalibi_slopes checked against Options::alibi_slopes (given, its shape, float32 or
+// float64, no zero stride); Error naming dalibi_slopes otherwise. attention_varlen_backward
+// checks the packed call's with it.
+void check_alibi_gradient(const TensorView& dalibi_slopes, const Options& options);
 
 BackwardProblem make_backward_problem(const Inputs& inputs, const TensorView& out, const TensorView& lse,
                                       const TensorView& dout, const Gradients& grads, const Options& options);

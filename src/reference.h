@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "problem.h"
 
@@ -60,12 +61,32 @@ template <typename Acc>
 Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv,
                  Acc* dbias);
 
-// dbias (BackwardProblem::dbias, the header's formula): each element of the mask's shape sums
-// the rows (b, h, i) that read it in that order, from backward_row in Acc, summed in float64,
-// in parallel over the mask's rows (bias_grad.cc). Every backend's dbias: Acc = double is the
-// oracle, Acc = float the float32 compute type's.
+// dbias and dalibi_slopes (BackwardProblem::dbias and dalibi, the header's formulas), one pass
+// over the score rows that computes each row's ds once for both (bias_grad.cc): each element of
+// the mask's shape sums the rows (b, h, i) that read it in that order, from backward_row in Acc,
+// summed in float64, in parallel over the mask's rows (over the scores' rows without dbias).
+// Every backend's: Acc = double is the oracle, Acc = float the float32 compute type's.
 template <typename Acc>
 void bias_gradients(const BackwardProblem& bp);
+// The rows that pass walks, (rows0, rows1, rows2, width): dbias' shape (1 where the mask
+// broadcasts; width its last dim) when dbias is asked for, else the scores' (B, Hq, Nq) with
+// width 0 (no dbias column). The readers of a row (readers() along each dim) cover each score
+// row (b, h, i) exactly once either way.
+struct GradRows {
+  int64_t shape[4];
+  int64_t count() const { return shape[0] * shape[1] * shape[2]; }
+};
+GradRows grad_rows(const BackwardProblem& bp);
+// dalibi's per-row terms, (B, Hq, Nq) in C order, float64, zeros: the pass writes row (b, h, i)'s
+// Σ_j ds_j · |i' - j| (alibi_row_term) there. Empty when dalibi is not asked for or Dv = 0 (the
+// gradient is 0: the pass need not run for it).
+std::vector<double> alibi_rows(const BackwardProblem& bp);
+// Row (b, h, i)'s term from its ds over keys [begin, begin + n) (ds[0] is key begin's), in key
+// order, in float64.
+template <typename T>
+double alibi_row_term(const Problem& p, int64_t b, int64_t i, const T* ds, int64_t begin, int64_t n);
+// dalibi[s, h] = -Σ_b Σ_i rows[b, h, i] over the batches b that read slope row s, in (b, i) order.
+void store_alibi_gradients(const BackwardProblem& bp, const std::vector<double>& rows);
 // The scores' index range [first, last) along one dim (of full extent n) that reads index m of
 // a mask dim of the given extent: all n where the mask broadcasts (extent 1), else m alone.
 inline std::pair<int64_t, int64_t> readers(int64_t m, int64_t extent, int64_t n) {

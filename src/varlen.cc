@@ -250,6 +250,9 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                      (t == &dout ? "out" : "the tensor it is the gradient of"));
     }
   }
+  // dalibi_slopes against the slopes as given ((B, Hq) rows are sequences); the check of all rows
+  // as one sequence below sees row 0's slopes, so it is not given there.
+  if (grads.dalibi_slopes) internal::check_alibi_gradient(*grads.dalibi_slopes, options);
   const int64_t total_q = inputs.q.shape[0];
   internal::make_backward_problem(pk.whole(inputs), internal::rows_of(out, 0, total_q), lse,
                                   internal::rows_of(dout, 0, total_q),
@@ -257,9 +260,11 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                    internal::rows_of(grads.dk, 0, grads.dk.shape[0]),
                                    internal::rows_of(grads.dv, 0, grads.dv.shape[0]), grads.dsinks},
                                   pk.options(options, inputs));
-  // dsinks: each sequence's own (Hq,) row of float64 scratch, summed in sequence order below.
+  // dsinks and dalibi_slopes: each sequence's own (Hq,) row of float64 scratch, summed in
+  // sequence order below (dalibi_slopes of (B, Hq) slopes: copied, row b from sequence b).
   const int64_t Hq = inputs.q.shape[1];
   std::vector<double> seq_dsinks(grads.dsinks ? static_cast<size_t>(pk.sequences() * Hq) : 0);
+  std::vector<double> seq_dalibi(grads.dalibi_slopes ? static_cast<size_t>(pk.sequences() * Hq) : 0);
   std::vector<internal::BackwardProblem> problems;
   problems.reserve(static_cast<size_t>(pk.sequences()));
   for (int64_t b = 0; b < pk.sequences(); ++b) {
@@ -267,6 +272,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
     Gradients g{internal::rows_of(grads.dq, q0, q1), internal::rows_of(grads.dk, k0, k1),
                 internal::rows_of(grads.dv, k0, k1)};
     if (grads.dsinks) g.dsinks = TensorView::contiguous(seq_dsinks.data() + b * Hq, DType::kFloat64, {Hq});
+    if (grads.dalibi_slopes) g.dalibi_slopes = TensorView::contiguous(seq_dalibi.data() + b * Hq, DType::kFloat64, {Hq});
     problems.push_back(internal::make_backward_problem(pk.inputs(inputs, b), internal::rows_of(out, q0, q1),
                                                        internal::cols_of(lse, q0, q1), internal::rows_of(dout, q0, q1), g,
                                                        pk.options(options, b)));
@@ -280,6 +286,19 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
       internal::store_as(grads.dsinks->dtype, static_cast<char*>(grads.dsinks->data) +
                                         h * grads.dsinks->strides[0] * dtype_size(grads.dsinks->dtype), sum);
     }
+  }
+  if (grads.dalibi_slopes) {
+    const TensorView& d = *grads.dalibi_slopes;  // (Hq,), (1, Hq) or (B, Hq), checked above
+    const bool per_sequence = d.rank == 2 && d.shape[0] == pk.sequences() && pk.sequences() != 1;
+    for (int64_t r = 0; r < (d.rank == 2 ? d.shape[0] : 1); ++r)
+      for (int64_t h = 0; h < d.shape[d.rank - 1]; ++h) {  // Hq, unless no sequence read the slopes
+        double sum = 0;
+        for (int64_t b = per_sequence ? r : 0; b < (per_sequence ? r + 1 : pk.sequences()); ++b) {
+          sum += seq_dalibi[static_cast<size_t>(b * Hq + h)];
+        }
+        const int64_t at = (d.rank == 2 ? r * d.strides[0] : 0) + h * d.strides[d.rank - 1];
+        internal::store_as(d.dtype, static_cast<char*>(d.data) + at * dtype_size(d.dtype), sum);
+      }
   }
 }
 

@@ -309,6 +309,18 @@ struct Gradients {
   // its own pass over the rows, which recomputes each row's softmax (not from lse): it costs
   // about as much as the backward again. Not given: not computed.
   std::optional<TensorView> dbias = std::nullopt;
+  // With Options::alibi_slopes: ∂loss/∂alibi_slopes, shaped like the slopes ((Hq,), (1, Hq) or
+  // (B, Hq); any strides without a zero), float32 or float64 (not read; written). The score
+  // reads alibi = -slope(b, h)·|i' - j| (Options' i', bottom-right), so with ds_bhij the
+  // score's gradient of dbias' formula (c included: the slopes' term is inside the cap where the
+  // bias is):
+  //   dalibi_slopes[b, h] = -Σ_i Σ_j ds_bhij · |i' - j|
+  // summed over the batch too for (Hq,) and (1, Hq) slopes; each row's sum over j (in key order)
+  // is added in float64 in (b, i) order, whatever the thread count. Computed in dbias' pass
+  // (the two share each row's ds; asking for both costs one pass). 0 when Dv = 0 (out holds no
+  // element, so the loss reads no score). attention_varlen_backward: row b of (B, Hq) slopes
+  // is sequence b's; (Hq,) and (1, Hq) sum the sequences in order. Not given: not computed.
+  std::optional<TensorView> dalibi_slopes = std::nullopt;
 };
 
 // Backward pass: given dout = ∂loss/∂out (shaped like out, out's dtype) and the out and lse that

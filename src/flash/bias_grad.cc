@@ -1,13 +1,14 @@
-// The float mask's gradient for kAuto / kFlash (Gradients::dbias; the simple twin is
-// ../bias_grad.cc, which states the formula and the order): per unit of up to 16 mask rows of
-// one (mask b, mask h), the readers (b, h, i) in that order; per kv head its K and V transposed
+// The float mask's and the ALiBi slopes' gradients for kAuto / kFlash (Gradients::dbias and
+// dalibi_slopes; the simple twin is ../bias_grad.cc, which states the formulas and the orders):
+// per unit of up to kChunk mask rows of one (mask b, mask h) (score rows of one (b, h) without
+// dbias), the readers (b, h, i) in that order; per kv head its K and V transposed
 // once into zero-padded rows of the compute type T (Dk × stride, Dv × stride), so that a reader
 // row's scaled dot products x_j and its dp_j are SIMD multiply-adds along the keys; then, along
 // the keys, the score's modifiers, p = exp(s - lse) from the given lse, dropout,
-// ds = p · (z·dp - D) (times the cap's slope under kAfterBias), added in float64. The scores'
-// modifiers are the kernels' own (MaskScores on the row: cap, edges, ALiBi, mask) and p their
-// ExpNormal. Each element is owned by one unit and summed in the same order whatever the
-// thread count.
+// ds = p · (z·dp - D) (times the cap's slope under kAfterBias), added in float64 into dbias and
+// into the row's ALiBi term. The scores' modifiers are the kernels' own (MaskScores on the row:
+// cap, edges, ALiBi, mask) and p their ExpNormal. Each dbias element is owned by one unit and
+// summed in the same order whatever the thread count; each row's ALiBi term by its unit.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "flash/bias_grad.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -54,14 +55,14 @@ constexpr int64_t kChunk = 64;
 
 // One thread's buffers: the kv head's K and V transposed (Dk × stride, Dv × stride; stride
 // leaves a vector past any key a load starts at), a reader row's products, slopes, dropout
-// factors and ds, and the unit's float64 sums.
+// factors and ds, and the unit's float64 dbias sums.
 template <typename T>
 struct BiasScratch {
   int64_t stride;
   hwy::AlignedFreeUniquePtr<T[]> kt, vt, x, dp, slope, z, ds;
   std::vector<T> q, dout, row;
   std::vector<double> sum;
-  BiasScratch(const Problem& p, const View4& g, int64_t lanes)
+  BiasScratch(const Problem& p, const GradRows& g, int64_t lanes)
       : stride((p.Nk + lanes - 1) / lanes * lanes + lanes),
         kt(zeros(std::max<int64_t>(1, p.Dk * stride))),
         vt(zeros(std::max<int64_t>(1, p.Dv * stride))),
@@ -118,12 +119,14 @@ HWY_NOINLINE void BiasRow(const BackwardProblem& bp, int64_t b, int64_t h, int64
   }
 }
 
-// Unit u: up to kChunk mask rows of one (mask b, mask h), each summing its readers in (b, h, i)
-// order, then stored.
+// Unit u: up to kChunk rows of g (grad_rows: the mask's, or the scores'), each summing its
+// readers in (b, h, i) order into dbias, then stored; each reader's ALiBi term into alibi
+// ((B, Hq, Nq); empty: not asked for).
 template <typename T>
-HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, int64_t u, BiasScratch<T>& s) {
+HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, const GradRows& g, int64_t u, BiasScratch<T>& s,
+                           std::vector<double>& alibi) {
   const Problem& p = bp.fwd;
-  const View4& g = *bp.dbias;  // the mask's shape, 1 where it broadcasts
+  const int64_t width = g.shape[3];  // dbias' last dim (0: no dbias)
   const int64_t row_chunks = (g.shape[2] + kChunk - 1) / kChunk;
   const int64_t mb = u / (g.shape[1] * row_chunks), mh = u / row_chunks % g.shape[1];
   const int64_t mi0 = u % row_chunks * kChunk, mi1 = std::min(g.shape[2], mi0 + kChunk);
@@ -159,17 +162,20 @@ HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, int64_t u, BiasScratch<T>&
           for (int64_t e = 0; e < p.Dk; ++e) s.q[e] *= scale;  // as the kernels scale q
           BiasRow(bp, b, h, i, range, lse, D, s);
           const int64_t n = range.end - range.begin;
-          if (g.shape[3] == 1) {
+          if (width == 1) {
             for (int64_t jj = 0; jj < n; ++jj) acc[0] += static_cast<double>(s.ds[jj]);
-          } else {
+          } else if (width > 1) {
             for (int64_t jj = 0; jj < n; ++jj) acc[range.begin + jj] += static_cast<double>(s.ds[jj]);
+          }
+          if (!alibi.empty()) {
+            alibi[static_cast<size_t>((b * p.Hq + h) * p.Nq + i)] = alibi_row_term(p, b, i, s.ds.get(), range.begin, n);
           }
         }
       }
     }
   }
   for (int64_t mi = mi0; mi < mi1; ++mi)
-    for (int64_t j = 0; j < g.shape[3]; ++j) g.store(mb, mh, mi, j, s.sum[static_cast<size_t>((mi - mi0) * g.shape[3] + j)]);
+    for (int64_t j = 0; j < width; ++j) bp.dbias->store(mb, mh, mi, j, s.sum[static_cast<size_t>((mi - mi0) * width + j)]);
 }
 
 // The parallel region holds no vector code (clang 14 with -fopenmp cannot compile Highway
@@ -177,16 +183,20 @@ HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, int64_t u, BiasScratch<T>&
 template <typename T>
 void FastBias(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
-  const View4& g = *bp.dbias;
-  const int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<T>()));
-  const int64_t units = g.shape[0] * g.shape[1] * ((g.shape[2] + kChunk - 1) / kChunk);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
+  const GradRows g = grad_rows(bp);
+  std::vector<double> alibi = alibi_rows(bp);
+  if (bp.dbias || !alibi.empty()) {
+    const int64_t lanes = static_cast<int64_t>(hn::Lanes(hn::ScalableTag<T>()));
+    const int64_t units = g.shape[0] * g.shape[1] * ((g.shape[2] + kChunk - 1) / kChunk);
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    BiasScratch<T> s(p, g, lanes);
+    {
+      BiasScratch<T> s(p, g, lanes);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) BiasUnit(bp, u, s);
+      for (int64_t u = 0; u < units; ++u) BiasUnit(bp, g, u, s, alibi);
+    }
   }
+  if (bp.dalibi) store_alibi_gradients(bp, alibi);
 }
 
 void FastBiasF32(const BackwardProblem& bp) { FastBias<float>(bp); }
