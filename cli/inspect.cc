@@ -1,5 +1,6 @@
 // The report of inspect.h: per-head calls of sdpa::attention on views of one head, with Stats
-// and Stats::pooled_weights, turned into PNG heatmaps (libpng), SVG curves and tables.
+// and Stats::pooled_weights, turned into PNG heatmaps and colour bars (libpng), SVG ticks, labels
+// and curves, and tables.
 #include "inspect.h"
 
 #include <png.h>
@@ -281,35 +282,35 @@ int cell_pixels(int64_t rows, int64_t cols) {
   return static_cast<int>(std::clamp<int64_t>(640 / std::max<int64_t>(1, std::max(rows, cols)), 1, 48));
 }
 
-// The head's grid as a PNG data URI: `log` colours log10(w) over the five decades below the
-// largest cell; the linear scale runs from 0 to the 99th percentile of the cells that are not
-// all 0 (brighter ones are clipped to yellow: a few large cells, such as the first rows of a
-// causal head, would otherwise leave the rest dark).
-std::string heatmap_uri(const HeadSummary& s, bool log, int& width, int& height) {
-  const int px = cell_pixels(s.rows, s.cols);
-  width = static_cast<int>(s.cols) * px;
-  height = static_cast<int>(s.rows) * px;
-  std::vector<double> cells;
-  for (double w : s.grid) {
-    if (w > 0) cells.push_back(w);
-  }
-  double top = 0;
-  if (!cells.empty()) {
-    const size_t at = log ? cells.size() - 1 : cells.size() * 99 / 100;
-    std::nth_element(cells.begin(), cells.begin() + static_cast<std::ptrdiff_t>(at), cells.end());
-    top = cells[at];
-  }
+// A width × height picture whose pixel (x, y) is colour(x, y), as a PNG data URI.
+template <class Colour>
+std::string png_uri(int width, int height, Colour colour) {
   std::vector<unsigned char> rgb(static_cast<size_t>(width) * static_cast<size_t>(height) * 3);
   for (int y = 0; y < height; ++y) {
     for (int x = 0; x < width; ++x) {
-      const double w = s.grid[static_cast<size_t>((y / px) * s.cols + x / px)];
-      std::array<unsigned char, 3> c = {kZeroGrey, kZeroGrey, kZeroGrey};
-      if (w >= 0) c = viridis(log ? (std::log10(w / top) + 5) / 5 : w / top);
+      const std::array<unsigned char, 3> c = colour(x, y);
       std::memcpy(&rgb[(static_cast<size_t>(y) * static_cast<size_t>(width) + static_cast<size_t>(x)) * 3], c.data(), 3);
     }
   }
   return "data:image/png;base64," + base64(encode_png(rgb, width, height));
 }
+
+// The head's grid, px × px pixels per cell: rows × px high, cols × px wide.
+std::string heatmap_uri(const HeadSummary& s, const ColourScale& scale, int px) {
+  return png_uri(static_cast<int>(s.cols) * px, static_cast<int>(s.rows) * px, [&](int x, int y) {
+    return cell_colour(scale, s.grid[static_cast<size_t>((y / px) * s.cols + x / px)]);
+  });
+}
+
+// The colour bar, `height` >= 2 pixel rows: row y (0 at the top) is the colour of the weight at
+// position (height - 1 - y) / (height - 1), so the top row is top's colour and the bottom row
+// that of 0 (linear) or top·1e-5 (log); a weight w sits at row bar_row(height, position(w)).
+std::string colourbar_uri(const ColourScale& scale, int width, int height) {
+  return png_uri(width, height, [&](int, int y) {
+    return cell_colour(scale, scale.value_at(static_cast<double>(height - 1 - y) / (height - 1)));
+  });
+}
+double bar_row(int height, double p) { return (1 - std::clamp(p, 0.0, 1.0)) * (height - 1); }
 
 std::string fmt(double x, int digits = 4) {
   if (std::isnan(x)) return "nan";
@@ -357,7 +358,107 @@ double mean_of(const std::vector<double>& x) {
   return n ? s / static_cast<double>(n) : 0.0;
 }
 
+// Layout of a heatmap figure (CSS pixels): row labels left of the picture, key labels under
+// it, the colour bar right of it with its labels; pictures have a 1-pixel border.
+constexpr int kAxisLeft = 48;  // the picture's left edge: room for row labels of 6 digits
+constexpr int kBarGap = 16, kBarWidth = 14, kBarMinHeight = 150;
+
+// One heatmap with its colour bar and ticks: an inline SVG of tick marks and labels under
+// absolutely placed pictures (a figure of the head's linear or log scale).
+std::string heatmap_figure(const HeadSummary& s, const Dims& d, bool log) {
+  const ColourScale scale = colour_scale(s, log);
+  const int px = cell_pixels(s.rows, s.cols);
+  const int w = static_cast<int>(s.cols) * px, h = static_cast<int>(s.rows) * px;
+  const int bar_left = kAxisLeft + w + 2 + kBarGap, bar_h = std::max(h, kBarMinHeight);
+  const int width = bar_left + kBarWidth + 2 + 84, height = std::max(h + 2 + 22, bar_h + 2 + 8);
+  std::ostringstream os;
+  os << "<figure><figcaption class='axis'>" << (log ? "log10 scale" : "linear scale") << ": keys 0.." << d.Nk - 1
+     << " &rarr;, queries 0.." << d.Nq - 1 << " &darr;</figcaption><div class='plot' style='width:" << width
+     << "px;height:" << height << "px'><svg width='" << width << "' height='" << height << "'>";
+  for (const Tick& t : axis_ticks(d.Nq, s.rows, px)) {  // query rows, left of the picture
+    const std::string y = fmt(1 + t.pixel, 7);
+    os << "<line x1='" << kAxisLeft - 5 << "' x2='" << kAxisLeft << "' y1='" << y << "' y2='" << y
+       << "'/><text class='ytick' x='" << kAxisLeft - 7 << "' y='" << y << "' text-anchor='end' dominant-baseline='central'>"
+       << t.index << "</text>";
+  }
+  for (const Tick& t : axis_ticks(d.Nk, s.cols, px)) {  // keys, under the picture
+    const std::string x = fmt(kAxisLeft + 1 + t.pixel, 7);
+    os << "<line x1='" << x << "' x2='" << x << "' y1='" << h + 2 << "' y2='" << h + 7 << "'/><text class='xtick' x='" << x
+       << "' y='" << h + 19 << "' text-anchor='middle'>" << t.index << "</text>";
+  }
+  if (scale.top > 0) {  // the colour bar's labels: linear's top clips brighter cells, log's bottom darker ones
+    const std::vector<double> labels = scale.labels();
+    for (size_t i = 0; i < labels.size(); ++i) {
+      const std::string y = fmt(1 + 0.5 + bar_row(bar_h, scale.position(labels[i])), 7);
+      const char* clip = !log && i + 1 == labels.size() ? "&ge; " : log && i == 0 ? "&le; " : "";
+      os << "<line x1='" << bar_left + kBarWidth + 2 << "' x2='" << bar_left + kBarWidth + 7 << "' y1='" << y << "' y2='"
+         << y << "'/><text class='cbar-label' x='" << bar_left + kBarWidth + 10 << "' y='" << y
+         << "' dominant-baseline='central'>" << clip << fmt(labels[i], 3) << "</text>";
+    }
+  }
+  os << "</svg><img class='heatmap' alt='weights of batch " << s.b << " head " << s.h << (log ? " (log)" : "")
+     << "' width='" << w << "' height='" << h << "' src='" << heatmap_uri(s, scale, px) << "'>";
+  if (scale.top > 0) {
+    os << "<img class='colourbar' alt='colour bar, " << (log ? "log" : "linear") << " scale' data-top='" << fmt(scale.top, 17)
+       << "' style='left:" << bar_left << "px' width='" << kBarWidth << "' height='" << bar_h << "' src='"
+       << colourbar_uri(scale, kBarWidth, bar_h) << "'>";
+  }
+  os << "</div></figure>";
+  return os.str();
+}
+
 }  // namespace
+
+double ColourScale::position(double w) const { return log ? (std::log10(w / top) + 5) / 5 : w / top; }
+
+double ColourScale::value_at(double p) const { return log ? top * std::pow(10.0, 5 * (p - 1)) : top * p; }
+
+std::vector<double> ColourScale::labels() const {
+  if (log) return {top * 1e-5, top * 1e-4, top * 1e-3, top * 1e-2, top * 1e-1, top};
+  return {0.0, top / 4, top / 2, 3 * top / 4, top};
+}
+
+ColourScale colour_scale(const HeadSummary& s, bool log) {
+  ColourScale scale;
+  scale.log = log;
+  std::vector<double> cells;
+  for (double w : s.grid) {
+    if (w > 0) cells.push_back(w);  // not the grey ones (-1, NaN)
+  }
+  if (cells.empty()) return scale;
+  // log: the largest; linear: nearest rank ceil(0.99 n) of n, counted from 1.
+  const size_t at = log ? cells.size() - 1 : (cells.size() * 99 + 99) / 100 - 1;
+  std::nth_element(cells.begin(), cells.begin() + static_cast<std::ptrdiff_t>(at), cells.end());
+  scale.top = cells[at];
+  return scale;
+}
+
+std::array<unsigned char, 3> cell_colour(const ColourScale& scale, double w) {
+  if (!(w >= 0)) return {kZeroGrey, kZeroGrey, kZeroGrey};
+  return viridis(scale.position(w));
+}
+
+std::vector<Tick> axis_ticks(int64_t n, int64_t cells, int px) {
+  std::vector<Tick> ticks;
+  if (n <= 0 || cells <= 0) return ticks;
+  const double pixels = static_cast<double>(cells) * px;
+  const auto fits = [&](int64_t step) {  // at most 6 ticks, 40 pixels apart on average
+    return (n - 1) / step <= 5 && static_cast<double>(step) * pixels / static_cast<double>(n) >= 40;
+  };
+  int64_t step = 1;
+  for (int64_t decade = 1; !fits(step); decade *= 10) {
+    for (int64_t m : {1, 2, 5}) {
+      if (fits(step = m * decade)) break;
+    }
+  }
+  for (int64_t i = 0; i < n; i += step) {
+    // Cell c holds the run first .. next - 1: the i with floor(i · cells / n) = c.
+    const int64_t c = i * cells / n, first = (c * n + cells - 1) / cells, next = ((c + 1) * n + cells - 1) / cells;
+    const double share = (static_cast<double>(i - first) + 0.5) / static_cast<double>(next - first);
+    ticks.push_back({i, px * (static_cast<double>(c) + share)});
+  }
+  return ticks;
+}
 
 std::vector<unsigned char> encode_png(const std::vector<unsigned char>& rgb, int width, int height) {
   std::vector<unsigned char> out;
@@ -421,7 +522,10 @@ std::string report_html(const Request& r) {
      << "body{font-family:sans-serif;margin:24px;color:#222} table{border-collapse:collapse;margin:8px 0}"
      << "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right} .maps{display:flex;gap:32px;flex-wrap:wrap}"
      << "figure{margin:8px 0} .axis{font-size:12px;color:#555} img{image-rendering:pixelated;border:1px solid #888}"
-     << ".flag{color:#b00;font-weight:bold} td.zero{color:#999}</style></head><body>\n"
+     << ".flag{color:#b00;font-weight:bold} td.zero{color:#999} .plot{position:relative}"
+     << ".plot svg{position:absolute;left:0;top:0;overflow:visible} .plot img{position:absolute;top:0}"
+     << ".plot img.heatmap{left:" << kAxisLeft << "px} .plot text{font-size:11px;fill:#444} .plot line{stroke:#666}"
+     << "</style></head><body>\n"
      << "<h1>" << escape(r.title) << "</h1>\n<table>"
      << "<tr><th>q</th><td>" << r.inputs.q.shape_string() << ' ' << sdpa::dtype_name(r.inputs.q.dtype) << "</td></tr>"
      << "<tr><th>k</th><td>" << r.inputs.k.shape_string() << "</td></tr><tr><th>v</th><td>" << r.inputs.v.shape_string()
@@ -429,11 +533,13 @@ std::string report_html(const Request& r) {
      << "<tr><th>scale</th><td>" << fmt(scale, 8) << "</td></tr><tr><th>causal</th><td>" << causal << "</td></tr>"
      << "<tr><th>window</th><td>" << r.options.window.left << ", " << r.options.window.right << "</td></tr>"
      << "<tr><th>heads drawn</th><td>" << heads.size() << " of " << d.B * d.Hq << "</td></tr></table>\n"
-     << "<p class='axis'>Heatmaps: query rows down, keys across; viridis from 0 (dark) to the 99th percentile "
-     << "of the head's cells (yellow, and every cell above it), or on the log10 scale from five decades below "
-     << "the largest cell to it; grey: every weight of the cell is exactly 0 (blocked keys, or underflowed), "
+     << "<p class='axis'>Heatmaps: query rows down, keys across, ticks at query and key indices; viridis "
+     << "from 0 (dark) to the 99th percentile of the head's cells (yellow, and every cell above it), or on "
+     << "the log10 scale over the five decades below the largest cell (dark, and every cell below them), as "
+     << "each colour bar shows; grey: every weight of the cell is exactly 0 (blocked keys, or underflowed), "
      << "or NaN. "
-     << (d.Nq > r.cells || d.Nk > r.cells ? "Each cell averages a block of weights (the input is larger than the picture)."
+     << (d.Nq > r.cells || d.Nk > r.cells ? "Each cell averages a block of weights (the input is larger than the picture); "
+                                            "a tick marks its index's place in its cell's block."
                                           : "One cell per weight.")
      << " Flags: near-uniform = mean normalised entropy >= 0.9, near-one-hot = mean max weight >= 0.9.</p>\n";
   for (const HeadSummary& s : heads) {
@@ -445,14 +551,7 @@ std::string report_html(const Request& r) {
        << fmt(mean_of(s.max_weight)) << "</td><th>picture</th><td>" << s.rows << " x " << s.cols << " cells</td></tr></table>\n";
     if (s.rows > 0 && s.cols > 0) {
       os << "<div class='maps'>";
-      for (bool log : {false, true}) {
-        int w = 0, h = 0;
-        const std::string uri = heatmap_uri(s, log, w, h);
-        os << "<figure><figcaption class='axis'>" << (log ? "log10 scale" : "linear scale") << ": keys 0.." << d.Nk - 1
-           << " &rarr;, queries 0.." << d.Nq - 1 << " &darr;</figcaption><img class='heatmap' alt='weights of batch "
-           << s.b << " head " << s.h << (log ? " (log)" : "") << "' width='" << w << "' height='" << h << "' src='" << uri
-           << "'></figure>";
-      }
+      for (bool log : {false, true}) os << heatmap_figure(s, d, log);
       os << "</div>\n";
     }
     // Entropy up to its largest possible value, log(Nk) (every key equally weighted).

@@ -1,15 +1,19 @@
 // sdpa inspect's numbers (inspect.h): each head's picture against the block averages of the
 // whole call's float64 weights (kReference), exact where one cell is one weight; the per-head
 // views against the whole call (masks, seqlens_k, ALiBi per batch, sinks, GQA); flags; the PNGs
-// libpng writes, read back; and the page's pieces.
+// libpng writes, read back; the colour bars' scales and labels, and the axis ticks of pooled
+// pictures; and the page's pieces.
 #include "inspect.h"
 
 #include <gtest/gtest.h>
 #include <png.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <random>
+#include <regex>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -210,6 +214,149 @@ TEST(Inspect, PageHasTheHeadsAndTheirPictures) {
   EXPECT_EQ(html.find("id='head-0-3'"), std::string::npos);
   // 37 x 150 cells at 640 / 150 = 4 pixels each.
   EXPECT_NE(html.find("width='600' height='148'"), std::string::npos);
+}
+
+// x with `digits` significant digits, as the page writes its labels (and 17 for exact values).
+std::string digits(double x, int digits) {
+  std::ostringstream os;
+  os.precision(digits);
+  os << x;
+  return os.str();
+}
+
+// The page's part for head (b, h): its section.
+std::string section_of(const std::string& html, int64_t b, int64_t h) {
+  const size_t at = html.find("id='head-" + std::to_string(b) + '-' + std::to_string(h) + "'");
+  EXPECT_NE(at, std::string::npos);
+  return html.substr(at, html.find("</section>", at) - at);
+}
+
+// The first capture group of each match of `pattern` in `text`.
+std::vector<std::string> captures(const std::string& text, const std::string& pattern) {
+  std::vector<std::string> out;
+  const std::regex re(pattern);
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it) {
+    out.push_back((*it)[1].str());
+  }
+  return out;
+}
+
+// The 99th percentile of the cells that hold a weight by its definition (nearest rank): the
+// smallest with at least 99% of them at or below it.
+double percentile99(const std::vector<double>& grid) {
+  std::vector<double> cells;
+  for (double w : grid) {
+    if (w > 0) cells.push_back(w);
+  }
+  std::sort(cells.begin(), cells.end());
+  for (size_t r = 1; r <= cells.size(); ++r) {
+    if (100 * r >= 99 * cells.size()) return cells[r - 1];
+  }
+  return 0;
+}
+
+// Each head's two colour bars: their tops are the 99th percentile of its cells (linear) and the
+// largest cell (log), written exactly, and their labels are 0 .. top in quarters (linear, the top
+// clipping brighter cells) and the five decades below the largest cell (log), to 3 digits. With
+// 512 cells the picture is 37 x 150 cells; with 10 it is 10 x 10 = 100 cells of block averages,
+// where the nearest-rank 99th percentile is the second largest cell, not the largest.
+TEST(Inspect, ColourBarsShowEachScaleWithItsValues) {
+  for (int64_t cells : {512, 10}) {
+    SCOPED_TRACE("cells " + std::to_string(cells));
+    Call c(6, false);
+    c.request.max_heads = 3;
+    c.request.cells = cells;
+    const std::vector<sdpa_inspect::HeadSummary> heads = sdpa_inspect::summarize(c.request);
+    const std::string html = sdpa_inspect::report_html(c.request);
+    ASSERT_EQ(heads.size(), 3u);
+    for (const auto& s : heads) {
+      const double top = percentile99(s.grid), largest = *std::max_element(s.grid.begin(), s.grid.end());
+      ASSERT_GT(top, 0);
+      if (cells == 10) {
+        EXPECT_LT(top, largest);  // 100 cells: rank 99 of 100
+      }
+      EXPECT_EQ(sdpa_inspect::colour_scale(s, false).top, top);
+      EXPECT_EQ(sdpa_inspect::colour_scale(s, true).top, largest);
+      const std::string section = section_of(html, s.b, s.h);
+      EXPECT_EQ(captures(section, "<img class='colourbar' alt='[^']*' data-top='([^']*)'"),
+                (std::vector<std::string>{digits(top, 17), digits(largest, 17)}));
+      EXPECT_EQ(std::stod(digits(top, 17)), top);  // 17 digits: the exact value
+      std::vector<std::string> labels;
+      for (double x : {0.0, 0.25, 0.5, 0.75}) labels.push_back(digits(x * top, 3));
+      labels.push_back("&ge; " + digits(top, 3));
+      labels.push_back("&le; " + digits(largest * 1e-5, 3));
+      for (double x : {1e-4, 1e-3, 1e-2, 1e-1, 1.0}) labels.push_back(digits(x * largest, 3));
+      EXPECT_EQ(captures(section, "<text class='cbar-label'[^>]*>([^<]*)</text>"), labels);
+    }
+  }
+}
+
+// A head without a weight (every key masked): grey cells, no scale, no bar.
+TEST(Inspect, NoColourBarWithoutWeights) {
+  Call c(6, false);
+  c.request.max_heads = 1;
+  std::vector<uint8_t> none(static_cast<size_t>(c.Nq * c.Nk), 0);
+  c.request.inputs.mask = TensorView::contiguous(none.data(), DType::kBool, {c.Nq, c.Nk});
+  const auto heads = sdpa_inspect::summarize(c.request);
+  EXPECT_EQ(sdpa_inspect::colour_scale(heads[0], false).top, 0);
+  const std::string html = sdpa_inspect::report_html(c.request);
+  EXPECT_NE(html.find("class='heatmap'"), std::string::npos);
+  EXPECT_EQ(html.find("class='colourbar'"), std::string::npos);
+  EXPECT_EQ(html.find("class='cbar-label'"), std::string::npos);
+}
+
+// The ticks of an axis of n indices in `cells` cells of px pixels: at 0, s, 2s, ... with s the
+// smallest round step (1, 2, 5 x 10^k) giving at most 6 ticks 40 pixels apart on average, each
+// in the cell whose run holds its index, at the middle of that index's share of the run.
+void expect_ticks(int64_t n, int64_t cells, int px) {
+  SCOPED_TRACE("n " + std::to_string(n) + ", cells " + std::to_string(cells) + ", px " + std::to_string(px));
+  const auto fits = [&](int64_t s) { return (n - 1) / s + 1 <= 6 && static_cast<double>(s * cells * px) >= 40.0 * static_cast<double>(n); };
+  std::vector<int64_t> steps;
+  for (int64_t p = 1; p <= 1000000; p *= 10) steps.insert(steps.end(), {p, 2 * p, 5 * p});
+  const auto step = *std::find_if(steps.begin(), steps.end(), fits);
+  const std::vector<sdpa_inspect::Tick> ticks = sdpa_inspect::axis_ticks(n, cells, px);
+  ASSERT_EQ(static_cast<int64_t>(ticks.size()), (n - 1) / step + 1);
+  for (size_t t = 0; t < ticks.size(); ++t) {
+    const int64_t i = static_cast<int64_t>(t) * step;
+    EXPECT_EQ(ticks[t].index, i);
+    const int64_t c = i * cells / n;
+    int64_t first = -1, count = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (j * cells / n != c) continue;
+      if (first < 0) first = j;
+      ++count;
+    }
+    EXPECT_NEAR(ticks[t].pixel, px * (static_cast<double>(c) + (static_cast<double>(i - first) + 0.5) / static_cast<double>(count)), 1e-12);
+    EXPECT_GE(ticks[t].pixel, static_cast<double>(c * px));
+    EXPECT_LT(ticks[t].pixel, static_cast<double>((c + 1) * px));
+  }
+}
+
+TEST(Inspect, TicksNameTheRealIndicesOfPooledCells) {
+  // 150 keys in 16 cells of 40 pixels (9 or 10 keys a cell): key 50 is the 4th of cell 5's keys
+  // 47..56, at 40 · (5 + 3.5 / 10) = 214; 37 rows in 16 cells: row 10 the first of cell 4's 10, 11.
+  const auto keys = sdpa_inspect::axis_ticks(150, 16, 40), rows = sdpa_inspect::axis_ticks(37, 16, 40);
+  ASSERT_EQ(keys.size(), 3u);
+  EXPECT_EQ(keys[1].index, 50);
+  EXPECT_DOUBLE_EQ(keys[1].pixel, 214);
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_EQ(rows[1].index, 10);
+  EXPECT_DOUBLE_EQ(rows[1].pixel, 170);
+  for (auto [n, cells, px] : {std::array<int64_t, 3>{150, 16, 40}, {37, 16, 40}, {2600, 100, 6}, {300, 100, 6}, {3, 3, 48},
+                              {1, 1, 48}, {64, 64, 10}, {5000, 4096, 1}, {2, 2, 1}, {100000, 512, 1}}) {
+    expect_ticks(n, cells, static_cast<int>(px));
+  }
+  // The page's figures: labels 0, 50, 100 under the keys and 0, 10, 20, 30 beside the rows, at
+  // those pixels of the picture (whose content starts 48 + 1 pixels in, past its border).
+  Call c(6, false);
+  c.request.max_heads = 1;
+  c.request.cells = 16;
+  const std::string section = section_of(sdpa_inspect::report_html(c.request), 0, 0);
+  const std::string figure = section.substr(0, section.find("</figure>"));
+  EXPECT_EQ(captures(figure, "<text class='xtick'[^>]*>([^<]*)</text>"), (std::vector<std::string>{"0", "50", "100"}));
+  EXPECT_EQ(captures(figure, "<text class='ytick'[^>]*>([^<]*)</text>"), (std::vector<std::string>{"0", "10", "20", "30"}));
+  EXPECT_EQ(captures(figure, "<text class='xtick' x='([^']*)'")[1], "263");
+  EXPECT_EQ(captures(figure, "<text class='ytick' x='[^']*' y='([^']*)'")[1], "171");
 }
 
 TEST(Inspect, BadRequestsAreErrors) {

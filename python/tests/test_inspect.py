@@ -1,9 +1,11 @@
 """``sdpa.inspect`` and ``sdpa inspect``: the report's heatmaps decoded back and compared with
-the weights (exact and block-averaged), the toy head's 2×3 weights with their values, the page
-rendered by a real headless browser (Debian's chromium: images of the expected size, not
-blank), sdpa.plot.heatmap, errors."""
+the weights (exact and block-averaged), the toy head's 2×3 weights with their values, the colour
+bars (their values, and the cells' colours read off them), the axis ticks, the page rendered by a
+real headless browser (Debian's chromium: images of the expected size, not blank, each colour bar
+beside its heatmap), sdpa.plot.heatmap, errors."""
 
 import base64
+import html as html_text
 import io
 import os
 import re
@@ -31,6 +33,69 @@ def _images(html):
         assert img.size == (int(w), int(h))
         out.append((alt, int(w), int(h), np.asarray(img)))
     return out
+
+
+def _bars(html):
+    """The report's colour bars: (alt, top, RGB array) per <img>, in the heatmaps' order."""
+    out = []
+    for alt, top, w, h, data in re.findall(r"<img class='colourbar' alt='([^']*)' data-top='([^']*)' style='[^']*' "
+                                           r"width='(\d+)' height='(\d+)' src='data:image/png;base64,([^']*)'>", html):
+        img = PIL.open(io.BytesIO(base64.b64decode(data))).convert("RGB")
+        assert img.size == (int(w), int(h))
+        out.append((alt, float(top), np.asarray(img)))
+    return out
+
+
+def _texts(html, cls):
+    """The texts of the SVG labels of class `cls` (cbar-label, xtick, ytick), per heatmap figure."""
+    return [[html_text.unescape(t) for t in re.findall(rf"<text class='{cls}'[^>]*>([^<]*)</text>", fig)]
+            for fig in re.findall(r"<figure><figcaption class='axis'>[^<]*scale.*?</figure>", html)]
+
+
+def _find(img, pattern):
+    """The top-left corners (y, x) where `pattern` (h, w, 3) lies in `img`, exactly."""
+    h, w = pattern.shape[:2]
+    ys, xs = np.nonzero(np.all(img[:img.shape[0] - h + 1, :img.shape[1] - w + 1] == pattern[0, 0], axis=-1))
+    return [(y, x) for y, x in zip(ys, xs) if np.array_equal(img[y:y + h, x:x + w], pattern)]
+
+
+def test_colour_bars_show_the_cells_colours_and_values():
+    """One cell per weight (12 x 20, some masked): the linear bar's top is the 99th percentile of
+    the weights by nearest rank, the log bar's the largest weight; their labels are 0 .. top in
+    quarters and the five decades below the largest; and each cell's colour is the bar's colour at
+    the cell's weight, to within the bar's resolution."""
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal(s) for s in ((12, 8), (20, 8), (20, 8)))
+    mask = rng.random((12, 20)) < 0.8
+    w = sdpa.attention(q, k, v, mask, return_weights=True)[1]
+    html = sdpa.inspect(q, k, v, mask, progress=False).html
+    cells = np.sort(w[w > 0])
+    top, largest = cells[-(-99 * cells.size // 100) - 1], cells[-1]
+    assert top < largest  # 190-odd cells: rank ceil(0.99 n) is not the last
+    (_, _, _, lin), (_, _, _, log) = _images(html)
+    (_, lin_top, lin_bar), (_, log_top, log_bar) = _bars(html)
+    # The kernel's float64 weights, from attention's weights path and from inspect's pooled one:
+    # within a few float64 roundings of each other (softmax over 20 keys).
+    assert lin_top == pytest.approx(top, rel=1e-13) and log_top == pytest.approx(largest, rel=1e-13)
+    assert _texts(html, "cbar-label") == [
+        [f"{x * top:.3g}" for x in (0, 0.25, 0.5, 0.75)] + [f"≥ {top:.3g}"],
+        [f"≤ {largest * 1e-5:.3g}"] + [f"{largest * x:.3g}" for x in (1e-4, 1e-3, 1e-2, 1e-1, 1)]]
+    px = lin.shape[1] // 20
+    with np.errstate(divide="ignore"):
+        positions = {"lin": np.clip(w / top, 0, 1), "log": np.clip((np.log10(w / largest) + 5) / 5, 0, 1)}
+    for name, picture, bar in (("lin", lin, lin_bar), ("log", log, log_bar)):
+        # Bar row y shows position 1 - y / (rows - 1); neighbouring rows differ by at most 8 · 83
+        # / (rows - 1) < 1.8 per channel (viridis' steepest knot, 83 of 255 per eighth; 384 rows),
+        # so the nearest row's colour is within 0.9 of the cell's before each is rounded to an
+        # integer (0.5 each): within 2.
+        rows = bar.shape[0]
+        assert rows == 12 * px
+        cell_rgb = picture[px // 2::px, px // 2::px].astype(int)
+        bar_rgb = bar[np.rint((1 - positions[name]) * (rows - 1)).astype(int), bar.shape[1] // 2].astype(int)
+        seen = w > 0
+        assert np.abs(cell_rgb[seen] - bar_rgb[seen]).max() <= 2, name
+        assert np.all(cell_rgb[~seen] == 190)  # grey: no colour of the bar
+        assert tuple(bar[0, 0]) == (253, 231, 37) and tuple(bar[-1, 0]) == (68, 1, 84)  # viridis' ends
 
 
 def test_toy_head_shows_its_weights_with_values():
@@ -63,6 +128,10 @@ def test_long_inputs_get_block_averages():
     band = grey[:, 1000 * 100 // Nk * 6 + 6:1300 * 100 // Nk * 6 - 6]
     assert band.all()
     assert not grey[:, :6].any()  # key 0 is seen by every row
+    # Ticks at real indices, though a cell pools 26 keys and 3 rows: steps of 500 keys and 50
+    # rows (the smallest round steps that give at most 6 ticks).
+    assert _texts(report.html, "xtick")[0] == ["0", "500", "1000", "1500", "2000", "2500"]
+    assert _texts(report.html, "ytick")[0] == ["0", "50", "100", "150", "200", "250"]
 
 
 def test_save_writes_the_same_page(tmp_path):
@@ -111,6 +180,18 @@ def test_a_real_browser_renders_the_report(tmp_path):
     assert colours <= on_screen
     for c in colours:  # each colour fills at least a cell's area (48 x 48 pixels, less borders)
         assert np.all(img == np.array(c, np.uint8), axis=-1).sum() >= 40 * 40
+    # Each heatmap is on screen once, and its colour bar just right of it, top-aligned, pixel for
+    # pixel (the linear and log bars look alike: take the first right of the heatmap); the bar's
+    # top is the largest toy weight's colour (6 cells: the 99th percentile is the largest), and its
+    # labels are drawn beside it (dark text pixels).
+    assert len(_images(html)) == len(_bars(html)) == 2
+    for (_, w, h, heat), (_, _, bar) in zip(_images(html), _bars(html)):
+        (y0, x0), = _find(img, heat)
+        y1, x1 = min(((y, x) for y, x in _find(img, bar) if y == y0 and x > x0 + w), key=lambda p: p[1])
+        assert x1 - (x0 + w) < 40
+        assert tuple(bar[0, 0]) == (253, 231, 37) and tuple(bar[0, 0]) in {tuple(c) for c in heat.reshape(-1, 3)}
+        beside = img[y1:y1 + bar.shape[0], x1 + bar.shape[1] + 6:x1 + bar.shape[1] + 80].astype(int)
+        assert (beside.sum(-1) < 400).sum() > 100
 
 
 def test_plot_heatmap():
