@@ -183,6 +183,18 @@ std::string flag_of(const std::vector<double>& normalized, const std::vector<dou
   return "";
 }
 
+// n indices cut into `cells` runs, index i in run floor(i · cells / n) (Stats::pooled_weights'
+// rule): i's run, and run c's first index ceil(c · n / cells). In 128 bits: i · cells may pass
+// int64_t (keys of shape (2^40, 0) exist without elements, and are counted, never walked).
+int64_t run_of(int64_t i, int64_t cells, int64_t n) {
+  __extension__ using Wide = __int128;
+  return static_cast<int64_t>(static_cast<Wide>(i) * cells / n);
+}
+int64_t run_first(int64_t c, int64_t cells, int64_t n) {
+  __extension__ using Wide = __int128;
+  return static_cast<int64_t>((static_cast<Wide>(c) * n + cells - 1) / cells);
+}
+
 HeadSummary summarize_head(const Request& r, const Dims& d, int64_t b, int64_t h) {
   const auto [in, o] = head_call(r, d, b, h);
   const DType ct = compute_of(in.q.dtype);
@@ -206,7 +218,7 @@ HeadSummary summarize_head(const Request& r, const Dims& d, int64_t b, int64_t h
   // Row sums, and the picture: cell (gi, c) averages the weights of query run gi (rows i with
   // floor(i · Gq / Nq) = gi) and key run c (pooled_weights' runs).
   std::vector<int64_t> keys_in(static_cast<size_t>(G), 0), rows_in(static_cast<size_t>(Gq), 0);
-  for (int64_t j = 0; j < d.Nk && G > 0; ++j) ++keys_in[static_cast<size_t>(j * G / d.Nk)];
+  for (int64_t c = 0; c < G; ++c) keys_in[static_cast<size_t>(c)] = run_first(c + 1, G, d.Nk) - run_first(c, G, d.Nk);
   s.rows = Gq;
   s.cols = G;
   s.grid.assign(static_cast<size_t>(Gq * G), 0.0);
@@ -453,7 +465,7 @@ std::vector<Tick> axis_ticks(int64_t n, int64_t cells, int px) {
   }
   for (int64_t i = 0; i < n; i += step) {
     // Cell c holds the run first .. next - 1: the i with floor(i · cells / n) = c.
-    const int64_t c = i * cells / n, first = (c * n + cells - 1) / cells, next = ((c + 1) * n + cells - 1) / cells;
+    const int64_t c = run_of(i, cells, n), first = run_first(c, cells, n), next = run_first(c + 1, cells, n);
     const double share = (static_cast<double>(i - first) + 0.5) / static_cast<double>(next - first);
     ticks.push_back({i, px * (static_cast<double>(c) + share)});
   }

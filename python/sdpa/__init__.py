@@ -701,9 +701,12 @@ def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlen
     command line makes the same page from .npy files).
 
     The arguments are ``attention``'s (dropout aside: the weights are before it). Per head (the
-    first ``max_heads`` in (batch, head) order): heatmaps of the weights, linear and log10 colour
-    scales, query rows down and keys across, grey where every weight of a cell is exactly 0
-    (blocked); the entropy and max weight of each query row as curves; a table of row sums (min,
+    first ``max_heads`` in (batch, head) order): heatmaps of the weights, query rows down and
+    keys across with ticks at query and key indices (real indices where a cell pools several),
+    on a linear colour scale (0 to the 99th percentile of the head's cells, by nearest rank;
+    brighter cells clipped) and a log10 one (the five decades below the largest cell), each
+    beside a colour bar labelled with its weights, grey where every weight of a cell is exactly
+    0 (blocked); the entropy and max weight of each query row as curves; a table of row sums (min,
     max), entropy and max weight, flagged near-uniform (mean normalised entropy >= 0.9) or
     near-one-hot (mean max weight >= 0.9); the top ``topk`` keys of some rows; the weights
     themselves when Nq and Nk are at most 16. Everything comes from the fused kernel's

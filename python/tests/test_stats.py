@@ -109,3 +109,29 @@ def test_return_scores_stages():
     assert np.allclose(e / e.sum(-1, keepdims=True), w, atol=1e-14)  # the softmax of the final scores
     with pytest.raises(ValueError, match="return_scores"):
         sdpa.attention(q, k, v, return_scores="raw")
+
+
+def test_featureless_rows_of_huge_nk_return_at_once():
+    """Issue 26 item 2: with Dk = Dv = 0 a row's keys share one score, so its statistics (and
+    sdpa.inspect's report) follow from the key range, as lse does; k of shape (2**40, 0) holds no
+    element and must not be walked (return_stats ran for hours, inspect counted 2**40 keys)."""
+    import signal
+
+    def too_slow(signum, frame):
+        raise TimeoutError("work followed Nk = 2**40")
+
+    before = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(60)
+    try:
+        q, k = np.zeros((3, 0), np.float32), np.empty((2**40, 0), np.float32)
+        out, stats = sdpa.attention(q, k, k, causal=True, return_stats=True, topk=4)
+        n = 2**40 - np.arange(2, -1, -1)  # bottom-right causal: rows see Nk - 2, Nk - 1, Nk keys
+        assert np.array_equal(stats.allowed, n)
+        assert np.allclose(stats.max_weight, 1.0 / n, rtol=1e-6)
+        assert np.allclose(stats.entropy, np.log(n), rtol=1e-6)
+        assert np.array_equal(stats.topk_indices, np.tile(np.arange(4), (3, 1)))
+        report = sdpa.inspect(q, k, k, causal=True)
+        assert "1099511627775" in report.html  # the keys axis names the last key
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
