@@ -5,10 +5,13 @@
 //
 //   attention(q, k, v, mask?, causal, scale?, window_left, window_right, dropout_p, seed?)
 //       -> (out, lse)                      q (B, Hq, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv)
-//   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv, dsinks, dbias)
+//   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv, dsinks, dbias, dalibi)
 //   attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, ...) -> (out, lse)
 //                                           q (total_q, Hq, Dk), k, v (total_k, Hkv, D)
 //   attention_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, ...)
+//       -> (dq, dk, dv, dsinks, dalibi)
+//   attention_weights(q, k, v, mask?, causal, scale?, window_left, window_right, ...) -> weights
+//       (B, Hq, Nq, Nk) in the compute dtype: the softmax (Outputs::weights), forward only
 //   attention_paged(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q?, causal, scale?,
 //       window_left, window_right) -> (out, lse)   forward only; q packed with cu_seqlens_q
 //
@@ -19,7 +22,10 @@
 // (0,) without sinks), and the autograd kernels give sinks that gradient. attention_backward
 // ends with mask_grad (default false): true returns the float mask's gradient as a fifth result
 // (shaped like the mask, its dtype; (0,) otherwise), which attention's autograd kernel asks for
-// when the mask requires grad (a learned bias: T5's, Swin's).
+// when the mask requires grad (a learned bias: T5's, Swin's). Both backward operators end with
+// alibi_grad (default false): true returns the slopes' gradient (Gradients::dalibi_slopes) as
+// their last result (shaped like alibi_slopes, their dtype; (0,) otherwise), which the autograd
+// kernels ask for when the slopes require grad.
 // The arguments mean what they mean in sdpa/attention.h (causal: "none", "bottom_right" or
 // "top_left"; a window bound < 0 is unbounded; seed: a one-element int64 tensor, present when
 // dropout_p > 0 — a tensor, so that torch.compile can trace drawing it). Each kernel checks
@@ -28,8 +34,8 @@
 //
 // Autograd: attention and attention_varlen have kernels at the Autograd key (a
 // torch::autograd::Function whose backward calls the *_backward operator); the backward
-// operators' own autograd kernels refuse a second derivative; attention_paged's outputs carry
-// no gradient. Fake (meta) kernels, for torch.compile, are registered in sdpa/torch.py.
+// operators' own autograd kernels refuse a second derivative; attention_paged's and
+// attention_weights' outputs carry no gradient. Fake (meta) kernels, for torch.compile, are registered in sdpa/torch.py.
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -165,27 +171,36 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
   return {out, lse};
 }
 
+// dalibi for a backward call: with alibi_grad, the slopes' gradient, shaped like them, in their
+// dtype; else (0,) (never written).
+Tensor empty_dalibi(const Tensor& q, const std::optional<Tensor>& alibi_slopes, bool alibi_grad) {
+  TORCH_CHECK(!alibi_grad || alibi_slopes, "sdpa: alibi_grad needs alibi_slopes (the gradient of the slopes)");
+  return alibi_grad ? at::empty(alibi_slopes->sizes(), alibi_slopes->options()) : at::empty({0}, q.options());
+}
+
 // With mask_grad, dbias is the float mask's gradient, shaped like the mask, in its dtype; else (0,).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
     const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
     int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad) {
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad, bool alibi_grad) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
   TORCH_CHECK(!mask_grad || (mask && mask->scalar_type() != at::kBool),
               "sdpa: mask_grad needs a float mask (the gradient of its biases)");
   Tensor dbias = mask_grad ? at::empty(mask->sizes(), mask->options()) : at::empty({0}, q.options());
+  Tensor dalibi = empty_dalibi(q, alibi_slopes, alibi_grad);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
   if (mask_grad) grads.dbias = view(dbias, "dbias");
+  if (alibi_grad) grads.dalibi_slopes = view(dalibi, "dalibi_slopes");
   const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
                                     Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
-  return {dq, dk, dv, dsinks, dbias};
+  return {dq, dk, dv, dsinks, dbias, dalibi};
 }
 
 sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
@@ -211,20 +226,22 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
   return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& cu_q, const Tensor& cu_k,
     const Tensor& out_, const Tensor& lse, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool alibi_grad) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
+  Tensor dalibi = empty_dalibi(q, alibi_slopes, alibi_grad);
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
+  if (alibi_grad) grads.dalibi_slopes = view(dalibi, "dalibi_slopes");
   const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
                                     Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_varlen_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
-  return {dq, dk, dv, dsinks};
+  return {dq, dk, dv, dsinks, dalibi};
 }
 
 std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k_pages, const Tensor& v_pages,
@@ -246,6 +263,31 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k
                                     Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
   run([&] { sdpa::attention_paged(in, outs, opt); });
   return {out, lse};
+}
+
+// The softmax weights of an attention call (Outputs::weights: (..., Nq, Nk) for q (..., Nq, Dk),
+// the compute dtype, before dropout): sdpa.torch.MultiheadAttention's need_weights, an operator
+// so that torch.compile traces it (a NumPy call would break the graph). sdpa has no call that
+// writes the weights alone: out is computed too and dropped.
+Tensor attention_weights_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_, const std::optional<Tensor>& mask,
+                             c10::string_view causal, std::optional<double> scale, int64_t window_left,
+                             int64_t window_right, double softcap, bool softcap_after_bias,
+                             const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                             const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+  const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  TORCH_CHECK_VALUE(q.dim() >= 2 && k.dim() >= 2, "q and k must have at least 2 dims, got ", q.sizes(), " and ",
+                    k.sizes());
+  const Tensor out = std::get<0>(empty_outputs(q, v));
+  auto shape = q.sizes().vec();
+  shape.back() = k.size(-2);
+  const Tensor weights = at::empty(shape, q.options().dtype(compute_type(q)));
+  sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
+  if (mask) in.mask = view(*mask, "mask");
+  const sdpa::Outputs outs{view(out, "out"), view(weights, "weights"), std::nullopt};
+  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt,
+                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  run([&] { sdpa::attention(in, outs, opt); });
+  return weights;
 }
 
 // ---------------------------------------------------------------- autograd
@@ -300,6 +342,8 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["block_k"] = block_k;
     // A float mask that requires grad (a learned bias) gets its gradient (dbias).
     ctx->saved_data["mask_grad"] = mask && mask->requires_grad();
+    // So do slopes that require grad (learned ALiBi slopes).
+    ctx->saved_data["alibi_grad"] = alibi_slopes && alibi_slopes->requires_grad();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -308,15 +352,17 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedOptions o = saved_options(ctx);
     static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
-    const bool mask_grad = ctx->saved_data["mask_grad"].toBool();
-    auto [dq, dk, dv, dsinks, dbias] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale,
-                                                o.window_left, o.window_right, o.dropout_p, optional(s[6]), o.softcap,
-                                                o.softcap_after_bias, optional(s[7]), optional(s[8]), optional(s[9]),
-                                                ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(),
-                                                mask_grad);
+    const bool mask_grad = ctx->saved_data["mask_grad"].toBool(), alibi_grad = ctx->saved_data["alibi_grad"].toBool();
+    auto [dq, dk, dv, dsinks, dbias, dalibi] =
+        bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale, o.window_left, o.window_right,
+                 o.dropout_p, optional(s[6]), o.softcap, o.softcap_after_bias, optional(s[7]), optional(s[8]),
+                 optional(s[9]), ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad,
+                 alibi_grad);
+    // One gradient per forward argument: q, k, v, mask, causal .. softcap_after_bias (8),
+    // alibi_slopes, sinks, block_mask, block_q, block_k.
     return {dq,       dk,       dv,       mask_grad ? dbias : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[8].defined() ? dsinks : Tensor(),
-            Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), alibi_grad ? dalibi : Tensor(),
+            s[8].defined() ? dsinks : Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -335,7 +381,7 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
                                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor none;
-  if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none})) {
+  if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
@@ -361,6 +407,7 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
     ctx->saved_data["block_q"] = block_q;
     ctx->saved_data["block_k"] = block_k;
+    ctx->saved_data["alibi_grad"] = alibi_slopes && alibi_slopes->requires_grad();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -369,12 +416,15 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     const SavedOptions o = saved_options(ctx);
     static const auto bwd = op("sdpa::attention_varlen_backward").typed<decltype(attention_varlen_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
-    auto [dq, dk, dv, dsinks] = bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale,
-                                         o.window_left, o.window_right, o.dropout_p, optional(s[7]), o.softcap,
-                                         o.softcap_after_bias, optional(s[8]), optional(s[9]), optional(s[10]),
-                                         ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt());
+    const bool alibi_grad = ctx->saved_data["alibi_grad"].toBool();
+    auto [dq, dk, dv, dsinks, dalibi] =
+        bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale, o.window_left, o.window_right,
+                 o.dropout_p, optional(s[7]), o.softcap, o.softcap_after_bias, optional(s[8]), optional(s[9]),
+                 optional(s[10]), ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), alibi_grad);
+    // One gradient per forward argument: q, k, v, cu_seqlens_q, cu_seqlens_k, causal ..
+    // softcap_after_bias (8), alibi_slopes, sinks, block_mask, block_q, block_k.
     return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), s[9].defined() ? dsinks : Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), alibi_grad ? dalibi : Tensor(), s[9].defined() ? dsinks : Tensor(),
             Tensor(), Tensor(), Tensor()};
   }
 };
@@ -385,7 +435,7 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      int64_t window_right, double dropout_p,
                                                      const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
   const Tensor none;
-  if (!records({&q, &k, &v, sinks ? &*sinks : &none})) {
+  if (!records({&q, &k, &v, sinks ? &*sinks : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
@@ -443,6 +493,18 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tenso
                   softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
 }
 
+// attention_weights: no gradient either (sdpa.torch.MultiheadAttention's weights are for inspection).
+Tensor attention_weights_autograd(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& mask,
+                                  c10::string_view causal, std::optional<double> scale, int64_t window_left,
+                                  int64_t window_right, double softcap, bool softcap_after_bias,
+                                  const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                                  const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static const auto fwd = op("sdpa::attention_weights").typed<decltype(attention_weights_cpu)>();
+  return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, softcap, softcap_after_bias, alibi_slopes,
+                  sinks, block_mask, block_q, block_k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sdpa, m) {
@@ -454,16 +516,19 @@ TORCH_LIBRARY(sdpa, m) {
         "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        SDPA_BLOCKS ", bool mask_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        SDPA_BLOCKS ", bool mask_grad=False, bool alibi_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         SDPA_BLOCKS ") -> (Tensor, Tensor)");
   m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
-        "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS
+        ", bool alibi_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
         "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right" SDPA_MODS
         SDPA_BLOCKS ") -> (Tensor, Tensor)");
+  m.def("attention_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
+        "int window_right" SDPA_MODS SDPA_BLOCKS ") -> Tensor");
 #undef SDPA_BLOCKS
 #undef SDPA_MODS
   m.def("torch_version() -> str", [] { return std::string(SDPA_TORCH_VERSION); });
@@ -475,6 +540,7 @@ TORCH_LIBRARY_IMPL(sdpa, CPU, m) {
   m.impl("attention_varlen", &attention_varlen_cpu);
   m.impl("attention_varlen_backward", &attention_varlen_backward_cpu);
   m.impl("attention_paged", &attention_paged_cpu);
+  m.impl("attention_weights", &attention_weights_cpu);
 }
 
 TORCH_LIBRARY_IMPL(sdpa, Autograd, m) {
@@ -483,4 +549,5 @@ TORCH_LIBRARY_IMPL(sdpa, Autograd, m) {
   m.impl("attention_varlen", &attention_varlen_autograd);
   m.impl("attention_varlen_backward", &VarlenBackwardAutograd::apply_tuple);
   m.impl("attention_paged", &attention_paged_autograd);
+  m.impl("attention_weights", &attention_weights_autograd);
 }

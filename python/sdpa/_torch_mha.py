@@ -17,7 +17,8 @@ head-major (contiguous) from the projections by one copy each: the kernel reads 
 
 - ``add_bias_kv`` and ``add_zero_attn`` raise ValueError (not supported).
 - ``need_weights`` returns the softmax before dropout (torch's are after it), computed by a
-  second sdpa call (``sdpa.attention(..., return_weights=True)``), without gradient.
+  second sdpa call (the operator ``torch.ops.sdpa.attention_weights``, so ``torch.compile``
+  traces it without a graph break), without gradient.
 - ``is_causal=True`` applies the causal mask in the kernel, which then skips the tiles above
   the diagonal: without ``attn_mask`` (torch asks for the mask too), or with it, which torch
   documents as a hint that it is the causal mask: it is not read then (torch reads it when a
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from .torch import _as_numpy, _attention, _options
+
+_attention_weights = torch.ops.sdpa.attention_weights.default
 
 __all__ = ["MultiheadAttention"]
 
@@ -253,14 +256,11 @@ class MultiheadAttention(torch.nn.Module):
             y = y.transpose(0, 1)
         return y, weights
 
-    @torch.no_grad()
     def _weights(self, q, k, v, mask, causal):
-        """The attention weights (B, H, L, S) from sdpa's kernel (before dropout)."""
-        from . import attention
-        arrays = [_as_numpy(n, t) for n, t in (("q", q), ("k", k), ("v", v))]
-        m = None if mask is None else _as_numpy("mask", mask)
-        _, w = attention(*arrays, m, causal="top_left" if causal else False, return_weights=True)
-        return torch.from_numpy(w).to(q.dtype)
+        """The attention weights (B, H, L, S) from sdpa's kernel (before dropout), in q's dtype,
+        without gradient (the operator's result carries none)."""
+        w = _attention_weights(q, k, v, mask, "top_left" if causal else "none", None, -1, -1)
+        return w.to(q.dtype)
 
     def new_cache(self, num_pages, page_size):
         """An empty sdpa.KVCache (float32) for ``step``."""

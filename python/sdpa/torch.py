@@ -39,6 +39,8 @@ PyTorch's semantics, with these limits:
   a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied). bfloat16 and float16
   compute in float32 and round each result once: the output and the gradients have the
   inputs' dtype.
+- ``scale`` is a real number or, as in PyTorch, a 0-dim tensor (read as its number; a tensor
+  with dims, one that requires grad and a bool one raise TypeError).
 - First derivatives only: the backward is marked ``once_differentiable``, so asking for a
   second derivative (double backward) raises RuntimeError.
 
@@ -107,6 +109,12 @@ def _dsinks(q, sinks):
     return q.new_empty((sinks.shape[0] if sinks is not None else 0,), dtype=_compute_dtype(q.dtype))
 
 
+def _dalibi(q, alibi_slopes, alibi_grad):
+    """The backward operators' last result: the slopes' gradient (their shape and dtype) with
+    alibi_grad, else (0,)."""
+    return alibi_slopes.new_empty(alibi_slopes.shape) if alibi_grad else q.new_empty((0,))
+
+
 @torch.library.register_fake("sdpa::attention")
 def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
       alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
@@ -116,9 +124,10 @@ def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, 
 @torch.library.register_fake("sdpa::attention_backward")
 def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
       softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
-      mask_grad=False):
+      mask_grad=False, alibi_grad=False):
     dbias = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias,
+            _dalibi(q, alibi_slopes, alibi_grad))
 
 
 @torch.library.register_fake("sdpa::attention_varlen")
@@ -131,8 +140,9 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_ri
 @torch.library.register_fake("sdpa::attention_varlen_backward")
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window_left, window_right, dropout_p,
       seed, softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128,
-      block_k=128):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks)
+      block_k=128, alibi_grad=False):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks),
+            _dalibi(q, alibi_slopes, alibi_grad))
 
 
 @torch.library.register_fake("sdpa::attention_paged")
@@ -140,6 +150,12 @@ def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, 
       softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
+
+
+@torch.library.register_fake("sdpa::attention_weights")
+def _(q, k, v, mask, causal, scale, window_left, window_right, softcap=0.0, softcap_after_bias=False,
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
+    return q.new_empty(q.shape[:-1] + k.shape[-2:-1], dtype=_compute_dtype(q.dtype))
 
 
 # ---------------------------------------------------------------- torch.nn.functional's function
@@ -153,14 +169,32 @@ def _check_tensors(names, tensors):
             raise TypeError(f"{name} has dtype {t.dtype}, but sdpa takes float32, float64, bfloat16 or float16")
 
 
+def _tensor_scale(scale):
+    """A tensor scale as the number it holds, as F.scaled_dot_product_attention reads one: a
+    0-dim tensor of a floating or integer dtype. TypeError, naming scale, for a tensor with dims
+    (even of one element) and one that requires grad (the scale gets no gradient), which torch
+    refuses too, and for a bool one, as sdpa refuses a bool scale (torch takes both as 1 or 0).
+    Under torch.compile, reading the number is a graph break, as it is for torch's function
+    (whose fullgraph compile fails on a tensor scale)."""
+    if scale.dim() != 0:
+        raise TypeError(f"scale must be a real number or a 0-dim tensor, got a tensor of shape {tuple(scale.shape)}")
+    if scale.requires_grad:
+        raise TypeError("scale is a tensor that requires grad, but the scale gets no gradient: pass it detached "
+                        "(torch's scaled_dot_product_attention refuses it too)")
+    if scale.dtype == torch.bool or scale.is_complex():
+        raise TypeError(f"scale must be a real number or a 0-dim tensor of one, got a {scale.dtype} tensor")
+    return scale.item()
+
+
 def _options(dropout_p, scale):
-    """(dropout_p, scale, seed) checked: TypeError / ValueError naming the argument. The seed is
-    drawn from torch's global generator when dropout_p > 0 (torch.manual_seed reproduces it), as
-    a tensor so that torch.compile traces it."""
+    """(dropout_p, scale, seed) checked: TypeError / ValueError naming the argument (scale a real
+    number, a 0-dim tensor (_tensor_scale) or None). The seed is drawn from torch's global
+    generator when dropout_p > 0 (torch.manual_seed reproduces it), as a tensor so that
+    torch.compile traces it."""
     if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
         dropout_p, _ = _parsed_dropout(dropout_p, 0)  # a real number in [0, 1), else an error naming it
     if scale is not None and type(scale) is not float:
-        scale = _scale_value(scale)
+        scale = _scale_value(_tensor_scale(scale) if isinstance(scale, torch.Tensor) else scale)
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
     return dropout_p, scale, seed
 
@@ -283,7 +317,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Beyond PyTorch's arguments, sdpa's score modifiers (``sdpa.attention`` states them):
     ``softcap`` (Gemma's ``softcap·tanh(s / softcap)``; ``softcap_order``), ``alibi_slopes``
     ((H,) or (B, H), the query aligned bottom-right) and ``sinks`` ((H,) logits added to each
-    row's softmax denominator; they get a gradient when they require one). H is the number of
+    row's softmax denominator); slopes and sinks get a gradient when they require one (the
+    slopes' from the pass that a float mask's gradient takes, about one more backward). H is the number of
     query heads and B the product of the batch dims. ``block_mask`` (bool; (QB, KB), (H, QB, KB)
     or (B, H, QB, KB) with QB = ceil(L / bq), KB = ceil(S / bk) for ``block_size`` = bq or
     (bq, bk), default 128) makes it block-sparse as in ``sdpa.attention``: a False block's keys
@@ -355,7 +390,7 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     (FlashAttention's alignment, per sequence) or "top_left"; window and scale as in
     ``sdpa.attention``. With dropout_p > 0 the seed is drawn from torch's global generator
     (``torch.manual_seed`` reproduces it) and reused by the backward. softcap, softcap_order,
-    alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (with a gradient) as in
+    alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (both with a gradient) as in
     ``scaled_dot_product_attention``; block_mask and block_size as in ``sdpa.attention_varlen``
     (each sequence reads the top-left corner of the longest sequence's blocks)."""
     _check_tensors(("query", "key", "value"), (query, key, value))
@@ -420,6 +455,7 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
     through ml_dtypes), so this suits looking inside a model's heads from a forward hook."""
     from . import attention
     import numpy as np
+    _, scale, _ = _options(0.0, scale)  # a 0-dim tensor as its number
     arrays = [_as_numpy(n, t) for n, t in (("query", query), ("key", key), ("value", value))]
     mask = None if attn_mask is None else _as_numpy("attn_mask", attn_mask)
     kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, softcap_order=softcap_order)

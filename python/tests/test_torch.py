@@ -678,3 +678,59 @@ def test_attention_stats_on_tensors(dtype):
     for got, w in zip(st, want):
         assert np.array_equal(got.numpy(), w)
     assert st.allowed[0, 0].tolist() == list(range(1, 10))  # top-left causal: row i sees i + 1 keys
+
+
+# ---------------------------------------------------------------- a tensor scale, as torch takes it
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64), torch.tensor(2),
+                                   torch.tensor(0.3, dtype=torch.bfloat16)],
+                         ids=["float32", "float64", "int64", "bfloat16"])
+def test_zero_dim_tensor_scale_is_its_number_in_every_entry_point(scale):
+    """F.scaled_dot_product_attention takes a 0-dim tensor as scale (any real dtype); so does each
+    of sdpa.torch's functions, bit for bit as the float it holds (they used to raise TypeError)."""
+    from sdpa.torch import attention_paged, attention_stats, attention_varlen
+    number = scale.item()
+    q, k, v = tensors(((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), torch.float32)
+    got = scaled_dot_product_attention(q, k, v, scale=scale)
+    assert torch.equal(got, scaled_dot_product_attention(q, k, v, scale=number))
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, scale=scale), rtol=2e-5, atol=2e-5)
+    pq, pk, pv, cu_q, cu_k = _packed_torch(torch.float32)
+    assert torch.equal(attention_varlen(pq, pk, pv, cu_q, cu_k, scale=scale),
+                       attention_varlen(pq, pk, pv, cu_q, cu_k, scale=number))
+    pages = torch.randn(3, 4, 3, 8)
+    table, lengths = torch.tensor([[0, 2], [1, 0]]), torch.tensor([7, 4])
+    assert torch.equal(attention_paged(q.detach(), pages, pages, table, lengths, scale=scale),
+                       attention_paged(q.detach(), pages, pages, table, lengths, scale=number))
+    (out, st), (want_out, want) = (attention_stats(q, k, v, scale=s) for s in (scale, number))
+    assert torch.equal(out, want_out) and torch.equal(st.entropy, want.entropy)
+
+
+@pytest.mark.parametrize("scale,words", [(torch.tensor([0.5]), "shape"),
+                                         (torch.tensor(0.5, requires_grad=True), "requires grad"),
+                                         (torch.tensor(True), "bool")], ids=["one_element", "requires_grad", "bool"])
+def test_tensor_scale_torch_or_sdpa_refuses_raises_type_error(scale, words):
+    """torch refuses a tensor with dims (even one element) and one that requires grad (it gets no
+    gradient) with TypeError; sdpa also refuses a bool one, as it refuses a bool scale."""
+    q, k, v = tensors(((2, 5, 4), (2, 7, 4), (2, 7, 3)), torch.float32)
+    if scale.dtype != torch.bool:
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, k, v, scale=scale)
+    with pytest.raises(TypeError, match=rf"^scale\b.*{words}"):
+        scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def test_tensor_scale_under_torch_compile():
+    """Reading a tensor's number breaks the graph, as it does for torch's function (whose
+    fullgraph compile fails on a tensor scale): without fullgraph the compiled call is eager's."""
+    torch._dynamo.reset()
+    q, k, v = tensors(((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8)), torch.float64)
+    compiled = torch.compile(lambda q, k, v, s: scaled_dot_product_attention(q, k, v, scale=s), backend="aot_eager")
+    scale = torch.tensor(0.3)  # float32: 0.30000001192092896
+    got = compiled(q, k, v, scale)
+    dout = torch.randn(got.shape, dtype=got.dtype, generator=torch.Generator().manual_seed(4))
+    got.backward(dout)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    want = scaled_dot_product_attention(q2, k2, v2, scale=scale.item())
+    want.backward(dout)
+    assert torch.equal(got, want) and torch.equal(q.grad, q2.grad)  # the same kernels on the same numbers

@@ -220,3 +220,29 @@ def test_unbatched_and_errors():
         mod(x, x, x, attn_mask=torch.zeros(5, 5, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="key_padding_mask has shape"):
         mod(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), key_padding_mask=torch.zeros(2, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "per_head"])
+def test_need_weights_compiles_with_fullgraph(average):
+    """need_weights=True, the default: the weights come from sdpa's operator (they came from a
+    NumPy call, which broke the graph: "Unsupported ndarray attribute access"), so the module
+    compiles with fullgraph=True, and gives torch's module's output and weights."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    E, H, B, L = 32, 4, 2, 6
+    ref = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    ours = MultiheadAttention(E, H, batch_first=True)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(B, L, E, generator=torch.Generator().manual_seed(3))
+    kpm = torch.zeros(B, L, dtype=torch.bool)
+    kpm[0, -2:] = True
+    kwargs = dict(key_padding_mask=kpm, average_attn_weights=average)  # need_weights left at True
+    y, w = torch.compile(ours, fullgraph=True, backend="aot_eager")(x, x, x, **kwargs)
+    y32, w32 = ref(x, x, x, **kwargs)
+    y64, w64 = ref.double()(x.double(), x.double(), x.double(), **kwargs)
+    assert w.shape == w64.shape == ((B, L, L) if average else (B, H, L, L))
+    for got, want32, want in ((y, y32, y64), (w, w32, w64)):
+        # torch's float32 module's error against its float64 self, times 4, plus one float32
+        # rounding of the largest value (test_matches_torch_module's bound).
+        tol = 4 * (want32.double() - want).abs().max().item() + 1.2e-7 * want.abs().max().item()
+        assert (got.double() - want).abs().max().item() <= tol

@@ -1,9 +1,10 @@
-"""sdpa.torch with score modifiers (softcap, ALiBi slopes, sinks): forward and gradients (sinks'
-too) against the same maths written in plain torch ops (autograd through a materialised score
-matrix), gradcheck in float64, varlen per sequence, opcheck of the operators with modifiers, and
-torch.compile without graph breaks. Skipped without torch, except where CI is set (as
+"""sdpa.torch with score modifiers (softcap, ALiBi slopes, sinks): forward and gradients (the
+sinks' and the slopes' too) against the same maths written in plain torch ops (autograd through
+a materialised score matrix), gradcheck in float64, varlen per sequence, opcheck of the
+operators with modifiers, and torch.compile without graph breaks. Skipped without torch, except where CI is set (as
 test_torch.py)."""
 
+import math
 import os
 
 import pytest
@@ -194,3 +195,105 @@ def test_compiles_without_graph_breaks_with_modifiers():
     torch.testing.assert_close(loss, block(q2, k2, v2, sinks2))
     torch.testing.assert_close(sinks.grad, sinks2.grad)
     torch.testing.assert_close(q.grad, q2.grad)
+
+
+# ---------------------------------------------------------------- the ALiBi slopes' gradient
+
+
+@pytest.mark.parametrize("shape", [(4,), (1, 4), (2, 4)], ids=["per_head", "broadcast_row", "per_batch"])
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal=True, softcap=2.0), dict(softcap=1.5, order="after_bias")],
+                         ids=["plain", "causal_cap", "cap_after"])
+def test_alibi_slopes_get_the_gradient_of_plain_torch(shape, kw):
+    """Slopes that require grad get ∂loss/∂slopes (they used to keep .grad None), shaped like
+    them: what autograd through the plain maths gives."""
+    q, k, v = _tensors(torch.float64, L=7, S=10)
+    g = torch.Generator().manual_seed(5)
+    slopes = (torch.rand(shape, generator=g, dtype=torch.float64) - 0.2).requires_grad_()
+    order = kw.get("order", "before_bias")
+    out = scaled_dot_product_attention(q, k, v, is_causal=kw.get("is_causal", False), softcap=kw.get("softcap", 0.0),
+                                       softcap_order=order, alibi_slopes=slopes)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    out.backward(dout)
+    assert slopes.grad is not None and slopes.grad.shape == shape
+    s2 = slopes.detach().clone().requires_grad_()
+    want = plain(q.detach(), k.detach(), v.detach(), kw.get("is_causal", False), kw.get("softcap", 0.0), order, s2)
+    want.backward(dout)
+    assert s2.grad.abs().min() > 1e-3  # every slope moves the loss: the comparison tests each
+    torch.testing.assert_close(slopes.grad, s2.grad, rtol=0, atol=1e-11)
+
+
+def test_gradcheck_float64_with_alibi_slopes():
+    q, k, v = _tensors(torch.float64, B=2, H=2, L=4, S=6, E=3)
+    sinks = torch.tensor([0.3, -0.4], dtype=torch.float64, requires_grad=True)
+    for shape in ((2,), (1, 2), (2, 2)):
+        slopes = torch.linspace(0.1, 0.7, math.prod(shape), dtype=torch.float64).reshape(shape).requires_grad_()
+        for order in ("before_bias", "after_bias"):
+            def f(q, k, v, slopes, sinks):
+                return scaled_dot_product_attention(q, k, v, is_causal=True, softcap=1.5, softcap_order=order,
+                                                    alibi_slopes=slopes, sinks=sinks)
+            assert torch.autograd.gradcheck(f, (q, k, v, slopes, sinks))
+
+
+def test_gradcheck_float64_varlen_with_alibi_slopes():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(7, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(9, 1, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(9, 1, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    cu_q, cu_k = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 2, 5, 9])  # the middle sequence has no query
+    for shape in ((2,), (1, 2), (3, 2)):
+        slopes = torch.linspace(-0.2, 0.6, math.prod(shape), dtype=torch.float64).reshape(shape).requires_grad_()
+
+        def f(q, k, v, slopes):
+            return sdpa.torch.attention_varlen(q, k, v, cu_q, cu_k, causal=True, alibi_slopes=slopes)
+        assert torch.autograd.gradcheck(f, (q, k, v, slopes))
+        out = f(q, k, v, slopes)
+        out.sum().backward()
+        assert slopes.grad is not None and slopes.grad.shape == shape
+
+
+def test_bfloat16_slopes_get_a_bfloat16_gradient():
+    q, k, v = _tensors(torch.bfloat16)
+    slopes = torch.full((2, 4), 0.25, dtype=torch.bfloat16, requires_grad=True)
+    scaled_dot_product_attention(q, k, v, alibi_slopes=slopes).float().sum().backward()
+    assert slopes.grad is not None and slopes.grad.dtype == torch.bfloat16 and slopes.grad.shape == (2, 4)
+
+
+def test_compiles_without_graph_breaks_with_learned_slopes():
+    torch._dynamo.reset()
+    q, k, v = _tensors(torch.float32)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+
+    def block(q, k, v, slopes):
+        return scaled_dot_product_attention(q, k, v, is_causal=True, alibi_slopes=slopes).sum()
+
+    loss = torch.compile(block, backend="aot_eager", fullgraph=True)(q, k, v, slopes)
+    loss.backward()
+    s2 = slopes.detach().clone().requires_grad_()
+    block(*(t.detach() for t in (q, k, v)), s2).backward()
+    torch.testing.assert_close(slopes.grad, s2.grad, rtol=0, atol=0)
+
+
+def _alibi_grad_samples():
+    g = torch.Generator().manual_seed(37)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6)))
+    slopes = torch.rand(2, 4, generator=g, dtype=torch.float64)
+    out, lse = torch.ops.sdpa.attention(q, k, v, None, "none", None, -1, -1, 0.0, None, 0.0, False, slopes)
+    qp, kp, vp = (torch.randn(s, generator=g) for s in ((5, 4, 8), (9, 2, 8), (9, 2, 6)))
+    cu_q, cu_k = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([0, 4, 9])
+    vslopes = torch.rand(4, generator=g)
+    outp, lsep = torch.ops.sdpa.attention_varlen(qp, kp, vp, cu_q, cu_k, "bottom_right", None, -1, -1, 0.0, None,
+                                                 0.0, False, vslopes)
+    return [
+        (torch.ops.sdpa.attention_backward.default,
+         (torch.randn(out.shape, dtype=out.dtype), q, k, v, out, lse, None, "none", None, -1, -1, 0.0, None, 0.0,
+          False, slopes, None, None, 128, 128, False, True)),
+        (torch.ops.sdpa.attention_varlen_backward.default,
+         (torch.randn(outp.shape), qp, kp, vp, cu_q, cu_k, outp, lsep, "bottom_right", None, -1, -1, 0.0, None, 0.0,
+          False, vslopes, None, None, 128, 128, True)),
+    ]
+
+
+@pytest.mark.parametrize("sample", range(2))
+def test_backward_operators_with_alibi_grad_pass_opcheck(sample):
+    op, args = _alibi_grad_samples()[sample]
+    torch.library.opcheck(op, args)
