@@ -45,9 +45,11 @@ void run_forward(const Problem& p, Backend backend) {
     computes_in_f64(p.compute) || backend == Backend::kReference ? internal::write_scores<double>(p)
                                                                   : internal::write_scores<float>(p);
   }
-  // Scores that are the biases alone: lse from them directly, and the kernels only for the
-  // weights (whose Nq × Nk elements exist) and statistics, so that lse does not depend on
-  // asking for them.
+  // Scores that are the biases alone: lse from them directly, so that it does not depend on
+  // asking for anything else. The statistics too, in closed form, when the biases are constant
+  // along the keys and no weights are asked for (k of shape (2^40, 0) holds no element: work
+  // must not follow Nk). The kernels otherwise, for the weights (whose Nq × Nk elements exist)
+  // and the statistics of rows whose biases vary (the mask row exists; ALiBi; block mask).
   if (p.scores_are_biases_only()) {
     internal::Problem weights_only = p;
     weights_only.lse.reset();
