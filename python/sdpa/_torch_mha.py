@@ -42,7 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from .torch import _as_numpy, _attention, _options
+from . import _checked_int, _real_number, _sequence_ids
+from .torch import _as_numpy, _attention, _check_tensors, _options
 
 _attention_weights = torch.ops.sdpa.attention_weights.default
 
@@ -133,7 +134,12 @@ class MultiheadAttention(torch.nn.Module):
         super().__init__()
         if add_bias_kv or add_zero_attn:
             raise ValueError("sdpa.torch.MultiheadAttention does not support add_bias_kv or add_zero_attn")
-        if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
+        # sdpa's rule for integer and real-number arguments (sdpa.MultiHeadAttention's): a float,
+        # a str or a bool is TypeError, an integer beyond int64 ValueError, each naming it.
+        embed_dim, num_heads = _checked_int("embed_dim", embed_dim, 1), _checked_int("num_heads", num_heads, 1)
+        kdim, vdim, num_kv_heads = (None if n is None else _checked_int(name, n, 1)
+                                    for name, n in (("kdim", kdim), ("vdim", vdim), ("num_kv_heads", num_kv_heads)))
+        if embed_dim % num_heads != 0:
             raise ValueError(f"embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
         f = {"device": device, "dtype": dtype}
         self.embed_dim = embed_dim
@@ -148,7 +154,7 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         self.dropout = dropout
         self.batch_first = batch_first
-        self.rope, self.rope_base = bool(rope), float(rope_base)
+        self.rope, self.rope_base = bool(rope), _real_number("rope_base", rope_base)
         kv = self.num_kv_heads * self.head_dim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim and kv == embed_dim
         if self._qkv_same_embed_dim:
@@ -208,6 +214,9 @@ class MultiheadAttention(torch.nn.Module):
                 average_attn_weights=True, is_causal=False, *, position_q=0, position_k=0):
         key = query if key is None else key
         value = key if value is None else value
+        _check_tensors(("query", "key", "value"), (query, key, value))
+        # Positions are integers (sdpa.MultiHeadAttention's rule), checked with or without rope.
+        position_q, position_k = _checked_int("position_q", position_q), _checked_int("position_k", position_k)
         shared = query is key and key is value  # self-attention: one product for q, k and v
         unbatched = query.dim() == 2
         if unbatched:
@@ -272,9 +281,15 @@ class MultiheadAttention(torch.nn.Module):
         """Incremental decoding (float32, no autograd): x (B, n, embed_dim) (batch first, whatever
         batch_first says) are the next n tokens of cache sequences seqs[b]. Projects them, applies
         RoPE at their positions (the sequences' lengths so far), appends their keys and values to
-        the cache and attends causally: y (B, n, embed_dim), equal to the causal forward's rows."""
-        if x.dtype != torch.float32:
-            raise TypeError(f"step takes float32, got {x.dtype}")
+        the cache and attends causally: y (B, n, embed_dim), equal to the causal forward's rows.
+        seqs: one id, or a list, tuple, 1-dim array or integer tensor of ids (a float such as 1.0,
+        or a bool, is a TypeError, never truncated), as ``sdpa.MultiHeadAttention.step`` takes them."""
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+            raise TypeError(f"x must be a float32 tensor (step takes float32), got "
+                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        # Sequence ids by sdpa's rule (sdpa.MultiHeadAttention.step's): integers, never a float
+        # or bool truncated to a sequence; an integer tensor as its NumPy array.
+        seqs = _sequence_ids(seqs.detach().cpu().numpy() if isinstance(seqs, torch.Tensor) else seqs, "x")
         # The C++ layer's step (sdpa.MultiHeadAttention.step's): it checks the sequences, the free
         # pages and the options before appending. Its weights act on the right: torch's transposed.
         from . import _core
@@ -286,5 +301,5 @@ class MultiheadAttention(torch.nn.Module):
                   self.embed_dim, self.in_proj_bias is not None, self.rope, self.rope_base)
         xs = _as_numpy("x", x.contiguous())
         y = np.empty(xs.shape[:2] + (self.embed_dim,), np.float32)
-        _core.mha_step(config, params, xs, cache._c, [int(s) for s in seqs], y, None, -1, -1, "auto")
+        _core.mha_step(config, params, xs, cache._c, seqs, y, None, -1, -1, "auto")
         return torch.from_numpy(y)

@@ -62,9 +62,11 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
-from . import _CAUSAL, _block_sizes, _parsed_dropout, _prepared_indices, _scale_value, _window_bounds
+from . import (_CAUSAL, _block_sizes, _check_real, _parsed_dropout, _prepared_indices, _real_array, _real_number,
+               _scale_value, _window_bounds)
 
 __all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats",
            "MultiheadAttention"]
@@ -200,24 +202,27 @@ def _options(dropout_p, scale):
 
 
 def _mods(softcap, softcap_order, alibi_slopes, sinks):
-    """The operators' last four arguments: softcap a real number, the order one of sdpa's two,
-    slopes and sinks float tensors (float32 unless float64: the kernels take those two; a bfloat16
-    parameter's gradient flows back through the conversion). The operator checks the rest."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a real number, got {softcap!r}")
+    """The operators' last four arguments: softcap a real number (sdpa's rule, _real_number: a
+    str, a complex or a bool is TypeError; 10**400 is inf, which the operator refuses by name),
+    the order one of sdpa's two, slopes and sinks real numbers by sdpa's rule for arrays of values
+    (_check_real: complex, str, object and float8 are TypeError naming them), as float tensors
+    (float32 unless float64: the kernels take those two; a bfloat16 parameter's gradient flows
+    back through the conversion). The operator checks the rest."""
+    softcap = _real_number("softcap", softcap, finite=False)
     if softcap_order not in ("before_bias", "after_bias"):
         raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {softcap_order!r}")
     tensors = []
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None:
             if not isinstance(t, torch.Tensor):
-                t = torch.as_tensor(t, dtype=torch.float32)
+                t = torch.from_numpy(np.ascontiguousarray(_real_array(name, t), dtype=np.float32))
             if t.device.type != "cpu":
                 raise TypeError(f"{name} must be a CPU tensor")
             if t.dtype not in (torch.float32, torch.float64):
+                _check_real_tensor(name, t)
                 t = t.float()
         tensors.append(t)
-    return float(softcap), softcap_order == "after_bias", tensors[0], tensors[1]
+    return softcap, softcap_order == "after_bias", tensors[0], tensors[1]
 
 
 def _blocks(block_mask, block_size):
@@ -335,8 +340,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         seed = None
     else:
         dropout_p, scale, seed = _options(dropout_p, scale)
-    mods = () if softcap == 0.0 and alibi_slopes is None and sinks is None and softcap_order == "before_bias" else \
-        _mods(softcap, softcap_order, alibi_slopes, sinks)
+    # (type first: an array softcap has no truth value, and False == 0.0 must reach _mods' refusal)
+    mods = () if (type(softcap) is float and softcap == 0.0 and alibi_slopes is None and sinks is None
+                  and softcap_order == "before_bias") else _mods(softcap, softcap_order, alibi_slopes, sinks)
     if block_mask is not None:
         mods = (mods or (0.0, False, None, None)) + _blocks(block_mask, block_size)
     causal = "top_left" if is_causal else "none"
@@ -431,15 +437,26 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
 
 
 def _as_numpy(name, t):
-    """A CPU tensor (detached) as a NumPy array sharing its memory; bfloat16 as ml_dtypes'."""
+    """A tensor (detached, on the CPU) as a NumPy array sharing its memory: bfloat16 and the
+    float8 types as ml_dtypes' (NumPy has none of them); TypeError naming it when it is not a
+    tensor or NumPy cannot hold its dtype (complex32, quantized)."""
     import ml_dtypes
-    import numpy as np
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
+    ml = getattr(ml_dtypes, str(t.dtype).removeprefix("torch."), None) if t.is_floating_point() else None
+    if ml is not None and t.element_size() in (1, 2):  # a bit-for-bit view through an integer of its size
+        return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()]).numpy().view(ml)
+    try:
+        return t.numpy()
+    except TypeError:
+        raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
+
+
+def _check_real_tensor(name, t):
+    """sdpa's rule for arrays of values (_check_real) on a tensor's dtype, read from an empty
+    array of its NumPy counterpart (the data is not touched)."""
+    _check_real(name, _as_numpy(name, t.new_empty(0)))
 
 
 def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=None, window=None, topk=8,
@@ -454,14 +471,15 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
     is_causal means; the two differ when Nq != Nk). The tensors are read in place (bfloat16
     through ml_dtypes), so this suits looking inside a model's heads from a forward hook."""
     from . import attention
-    import numpy as np
     _, scale, _ = _options(0.0, scale)  # a 0-dim tensor as its number
     arrays = [_as_numpy(n, t) for n, t in (("query", query), ("key", key), ("value", value))]
+    for n, a in zip(("query", "key", "value"), arrays):
+        _check_real(n, a)  # here, so that the message names the argument as this function calls it
     mask = None if attn_mask is None else _as_numpy("attn_mask", attn_mask)
     kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, softcap_order=softcap_order)
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
-            kw[name] = _as_numpy(name, a) if isinstance(a, torch.Tensor) else a
+            kw[name] = _as_numpy(name, a) if isinstance(a, torch.Tensor) else a  # sdpa.attention checks them
     out, st = attention(*arrays, mask, return_stats=True, topk=topk, **kw)
     as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
                  if a.dtype.name == "bfloat16" else torch.from_numpy(a))

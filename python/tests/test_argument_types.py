@@ -381,10 +381,9 @@ def test_wrong_argument_is_an_error_naming_it(entry, name, case):
 
 # ---------------------------------------------------------------- sdpa.torch: the cases it passes
 #
-# sdpa.torch's entry points share this package's rules for integers and index arrays (and step
-# the C++ layer's messages); the cases below hold them. Not here yet, because sdpa.torch does
-# not pass them today: float or bool sequence ids in MultiheadAttention.step, complex
-# alibi_slopes or sinks tensors, the module's constructor and forward integers.
+# sdpa.torch's entry points share this package's rules (the same helpers) for integers, real
+# numbers, index arrays, sequence ids and arrays of values (slopes and sinks, as NumPy arrays
+# or tensors); the cases below hold them.
 
 
 def _torch():
@@ -439,15 +438,64 @@ def _torch_cases():
                    lambda d=dtype: st.attention_paged(qp, pool.to(d), pool, [[0, 1]], [3]))]
     cache = layer.new_cache(4, 2)
     cache.new_sequence()
+    cache.new_sequence()  # so that an id truncated or read as a bool (1) would be a sequence too
     cases.append(("MultiheadAttention.step-x-width", "x", ValueError,
                   lambda: layer.step(torch.ones(1, 1, 7), cache, [0])))
+    ids_bad = dict(IDS_BAD, **{"float-array-1.7": (np.array([1.7]), TypeError),
+                               "float-tensor": (torch.tensor([1.0]), TypeError),
+                               "bool-tensor": (torch.tensor([True]), TypeError)})
+    for label, (value, error) in ids_bad.items():
+        cases.append((f"MultiheadAttention.step-seqs-{label}", "seqs", error,
+                      lambda v=value: layer.step(torch.ones(1, 1, 8), cache, v)))
+    # Slopes and sinks: sdpa's rule for arrays of values, as NumPy arrays and as tensors.
+    slopes_bad = {label: (lambda a, f=f: f(a)) for label, f in REAL_BAD.items()}
+    slopes_bad.update({f"tensor-{d}": (lambda a, d=d: torch.as_tensor(a).to(d))
+                       for d in (torch.complex64, torch.complex128, torch.float8_e4m3fn)})
+    calls = {"sdpa": lambda **kw: st.scaled_dot_product_attention(q, k, k, enable_gqa=True, **kw),
+             "varlen": lambda **kw: st.attention_varlen(qv, kv, kv, [0, 1, 3], [0, 2, 5], **kw),
+             "paged": lambda **kw: st.attention_paged(qp, pool, pool, [[0, 1]], [3], **kw),
+             "attention_stats": lambda **kw: st.attention_stats(q, k, k, **kw)}
+    for entry, call in calls.items():
+        for name in ("alibi_slopes", "sinks"):
+            for label, bad in slopes_bad.items():
+                cases.append((f"{entry}-{name}-{label}", name, TypeError,
+                              lambda c=call, n=name, b=bad: c(**{n: b(np.array([0.5, 0.25], np.float32))})))
+        for label, (value, error) in REAL_NUMBER_BAD.items():
+            cases.append((f"{entry}-softcap-{label}", "softcap", error, lambda c=call, v=value: c(softcap=v)))
+    for name in ("query", "key", "value"):
+        cases.append((f"attention_stats-{name}-complex", name, TypeError,
+                      lambda n=name: st.attention_stats(**dict(dict(query=q, key=k, value=k),
+                                                               **{n: torch.ones(1, 1, 5, 4, dtype=torch.complex64)}))))
+    # The module: its constructor's integers and rope_base, forward's positions and inputs.
+    optional = {k: v for k, v in INT_BAD.items() if k != "None"}  # None: the default
+    for name, bad in (("embed_dim", INT_BAD), ("num_heads", INT_BAD), ("kdim", optional), ("vdim", optional),
+                      ("num_kv_heads", optional)):
+        for label, (value, error) in bad.items():
+            cases.append((f"MultiheadAttention-{name}-{label}", name, error,
+                          lambda n=name, v=value: st.MultiheadAttention(**dict(dict(embed_dim=8, num_heads=2),
+                                                                               **{n: v}))))
+    for label, (value, error) in REAL_NUMBER_BAD.items():
+        cases.append((f"MultiheadAttention-rope_base-{label}", "rope_base", error,
+                      lambda v=value: st.MultiheadAttention(8, 2, rope=True, rope_base=v)))
+    x = torch.ones(1, 3, 8)
+    for name in ("position_q", "position_k"):
+        for label, (value, error) in INT_BAD.items():
+            cases.append((f"MultiheadAttention.forward-{name}-{label}", name, error,
+                          lambda n=name, v=value: layer(x, x, x, **{n: v})))
+    for name in ("query", "key", "value"):
+        for label, dtype in (("complex", torch.complex64), ("int32", torch.int32), ("bool", torch.bool)):
+            cases.append((f"MultiheadAttention.forward-{name}-{label}", name, TypeError,
+                          lambda n=name, d=dtype: layer(**dict(dict(query=x, key=x, value=x), **{n: x.to(d)}))))
     return cases, (lambda: _cache_state(cache))
 
 
+@pytest.mark.filterwarnings("error")  # a ComplexWarning (a silent cast) fails the test
 def test_torch_entry_points_name_wrong_arguments():
     cases, state = _torch_cases()
+    failures = []
     for label, name, error, call in cases:
         try:
             _expect_error(call, state, name, error)
         except (AssertionError, pytest.fail.Exception) as e:
-            raise AssertionError(f"{label}: {e}") from None
+            failures.append(f"{label}: {e}".splitlines()[0])
+    assert not failures, f"{len(failures)} of {len(cases)} cases:\n" + "\n".join(failures)
