@@ -139,12 +139,18 @@ def _asarray(name, a):
         raise ValueError(f"{name} is not a rectangular array: {e}") from None
 
 
+def _is_float8(dtype):
+    """ml_dtypes.float8_e5m2 and its like: kind 'f' in one byte (NumPy's own floats have 2 or more)."""
+    return dtype.kind == "f" and dtype.itemsize == 1
+
+
 def _check_real(name, a):
     """The one rule for arrays of values (q, k, v, dout, out, lse, slopes, sinks, a cache's k and
     v, the layer's inputs, weights and dy): real numbers, which are converted as each function
     says; complex (its imaginary part would be dropped), strings (they would be parsed), object,
-    datetime and other dtypes (ml_dtypes' float8 types) are TypeError naming the array."""
-    if a.dtype.kind not in "biuf" and a.dtype != _BFLOAT16:
+    datetime and other dtypes (ml_dtypes' float8 types: most have kind 'V', float8_e5m2 kind 'f'
+    with one byte, which no NumPy float has) are TypeError naming the array."""
+    if (a.dtype.kind not in "biuf" and a.dtype != _BFLOAT16) or _is_float8(a.dtype):
         raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers (float32, float64, "
                         "float16, ml_dtypes.bfloat16, or integers and bool, converted)")
 
@@ -239,7 +245,7 @@ def _prepared(name, a, dtype, unit_last_stride=True):
 
 def _check_mask_dtype(name, mask):
     """The rule for element masks: bool (True = attend) or floating point (a bias), else TypeError."""
-    if mask.dtype != np.bool_ and mask.dtype.kind != "f" and mask.dtype != _BFLOAT16:
+    if mask.dtype != np.bool_ and (mask.dtype.kind != "f" or _is_float8(mask.dtype)) and mask.dtype != _BFLOAT16:
         raise TypeError(f"{name} has dtype {mask.dtype}, but must be bool (True = attend, False = block) "
                         "or floating point (added to the scaled scores); for a 0/1 mask use mask.astype(bool)")
 

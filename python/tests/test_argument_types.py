@@ -41,6 +41,7 @@ REAL_BAD = {
     "str": lambda a: np.asarray(a).astype(str),
     "object": lambda a: np.asarray(a).astype(object),
     "float8": lambda a: np.asarray(a).astype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": lambda a: np.asarray(a).astype(ml_dtypes.float8_e5m2),  # kind 'f', one byte
     "datetime": lambda a: np.asarray(a).astype(np.int64).astype("datetime64[s]"),
 }
 POOL_BAD = dict(REAL_BAD, bool=lambda a: np.asarray(a) > 0, int32=lambda a: np.asarray(a).astype(np.int32))
@@ -450,7 +451,7 @@ def _torch_cases():
     # Slopes and sinks: sdpa's rule for arrays of values, as NumPy arrays and as tensors.
     slopes_bad = {label: (lambda a, f=f: f(a)) for label, f in REAL_BAD.items()}
     slopes_bad.update({f"tensor-{d}": (lambda a, d=d: torch.as_tensor(a).to(d))
-                       for d in (torch.complex64, torch.complex128, torch.float8_e4m3fn)})
+                       for d in (torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2)})
     calls = {"sdpa": lambda **kw: st.scaled_dot_product_attention(q, k, k, enable_gqa=True, **kw),
              "varlen": lambda **kw: st.attention_varlen(qv, kv, kv, [0, 1, 3], [0, 2, 5], **kw),
              "paged": lambda **kw: st.attention_paged(qp, pool, pool, [[0, 1]], [3], **kw),
