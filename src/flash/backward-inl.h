@@ -1,5 +1,6 @@
 // The fused backward pass (FlashAttention-2), compiled per SIMD target; included by
-// flash.cc after flash-inl.h, whose outer-product kernels it reuses. Per query row i:
+// backward_f32.cc and backward_f64.cc. It includes flash-inl.h, whose outer-product kernels it
+// reuses. Per query row i:
 //   p_ij = exp(s_ij - lse_i)       (recomputed tile by tile from the saved lse)
 //   D_i  = dout_i · out_i          ds_ij = p_ij · (dout_i · v_j - D_i)
 //   dv_j = Σ_i p_ij dout_i         dk_j = scale · Σ_i ds_ij q_i        dq_i = scale · Σ_j ds_ij k_j

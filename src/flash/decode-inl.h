@@ -1,6 +1,6 @@
 // The few-rows kernel (decode: one or a few query rows per kv head against long K/V),
 // compiled per SIMD target; included by flash-inl.h. With few rows the lanes-are-queries
-// layout of RunBlock leaves most lanes idle and spends a broadcast per key and feature, so
+// layout of RunBlocks leaves most lanes idle and spends a broadcast per key and feature, so
 // here lanes run along the features instead:
 //   scores  s[r][j] = Σ_lanes q_r[d..d+N) · k_j[d..d+N)     (one horizontal sum per key)
 //   output  o_r[e..e+N) += p[r][j] · v_j[e..e+N)             (rows of V loaded once per key)
@@ -8,7 +8,7 @@
 // a GQA group): the kernel streams memory. 16-bit K and V are widened in registers as they are
 // loaded (storage type S, compute type T): the bytes streamed are half float32's, and no
 // scratch copy of the tile is written and read again.
-// It produces the same (ot, m, l) as RunBlock, so finishing and chunk merging are shared.
+// It produces the same (ot, m, l) as RunBlocks, so finishing and chunk merging are shared.
 
 #if defined(SDPA_FLASH_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef SDPA_FLASH_DECODE_INL_H_
@@ -316,7 +316,7 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
 }
 
 // Whole block with the few-rows kernel, all its rows (at most kDecodeMaxRows) in one pass over
-// K and V. Without weights it leaves (ot, m, l) in RunBlock's layout; with weights it reads
+// K and V. Without weights it leaves (ot, m, l) in RunBlocks' layout; with weights it reads
 // the final m, l (per lane) and writes the weights.
 template <class D, typename T = hn::TFromD<D>>
 void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,

@@ -1,5 +1,5 @@
-// The fused attention kernel, compiled once per SIMD target (included by flash.cc through
-// hwy/foreach_target.h). FlashAttention-2 online softmax over key tiles; the Nq×Nk score
+// The fused attention kernel, compiled once per SIMD target (included by forward_f32.cc and
+// forward_f64.cc through hwy/foreach_target.h, and by backward-inl.h for its products). FlashAttention-2 online softmax over key tiles; the Nq×Nk score
 // matrix never exists, only one (kTileKeys × lanes-block) tile per thread.
 //
 // Layout: "queries along lanes". A block holds up to QV vectors' worth of query rows (Mq =
