@@ -6,12 +6,13 @@
 #include <limits>
 #include <string>
 
+#include "problem.h"
 #include "storage.h"
 
 namespace sdpa {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { throw Error(message); }
+using internal::fail;
 
 int64_t checked_product(std::initializer_list<int64_t> dims) {
   int64_t n = 1;

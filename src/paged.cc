@@ -17,8 +17,6 @@ namespace sdpa {
 namespace internal {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { throw Error(message); }
-
 void check_rank(const char* name, const TensorView& t, int rank, const char* shape) {
   if (t.rank != rank) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape);
 }

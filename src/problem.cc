@@ -70,8 +70,6 @@ std::string TensorView::shape_string() const {
 namespace internal {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { throw Error(message); }
-
 std::string shape_string(const int64_t* shape, int rank) {
   TensorView t;
   t.rank = rank;

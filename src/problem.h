@@ -16,6 +16,10 @@
 
 namespace sdpa::internal {
 
+// Reports an invalid argument: throws Error(message). The one way the checks report (make_problem
+// and those of varlen.cc, paged.cc and kv_cache.cc), always before anything is written.
+[[noreturn]] inline void fail(const std::string& message) { throw Error(message); }
+
 // A tensor view normalised to 4 dims (B, H, N, D). Dims that broadcast have stride 0.
 struct View4 {
   char* data = nullptr;

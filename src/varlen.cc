@@ -14,9 +14,6 @@
 
 namespace sdpa {
 namespace internal {
-namespace {
-[[noreturn]] void fail(const std::string& message) { throw Error(message); }
-}  // namespace
 
 // cu_seqlens: (B + 1,) int32 or int64, starting at 0, non-decreasing, ending at `total` (the
 // packed rows of `of`). Read once, into int64.
