@@ -296,8 +296,6 @@ void read_modifiers(const Options& opt, Problem& p) {
 
 }  // namespace
 
-int64_t ceil_blocks(int64_t n, int64_t block) { return n / block + (n % block != 0); }
-
 View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, int64_t B, int64_t Hq, int64_t Nq,
                          int64_t Nk, const char* lengths) {
   if (opt.block_q < 1 || opt.block_k < 1) {

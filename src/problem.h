@@ -338,8 +338,9 @@ inline int64_t pooled_run(int64_t j, int64_t G, int64_t Nk) {
 // Checks dropout_p (in [0, 1)) and builds the keep/drop rule.
 Dropout make_dropout(double p, uint64_t seed);
 
-// ceil(n / block) without the overflow of n + block - 1.
-int64_t ceil_blocks(int64_t n, int64_t block);
+// ceil(n / block) for n >= 0, block >= 1, without the overflow of n + block - 1: every count of
+// blocks, tiles and chunks (the kernels' plans too).
+inline int64_t ceil_blocks(int64_t n, int64_t block) { return n / block + (n % block != 0); }
 // Options::block_mask checked (bool, rank 2 .. max_rank, block_q and block_k >= 1) against
 // (B, Hq, ceil(Nq / block_q), ceil(Nk / block_k)) and broadcast to it; Error naming block_mask
 // otherwise (showing the target at max_rank dims), with `lengths` before Nq and Nk in its

@@ -210,7 +210,7 @@ inline int64_t OnePassChunks(const Problem& p, int64_t key_blocks, int64_t dq_ro
   constexpr int64_t kUnits = 16, kMinUnits = 4, kSpareBytes = int64_t{32} << 20;
   const int64_t heads = p.B * p.Hkv;
   const int64_t dq_bytes = std::max<int64_t>(1, p.B * p.Hq * p.Nq * dq_row_bytes);
-  int64_t chunks = std::min(key_blocks, ceil_div(kUnits, heads));
+  int64_t chunks = std::min(key_blocks, ceil_blocks(kUnits, heads));
   chunks = std::min(chunks, std::max(dq_bytes, kSpareBytes) / dq_bytes);
   return chunks >= 1 && heads * chunks >= kMinUnits ? chunks : 0;
 }
@@ -512,8 +512,8 @@ void FlashBackward(const BackwardProblem& bp) {
   rs.q_bad.resize(rs.lse.size());
   rs.dout_bad.resize(rs.lse.size());
   rs.k_bad.resize(p.B * p.Hkv * p.Nk);
-  const int64_t key_blocks = ceil_div(p.Nk, mq);
-  const int64_t rows_per_head = p.Nq * p.group, query_blocks = ceil_div(rows_per_head, mq);
+  const int64_t key_blocks = ceil_blocks(p.Nk, mq);
+  const int64_t rows_per_head = p.Nq * p.group, query_blocks = ceil_blocks(rows_per_head, mq);
   // No more threads than units of the largest pass (set_num_threads may ask for millions).
   const int64_t units = std::max({p.B * p.Hq, p.B * p.Hkv * key_blocks, p.B * p.Hkv * query_blocks});
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads(), units)));

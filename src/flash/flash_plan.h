@@ -37,7 +37,6 @@ inline constexpr int64_t kDecodeMaxRows = 8;
 inline constexpr double kMinWorkPerThread = 1 << 16;
 
 inline int64_t tile_start(int64_t j) { return j / kTileKeys * kTileKeys; }
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // x + 0 (round to nearest): -0 becomes +0, every other value (±inf, NaN) stays as it is. Each
 // output of the fused kernels goes through it where it is written (out in finish_block; dq, dk, dv
@@ -198,13 +197,13 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
   plan.mq = plan.qv * lanes;
   plan.decode = plan.rows_per_head <= kDecodeMaxRows;
-  plan.blocks_per_head = ceil_div(plan.rows_per_head, plan.mq);
+  plan.blocks_per_head = ceil_blocks(plan.rows_per_head, plan.mq);
   plan.blocks = p.B * p.Hkv * plan.blocks_per_head;
   plan.chunk_keys = std::max<int64_t>(p.Nk, 1);
   if (plan.blocks > 0 && plan.blocks < kTargetUnits && p.Nk >= 2 * kMinChunkKeys) {
-    const int64_t want = ceil_div(kTargetUnits, plan.blocks);
-    plan.chunk_keys = std::max(kMinChunkKeys, ceil_div(ceil_div(p.Nk, want), kTileKeys) * kTileKeys);
-    plan.chunks = ceil_div(p.Nk, plan.chunk_keys);
+    const int64_t want = ceil_blocks(kTargetUnits, plan.blocks);
+    plan.chunk_keys = std::max(kMinChunkKeys, ceil_blocks(ceil_blocks(p.Nk, want), kTileKeys) * kTileKeys);
+    plan.chunks = ceil_blocks(p.Nk, plan.chunk_keys);
   }
   // Grouping changes no arithmetic (each block sees the same tiles in the same order), so it
   // may depend on the thread count: keep at least two units per thread.
@@ -212,7 +211,7 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   const int64_t kv_bytes = p.Nk * (p.Dk + p.Dv) * storage_bytes(p.k.dtype);
   if (!plan.decode && plan.chunks == 1 && kv_bytes > kGroupAboveBytes) plan.group_blocks = kMaxGroupBlocks;
   while (plan.group_blocks > 1 && plan.blocks / plan.group_blocks < 2 * threads) plan.group_blocks /= 2;
-  plan.groups_per_head = ceil_div(plan.blocks_per_head, plan.group_blocks);
+  plan.groups_per_head = ceil_blocks(plan.blocks_per_head, plan.group_blocks);
   plan.work = static_cast<double>(p.B * p.Hq * p.Nq) * static_cast<double>(p.Nk) * static_cast<double>(p.Dk + p.Dv);
   plan.threads = threads_for(plan.units(), plan.work);
   return plan;
