@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 import sdpa
+from torch_required import import_torch
 
 # ---------------------------------------------------------------- wrong values, by kind of argument
 
@@ -387,19 +388,9 @@ def test_wrong_argument_is_an_error_naming_it(entry, name, case):
 # or tensors); the cases below hold them.
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError as e:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
-        pytest.skip(f"torch is not installed ({e})")
-    import sdpa.torch
-    return torch, sdpa.torch
-
-
 def _torch_cases():
-    torch, st = _torch()
+    torch = import_torch()
+    import sdpa.torch as st
     q, k = torch.ones(1, 2, 3, 4), torch.ones(1, 1, 5, 4)
     bm = torch.ones(1, 1, dtype=torch.bool)
     qv, kv = torch.ones(3, 2, 4), torch.ones(5, 1, 4)

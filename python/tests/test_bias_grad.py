@@ -4,12 +4,12 @@ and sdpa.torch giving a mask that requires grad its gradient, against PyTorch's 
 tolerance derived from the error of PyTorch's same-precision computation against float64. The
 torch half is skipped without torch, except where CI is set (as test_torch.py)."""
 
-import os
 
 import numpy as np
 import pytest
 
 import sdpa
+from torch_required import import_torch
 
 
 def softmax_grads(q, k, v, mask, dout, scale, causal=False):
@@ -110,17 +110,6 @@ def test_return_dbias_needs_a_float_mask(mask):
 
 # ---- sdpa.torch ----
 
-def _torch():
-    try:
-        import torch
-    except ImportError as e:
-        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-            raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
-        pytest.skip(f"torch is not installed ({e})")
-    import sdpa.torch  # noqa: F401
-    return torch
-
-
 TORCH_CASES = [  # (q, k, v shapes, mask shape, kwargs)
     ((2, 3, 9, 8), (2, 3, 11, 8), (2, 3, 11, 5), (2, 3, 9, 11), {}),
     ((2, 3, 9, 8), (2, 3, 11, 8), (2, 3, 11, 5), (9, 11), {}),          # T5: one bias for every batch and head
@@ -133,7 +122,7 @@ TORCH_CASES = [  # (q, k, v shapes, mask shape, kwargs)
 @pytest.mark.parametrize("shapes", TORCH_CASES)
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_torch_mask_gradient_matches_pytorch(shapes, dtype):
-    torch = _torch()
+    torch = import_torch()
     qs, ks, vs, ms, kwargs = shapes
     dt = getattr(torch, dtype)
     mask_dtype = torch.float32 if dt == torch.bfloat16 else dt  # PyTorch's float32 mask on bfloat16
@@ -168,7 +157,7 @@ def test_torch_mask_gradient_matches_pytorch(shapes, dtype):
 
 
 def test_torch_mask_gradient_gradcheck():
-    torch = _torch()
+    torch = import_torch()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True) for s in
                ((1, 2, 4, 3), (1, 2, 5, 3), (1, 2, 5, 3)))
@@ -178,7 +167,7 @@ def test_torch_mask_gradient_gradcheck():
 
 
 def test_torch_mask_alone_requires_grad():
-    torch = _torch()
+    torch = import_torch()
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(s, generator=g) for s in ((2, 5, 4), (2, 7, 4), (2, 7, 3)))
     mask = torch.randn(5, 7, generator=g, requires_grad=True)

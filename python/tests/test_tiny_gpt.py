@@ -7,14 +7,10 @@ import math
 import os
 
 import numpy as np
-import pytest
 
-try:
-    import torch
-except ImportError as e:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
-    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+from torch_required import import_torch  # noqa: E402
+
+torch = import_torch(module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 spec = importlib.util.spec_from_file_location("tiny_gpt", os.path.join(ROOT, "examples", "tiny_gpt", "train.py"))

@@ -8,18 +8,13 @@ Without torch the module is skipped, except where the environment variable CI is
 it fails, so that CI never passes without having run it.
 """
 
-import os
 
 import numpy as np
 import pytest
 
-try:
-    import torch
-except ImportError as e:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"CI is set but torch cannot be imported ({e}): scripts/test.sh installs it from "
-                           "python/requirements-test.txt, and CI must not skip the torch tests") from e
-    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+from torch_required import import_torch  # noqa: E402
+
+torch = import_torch(module_level=True)
 F = torch.nn.functional
 from sdpa.torch import scaled_dot_product_attention  # noqa: E402
 

@@ -4,17 +4,13 @@ RoPE options against sdpa.MultiHeadAttention (the C++ layer); dropout's keep dec
 by forward and backward; step() against the causal forward. Without torch the module is
 skipped, except under CI (as test_torch.py)."""
 
-import os
 
 import numpy as np
 import pytest
 
-try:
-    import torch
-except ImportError as e:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
-    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+from torch_required import import_torch  # noqa: E402
+
+torch = import_torch(module_level=True)
 
 import sdpa  # noqa: E402
 from sdpa.torch import MultiheadAttention  # noqa: E402

@@ -5,16 +5,12 @@ operators with modifiers, and torch.compile without graph breaks. Skipped withou
 test_torch.py)."""
 
 import math
-import os
 
 import pytest
 
-try:
-    import torch
-except ImportError as e:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"CI is set but torch cannot be imported ({e})") from e
-    pytest.skip(f"torch is not installed ({e})", allow_module_level=True)
+from torch_required import import_torch  # noqa: E402
+
+torch = import_torch(module_level=True)
 
 import sdpa.torch  # noqa: E402
 from sdpa.torch import scaled_dot_product_attention  # noqa: E402
