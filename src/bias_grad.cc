@@ -30,11 +30,9 @@ std::vector<double> alibi_rows(const BackwardProblem& bp) {
 
 template <typename T>
 double alibi_row_term(const Problem& p, int64_t b, int64_t i, const T* ds, int64_t begin, int64_t n) {
-  const int64_t aligned = p.aligned_row(b, i);
   double sum = 0;
   for (int64_t jj = 0; jj < n; ++jj) {
-    const int64_t distance = aligned - (begin + jj);
-    sum += static_cast<double>(ds[jj]) * static_cast<double>(distance < 0 ? -distance : distance);
+    sum += static_cast<double>(ds[jj]) * static_cast<double>(p.alibi_distance(b, i, begin + jj));
   }
   return sum;
 }

@@ -268,11 +268,15 @@ struct Problem {
   }
   // Query row i aligned bottom-right to batch b's keys: i' = i + (L - Nq), ALiBi's (and causal's) i'.
   int64_t aligned_row(int64_t b, int64_t i) const { return i + (keys_of(b) - Nq); }
+  // ALiBi's distance |i' - j| of query i of batch b and key j.
+  int64_t alibi_distance(int64_t b, int64_t i, int64_t j) const {
+    const int64_t distance = aligned_row(b, i) - j;
+    return distance < 0 ? -distance : distance;
+  }
   // -slope · |i' - j|: the distance is an integer, exact in T (below 2^24 for float32).
   template <typename T>
   T alibi_bias(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    const int64_t distance = aligned_row(b, i) - j;
-    return -alibi_slope<T>(b, h) * static_cast<T>(distance < 0 ? -distance : distance);
+    return -alibi_slope<T>(b, h) * static_cast<T>(alibi_distance(b, i, j));
   }
   template <typename T>
   T sink(int64_t h) const {
@@ -333,6 +337,12 @@ inline constexpr int64_t kMaxTopK = 32;
 inline int64_t pooled_run(int64_t j, int64_t G, int64_t Nk) {
   __extension__ using Wide = __int128;  // j · G may pass int64_t (GCC and Clang have it)
   return static_cast<int64_t>(static_cast<Wide>(j) * G / Nk);
+}
+// The first key of run g by the same rule: ceil(g · Nk / G) (g <= G; run g is keys
+// pooled_run_first(g) .. pooled_run_first(g + 1) - 1).
+inline int64_t pooled_run_first(int64_t g, int64_t G, int64_t Nk) {
+  __extension__ using Wide = __int128;  // g · Nk may pass int64_t
+  return static_cast<int64_t>((static_cast<Wide>(g) * Nk + G - 1) / G);
 }
 
 // Checks dropout_p (in [0, 1)) and builds the keep/drop rule.

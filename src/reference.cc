@@ -211,11 +211,6 @@ void stats_of_constant_rows(const Problem& p) {
   const LaneStats<T> ls{1, k, reals.data(), ints.data()};
   const std::optional<View4>& pooled = p.stats.pooled_weights;
   const int64_t G = pooled ? pooled->shape[3] : 0;
-  // The first key of run g (key j is in run floor(j · G / Nk)): ceil(g · Nk / G).
-  __extension__ using Wide = __int128;  // g · Nk may pass int64_t
-  const auto run_begin = [&](int64_t g) {
-    return static_cast<int64_t>((static_cast<Wide>(g) * p.Nk + G - 1) / G);
-  };
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t h = 0; h < p.Hq; ++h) {
       for (int64_t i = 0; i < p.Nq; ++i) {
@@ -236,7 +231,8 @@ void stats_of_constant_rows(const Problem& p) {
         }
         const T w = write_row_stats(p, b, h, i, m, l, p.has_sinks() ? p.sink<T>(h) : neg_inf, ls, 0);
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t c = std::min(range.end, run_begin(g + 1)) - std::max(range.begin, run_begin(g));
+          const int64_t c = std::min(range.end, pooled_run_first(g + 1, G, p.Nk)) -
+                            std::max(range.begin, pooled_run_first(g, G, p.Nk));
           pooled->store(b, h, i, g, c > 0 && s > neg_inf ? static_cast<T>(static_cast<double>(c) * static_cast<double>(w)) : T(0));
         }
       }
