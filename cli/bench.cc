@@ -11,6 +11,7 @@
 
 #include "cases.h"
 #include "commands.h"
+#include "front_options.h"
 #include "machine.h"
 #include "sdpa/attention.h"
 
@@ -27,14 +28,7 @@ const char* mask_name(sdpa::bench::MaskKind m) {
   return "?";
 }
 
-const char* causal_name(sdpa::Causal c) {
-  switch (c) {
-    case sdpa::Causal::kNone: return "none";
-    case sdpa::Causal::kBottomRight: return "bottom_right";
-    case sdpa::Causal::kTopLeft: return "top_left";
-  }
-  return "?";
-}
+const char* causal_name(sdpa::Causal c) { return sdpa::front::name_of(sdpa::front::kCausalNames, c).data(); }
 
 struct Row {
   sdpa::bench::BenchCase c;

@@ -15,11 +15,13 @@
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "commands.h"
+#include "front_options.h"
 #include "npy.h"
 #include "sdpa/attention.h"
 
@@ -28,12 +30,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-sdpa::Causal parse_causal(const std::string& text) {
-  // `true`/`false` are accepted because scripts often pass a boolean through.
-  if (text == "none" || text == "false") return sdpa::Causal::kNone;
-  if (text == "bottom_right" || text == "true") return sdpa::Causal::kBottomRight;
-  if (text == "top_left") return sdpa::Causal::kTopLeft;
-  throw std::runtime_error("--causal must be none, bottom_right, top_left, true or false, got '" + text + "'");
+// --causal as sdpa's name for it, checked here, before any file is read: true and false are
+// accepted too, because scripts often pass a boolean through.
+std::string_view causal_name(const std::string& text) {
+  const std::string_view name = text == "true" ? "bottom_right" : text == "false" ? "none" : std::string_view(text);
+  sdpa::front::parse_name("--causal", sdpa::front::kCausalNames, name, " (or true, false)");
+  return name;
 }
 
 sdpa::Window parse_window(const std::string& text) {
@@ -197,6 +199,13 @@ const char* const kDtypesFooter =
       "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].\n"
       "alibi_slopes, sinks: float32 or float64 (converted to float64 to be read; the compute type holds them).";
 
+// The names of Options::SoftcapOrder, for --softcap-order's check.
+static std::vector<std::string> softcap_orders() {
+  std::vector<std::string> names;
+  for (const auto& n : sdpa::front::kSoftcapOrderNames) names.emplace_back(n.name);
+  return names;
+}
+
 void add_call_options(CLI::App* run, CallOptions& o, bool required) {
   run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), rank 2..4: float32, float64, float16 or bfloat16 (see below)")
       ->type_name("FILE")
@@ -228,7 +237,7 @@ void add_call_options(CLI::App* run, CallOptions& o, bool required) {
                   "before_bias: cap, then ALiBi and mask are added (FlashAttention, Gemma, ONNX); after_bias: "
                   "the cap of the biased score (blocked keys stay blocked in either)")
       ->type_name("ORDER")
-      ->check(CLI::IsMember({"before_bias", "after_bias"}))
+      ->check(CLI::IsMember(softcap_orders()))
       ->capture_default_str();
   run->add_option("--alibi-slopes", o.alibi_slopes,
                   "ALiBi slopes (Hq,) or (B, Hq): score -= slope * |i + Nk - Nq - j|")
@@ -261,13 +270,9 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 
 LoadedCall load_call(const CallOptions& o) {
   LoadedCall call;
-  sdpa::Options& options = call.options;
-  options.causal = parse_causal(o.causal);
-  if (!o.window.empty()) options.window = parse_window(o.window);
-  options.scale = o.scale;
-  options.softcap = o.softcap;
-  options.softcap_order = o.softcap_order == "after_bias" ? sdpa::Options::SoftcapOrder::kAfterBias
-                                                          : sdpa::Options::SoftcapOrder::kBeforeBias;
+  sdpa::front::Call c{.scale = o.scale, .causal = causal_name(o.causal), .softcap = o.softcap,
+                      .softcap_order = o.softcap_order};
+  if (!o.window.empty()) c.window = parse_window(o.window);
 
   call.q = read_input("q", o.q), call.k = read_input("k", o.k), call.v = read_input("v", o.v);
   Input &q = call.q, &k = call.k, &v = call.v;
@@ -279,20 +284,18 @@ LoadedCall load_call(const CallOptions& o) {
   if (!o.alibi_slopes.empty()) {
     slopes = read_input("alibi_slopes", o.alibi_slopes);
     if (slopes->is_float()) convert_float(*slopes, sdpa::DType::kFloat64);
-    options.alibi_slopes = slopes->array.view();
+    c.alibi_slopes = slopes->array.view();
   }
   if (!o.sinks.empty()) {
     sinks = read_input("sinks", o.sinks);
     if (sinks->is_float()) convert_float(*sinks, sdpa::DType::kFloat64);
-    options.sinks = sinks->array.view();
+    c.sinks = sinks->array.view();
   }
   std::optional<Input>& block_mask = call.block_mask;
   if (!o.block_mask.empty()) {
     block_mask = read_input("block_mask", o.block_mask);
-    const auto [bq, bk] = parse_block_size(o.block_size);
-    options.block_mask = block_mask->array.view();
-    options.block_q = bq;
-    options.block_k = bk;
+    std::tie(c.block_q, c.block_k) = parse_block_size(o.block_size);
+    c.block_mask = block_mask->array.view();
   }
   // float32 and float64 inputs meet in float64. float16 and bfloat16 are never converted (that
   // would change what is computed): beside them the library's rule holds as it is, q, k and v
@@ -324,11 +327,12 @@ LoadedCall load_call(const CallOptions& o) {
   if (slopes) call.files += ", alibi_slopes = " + o.alibi_slopes;
   if (sinks) call.files += ", sinks = " + o.sinks;
   if (block_mask) call.files += ", block_mask = " + o.block_mask;
+  call.options = sdpa::front::options(c);
   call.inputs = {q.array.view(), k.array.view(), v.array.view(), std::nullopt};
   if (mask) call.inputs.mask = mask->array.view();
   if (seqlens) call.inputs.seqlens_k = seqlens->array.view();
   try {
-    sdpa::validate(call.inputs, options);
+    sdpa::validate(call.inputs, call.options);
   } catch (const sdpa::Error& e) {
     throw call.with_files(e);
   }

@@ -1,5 +1,5 @@
 // sdpa._core: a thin bridge from NumPy arrays to sdpa::attention and sdpa::attention_backward.
-// All conversion and dtype policy lives in sdpa/__init__.py; here arrays are only wrapped as
+// All conversion and dtype policy lives in sdpa/__init__.py and sdpa/_args.py; here arrays are only wrapped as
 // TensorViews (no copies). bfloat16 arrives as uint16: NumPy has no bfloat16 of its own, and
 // neither DLPack nor the buffer protocol carries ml_dtypes.bfloat16, so the package passes a
 // uint16 view of the same memory (arr.view(numpy.uint16)); it never passes integer arrays for
@@ -17,6 +17,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "hwy/targets.h"
+#include "front_options.h"
 #include "inspect.h"
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
@@ -68,52 +69,26 @@ sdpa::TensorView to_view(const A& a, const char* name) {
   return t;
 }
 
-sdpa::Causal parse_causal(const std::string& name) {
-  if (name == "none") return sdpa::Causal::kNone;
-  if (name == "bottom_right") return sdpa::Causal::kBottomRight;
-  if (name == "top_left") return sdpa::Causal::kTopLeft;
-  throw nb::value_error(("causal must be False, True, 'bottom_right' or 'top_left', got '" + name + "'").c_str());
+// A call's options (sdpa::front: the names of causal, backend and softcap_order, checked there).
+sdpa::front::Call call(std::optional<double> scale, const std::string& causal, int64_t window_left,
+                       int64_t window_right, const std::string& backend, double dropout_p = 0.0,
+                       std::optional<uint64_t> seed = std::nullopt) {
+  return {.scale = scale, .causal = causal, .window = {window_left, window_right}, .backend = backend,
+          .dropout_p = dropout_p, .seed = seed};
 }
 
-sdpa::Backend parse_backend(const std::string& name) {
-  if (name == "auto") return sdpa::Backend::kAuto;
-  if (name == "flash") return sdpa::Backend::kFlash;
-  if (name == "reference") return sdpa::Backend::kReference;
-  if (name == "naive") return sdpa::Backend::kNaive;
-  throw nb::value_error(("backend must be 'auto', 'flash', 'reference' or 'naive', got '" + name + "'").c_str());
-}
-
-sdpa::Options make_options(std::optional<double> scale, const std::string& causal, int64_t window_left,
-                           int64_t window_right, const std::string& backend, double dropout_p,
-                           std::optional<uint64_t> seed) {
-  sdpa::Options opt;
-  opt.scale = scale;
-  opt.causal = parse_causal(causal);
-  opt.window = {window_left, window_right};
-  opt.backend = parse_backend(backend);
-  opt.dropout_p = dropout_p;
-  opt.seed = seed;
-  return opt;
-}
-
-sdpa::Options::SoftcapOrder parse_softcap_order(const std::string& name) {
-  if (name == "before_bias") return sdpa::Options::SoftcapOrder::kBeforeBias;
-  if (name == "after_bias") return sdpa::Options::SoftcapOrder::kAfterBias;
-  throw nb::value_error(("softcap_order must be 'before_bias' or 'after_bias', got '" + name + "'").c_str());
-}
-
-// The score modifiers (the last arguments of every function below) added to opt.
-sdpa::Options with_mods(sdpa::Options opt, double softcap, const std::string& softcap_order,
+// Options for c with the score modifiers (the last arguments of every function below).
+sdpa::Options with_mods(sdpa::front::Call c, double softcap, const std::string& softcap_order,
                         const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
                         const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
-  opt.softcap = softcap;
-  opt.softcap_order = parse_softcap_order(softcap_order);
-  if (alibi_slopes) opt.alibi_slopes = to_view(*alibi_slopes, "alibi_slopes");
-  if (sinks) opt.sinks = to_view(*sinks, "sinks");
-  if (block_mask) opt.block_mask = to_view(*block_mask, "block_mask");
-  opt.block_q = block_q;
-  opt.block_k = block_k;
-  return opt;
+  c.softcap = softcap;
+  c.softcap_order = softcap_order;
+  if (alibi_slopes) c.alibi_slopes = to_view(*alibi_slopes, "alibi_slopes");
+  if (sinks) c.sinks = to_view(*sinks, "sinks");
+  if (block_mask) c.block_mask = to_view(*block_mask, "block_mask");
+  c.block_q = block_q;
+  c.block_k = block_k;
+  return sdpa::front::options(c);
 }
 
 void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
@@ -141,19 +116,9 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
   }
   if (scores) {
     outs.scores = to_view(*scores, "scores");
-    if (scores_stage == "scaled") {
-      outs.scores_stage = sdpa::ScoresStage::kScaled;
-    } else if (scores_stage == "biased") {
-      outs.scores_stage = sdpa::ScoresStage::kBiased;
-    } else if (scores_stage == "final") {
-      outs.scores_stage = sdpa::ScoresStage::kFinal;
-    } else if (scores_stage == "softcapped") {
-      outs.scores_stage = sdpa::ScoresStage::kSoftcapped;
-    } else {
-      throw nb::value_error(("return_scores must be None, 'scaled', 'softcapped', 'biased' or 'final', got '" + scores_stage + "'").c_str());
-    }
+    outs.scores_stage = sdpa::front::parse_name("return_scores", sdpa::front::kScoresStageNames, scores_stage);
   }
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -174,7 +139,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
   if (dbias) grads.dbias = to_view(*dbias, "dbias");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -187,7 +152,7 @@ void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray
                               to_view(cu_k, "cu_seqlens_k")};
   sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_varlen(in, outs, opt);
 }
@@ -205,7 +170,7 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
                          dout_view = to_view(dout, "dout");
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_varlen_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -219,7 +184,7 @@ void attention_paged(const ConstArray& q, const ConstArray& k_pages, const Const
   if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   nb::gil_scoped_release release;
   sdpa::attention_paged(in, outs, opt);
 }
@@ -237,7 +202,7 @@ std::string inspect_report(const ConstArray& q, const ConstArray& k, const Const
   r.inputs = {to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) r.inputs.mask = to_view(*mask, "mask");
   if (seqlens_k) r.inputs.seqlens_k = to_view(*seqlens_k, "seqlens_k");
-  r.options = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap,
+  r.options = with_mods(call(scale, causal, window_left, window_right, backend), softcap,
                         softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
   r.topk = topk;
   r.cells = cells;
@@ -246,14 +211,6 @@ std::string inspect_report(const ConstArray& q, const ConstArray& k, const Const
   if (progress) r.progress = sdpa_inspect::terminal_progress();
   nb::gil_scoped_release release;
   return sdpa_inspect::report_html(r);
-}
-
-sdpa::DType parse_float_dtype(const std::string& name) {
-  if (name == "float32") return sdpa::DType::kFloat32;
-  if (name == "float64") return sdpa::DType::kFloat64;
-  if (name == "float16") return sdpa::DType::kFloat16;
-  if (name == "bfloat16") return sdpa::DType::kBFloat16;
-  throw nb::value_error(("dtype must be float32, float64, float16 or bfloat16, got '" + name + "'").c_str());
 }
 
 // The pool of a KVCache as an array of its memory (bfloat16 as uint16 bits), kept alive by the
@@ -317,7 +274,7 @@ void mha_forward(const LayerConfig& config, const OptArrays& params, const Const
   sdpa::MultiHeadOutputs out{to_view(y, "y")};
   if (weights) out.weights = to_view(*weights, "weights");
   const sdpa::MultiHeadWeights w = layer_weights(params);
-  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  const sdpa::Options opt = sdpa::front::options(call(scale, causal, window_left, window_right, backend, dropout_p, seed));
   nb::gil_scoped_release release;
   sdpa::multi_head_attention(layer_config(config), w, in, out, opt, saved);
 }
@@ -338,7 +295,7 @@ void mha_backward(const LayerConfig& config, const OptArrays& params, const Cons
   const sdpa::MultiHeadInputs in = layer_inputs(x_q, x_k, x_v, mask, position_q, position_k);
   const sdpa::MultiHeadWeights w = layer_weights(params);
   const sdpa::TensorView dyv = to_view(dy, "dy");
-  const sdpa::Options opt = make_options(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  const sdpa::Options opt = sdpa::front::options(call(scale, causal, window_left, window_right, backend, dropout_p, seed));
   nb::gil_scoped_release release;
   sdpa::multi_head_attention_backward(layer_config(config), w, in, saved, dyv, mg, opt);
 }
@@ -348,7 +305,7 @@ void mha_step(const LayerConfig& config, const OptArrays& params, const ConstArr
               int64_t window_right, const std::string& backend) {
   const sdpa::MultiHeadWeights w = layer_weights(params);
   const sdpa::TensorView xv = to_view(x, "x"), yv = to_view(y, "y");
-  const sdpa::Options opt = make_options(scale, "bottom_right", window_left, window_right, backend, 0.0, std::nullopt);
+  const sdpa::Options opt = sdpa::front::options(call(scale, "bottom_right", window_left, window_right, backend));
   nb::gil_scoped_release release;
   sdpa::multi_head_attention_step(layer_config(config), w, xv, cache, seqs, yv, opt);
 }
@@ -394,7 +351,7 @@ NB_MODULE(_core, m) {
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
-              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, parse_float_dtype(dtype)); },
+              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, sdpa::front::parse_name("dtype", sdpa::front::kFloatDTypeNames, dtype)); },
            nb::arg("num_pages"), nb::arg("page_size"), nb::arg("num_kv_heads"), nb::arg("head_dim_k"),
            nb::arg("head_dim_v"), nb::arg("dtype"))
       .def("new_sequence", &sdpa::KVCache::new_sequence)
@@ -421,7 +378,7 @@ NB_MODULE(_core, m) {
              sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
              if (lse) outs.lse = to_view(*lse, "lse");
              const sdpa::TensorView qv = to_view(q, "q");
-             const sdpa::Options opt = with_mods(make_options(scale, causal, window_left, window_right, backend, 0.0, std::nullopt), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+             const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
              nb::gil_scoped_release release;
              c.attention(qv, seqs, outs, opt);
            },

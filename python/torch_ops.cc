@@ -47,6 +47,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "front_options.h"
 #include "sdpa/attention.h"
 
 namespace {
@@ -89,13 +90,6 @@ Tensor unit_last(const Tensor& t) {
   return t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous();
 }
 
-sdpa::Causal parse_causal(c10::string_view name) {
-  if (name == "none") return sdpa::Causal::kNone;
-  if (name == "bottom_right") return sdpa::Causal::kBottomRight;
-  if (name == "top_left") return sdpa::Causal::kTopLeft;
-  TORCH_CHECK_VALUE(false, "causal must be 'none', 'bottom_right' or 'top_left', got '", name, "'");
-}
-
 // The score modifiers of a call (the operators' last four arguments).
 struct Mods {
   double softcap = 0.0;
@@ -105,26 +99,31 @@ struct Mods {
   int64_t block_q = 128, block_k = 128;
 };
 
+// Options for a call (sdpa::front: causal's name is checked there, the values by the library),
+// its errors raised as ValueError.
 sdpa::Options options(c10::string_view causal, std::optional<double> scale, int64_t window_left, int64_t window_right,
                       double dropout_p, const std::optional<Tensor>& seed, const Mods& mods = {}) {
-  sdpa::Options opt;
-  opt.softcap = mods.softcap;
-  opt.softcap_order = mods.after_bias ? sdpa::Options::SoftcapOrder::kAfterBias : sdpa::Options::SoftcapOrder::kBeforeBias;
-  if (mods.alibi_slopes) opt.alibi_slopes = view(*mods.alibi_slopes, "alibi_slopes");
-  if (mods.sinks) opt.sinks = view(*mods.sinks, "sinks");
-  if (mods.block_mask) opt.block_mask = view(*mods.block_mask, "block_mask");
-  opt.block_q = mods.block_q;
-  opt.block_k = mods.block_k;
-  opt.scale = scale;
-  opt.causal = parse_causal(causal);
-  opt.window = {window_left, window_right};
-  opt.dropout_p = dropout_p;
+  sdpa::front::Call c{.scale = scale,
+                      .causal = std::string_view(causal.data(), causal.size()),
+                      .window = {window_left, window_right},
+                      .dropout_p = dropout_p,
+                      .softcap = mods.softcap,
+                      .softcap_order = mods.after_bias ? "after_bias" : "before_bias",
+                      .block_q = mods.block_q,
+                      .block_k = mods.block_k};
   if (seed) {
     TORCH_CHECK_VALUE(seed->numel() == 1 && seed->scalar_type() == at::kLong,
                       "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " ", seed->sizes());
-    opt.seed = static_cast<uint64_t>(seed->item<int64_t>());
+    c.seed = static_cast<uint64_t>(seed->item<int64_t>());
   }
-  return opt;
+  if (mods.alibi_slopes) c.alibi_slopes = view(*mods.alibi_slopes, "alibi_slopes");
+  if (mods.sinks) c.sinks = view(*mods.sinks, "sinks");
+  if (mods.block_mask) c.block_mask = view(*mods.block_mask, "block_mask");
+  try {
+    return sdpa::front::options(c);
+  } catch (const sdpa::Error& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
 }
 
 // Runs an sdpa call, its Errors (invalid arguments, nothing written) raised as ValueError.

@@ -9,30 +9,21 @@ gradients with respect to q, k and v.
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import sys
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from . import _core
+from ._args import (_BFLOAT16, _FLOAT16, _FLOAT32, _FLOAT64, _LOW, _STORAGE_NAME, _asarray, _block_sizes,
+                    _check_real, _checked_int, _compute_dtype, _describe, _dtype_arg, _is_float8, _parsed_dropout,
+                    _parsed_options, _parsed_softcap, _prepared_indices, _real_array)
 
 __all__ = ["attention", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
-
-_CAUSAL = {False: "none", True: "bottom_right", "none": "none", "bottom_right": "bottom_right",
-           "top_left": "top_left"}
-_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
-_FLOAT16 = np.dtype(np.float16)
-_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_FLOAT32 = np.dtype(np.float32)
-_FLOAT64 = np.dtype(np.float64)
-_LOW = (_FLOAT16, _BFLOAT16)  # the 16-bit storage types: computed in float32, results rounded once
-
 
 def _memory_bytes():
     """The machine's physical memory in bytes (sys.maxsize where the OS does not say)."""
@@ -44,63 +35,6 @@ def _memory_bytes():
 
 
 _MEMORY_BYTES = _memory_bytes()
-
-
-def _describe(x):
-    """repr(x) for a message; an integer too long to print usefully (Python refuses to print
-    one past 4300 digits) is described by its size, other long reprs are cut."""
-    if isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_)) and abs(int(x)) >= 2**128:
-        return f"{'a negative' if x < 0 else 'an'} integer of {int(x).bit_length()} bits"
-    try:
-        text = repr(x)
-    except ValueError:  # e.g. a Fraction whose parts have more than 4300 digits
-        return f"a {type(x).__name__} too long to print"
-    return text if len(text) <= 80 else text[:60] + "..."
-
-
-class _NotAnInteger(TypeError, ValueError):
-    """A value that is not an integer, given for an integer argument: a TypeError, and also a
-    ValueError, which this package raised for it before (callers catching that keep working)."""
-
-
-def _bound(n):
-    return {_INT64_MIN: "-2**63", _INT64_MAX: "2**63 - 1", 2**64 - 1: "2**64 - 1"}.get(n, str(n))
-
-
-def _checked_int(name, value, low=_INT64_MIN, high=_INT64_MAX):
-    """value as an int in [low, high] (high None: unbounded), by default int64's range, which
-    _core takes (it checks tighter ranges itself, naming the argument): the one rule for every
-    integer argument. A Python or NumPy integer; a bool (True is a slip, not 1), a float (2.0
-    too: nothing is truncated), a str (nothing is parsed) or None is _NotAnInteger, a value
-    outside the range ValueError, each naming `name`."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise _NotAnInteger(f"{name} must be an integer, got {_describe(value)}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer in [{_bound(low)}, {'inf' if high is None else _bound(high)}], "
-                         f"got {_describe(value)}")
-    return int(value)
-
-
-def _dtype_arg(name, dtype, allowed, names):
-    """np.dtype(dtype) when it is one of `allowed` (spelt `names` in the message), else TypeError
-    naming it; None is refused (NumPy would read it as float64)."""
-    try:
-        dt = None if dtype is None else np.dtype(dtype)
-    except TypeError:  # not a dtype at all ("nonsense", 5)
-        dt = None
-    if dt is None or dt not in allowed:  # (np.dtype == None is float64's test, hence the first)
-        raise TypeError(f"{name} must be {names}, got {_describe(dtype)}")
-    return dt
-
-
-def _generator(seed):
-    """np.random.default_rng(seed) (None: fresh entropy; an integer or a sequence of them), its
-    refusals (a float, a str, a negative integer) naming seed."""
-    try:
-        return np.random.default_rng(seed)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"seed must be None, a non-negative integer or a sequence of them, got {_describe(seed)} "
-                      f"({e})") from None
 
 
 def _byte_size(n):
@@ -129,37 +63,6 @@ def _empty(name, shape, dtype):
     """np.empty(shape, dtype) for the output `name`, refused by name when it cannot fit."""
     _check_fits(f"{name} would have", shape, dtype)
     return np.empty(shape, dtype)
-
-
-def _asarray(name, a):
-    """np.asarray(a), with a ragged nested list reported under the argument's name."""
-    try:
-        return np.asarray(a)
-    except ValueError as e:
-        raise ValueError(f"{name} is not a rectangular array: {e}") from None
-
-
-def _is_float8(dtype):
-    """ml_dtypes.float8_e5m2 and its like: kind 'f' in one byte (NumPy's own floats have 2 or more)."""
-    return dtype.kind == "f" and dtype.itemsize == 1
-
-
-def _check_real(name, a):
-    """The one rule for arrays of values (q, k, v, dout, out, lse, slopes, sinks, a cache's k and
-    v, the layer's inputs, weights and dy): real numbers, which are converted as each function
-    says; complex (its imaginary part would be dropped), strings (they would be parsed), object,
-    datetime and other dtypes (ml_dtypes' float8 types: most have kind 'V', float8_e5m2 kind 'f'
-    with one byte, which no NumPy float has) are TypeError naming the array."""
-    if (a.dtype.kind not in "biuf" and a.dtype != _BFLOAT16) or _is_float8(a.dtype):
-        raise TypeError(f"{name} has dtype {a.dtype}, but attention needs real numbers (float32, float64, "
-                        "float16, ml_dtypes.bfloat16, or integers and bool, converted)")
-
-
-def _real_array(name, a):
-    """np.asarray(a) (see _asarray) when it holds real numbers (see _check_real)."""
-    a = _asarray(name, a)
-    _check_real(name, a)
-    return a
 
 
 def _check_kind(name, a):
@@ -192,12 +95,6 @@ def _storage_dtypes(q, k, v):
     if None in (q_dt, k_dt, v_dt):
         return _FLOAT64, _FLOAT64
     return _FLOAT32, _FLOAT32
-
-
-def _compute_dtype(dtype):
-    """The dtype the kernels compute in for q of `dtype`, and that of weights and lse:
-    float64 for float64, float32 for float32, float16 and bfloat16."""
-    return _FLOAT64 if dtype == _FLOAT64 else _FLOAT32
 
 
 def _core_view(a):
@@ -284,25 +181,6 @@ def _prepared_mask(mask, q_dtype, scores_shape):
     return converted
 
 
-def _window_bounds(window):
-    if window is None:
-        return -1, -1
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right), got {window!r}") from None
-    bounds = []
-    for name, x in (("left", left), ("right", right)):
-        if x is None:
-            x = -1
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise ValueError(f"window {name} must be an integer (-1 = unbounded), got {x!r}")
-        # _core takes int64 bounds; any bound of Nq + Nk or more reaches every key, so one
-        # beyond int64 is exactly as good as int64's largest.
-        bounds.append(min(int(x), _INT64_MAX) if x >= 0 else -1)
-    return bounds[0], bounds[1]
-
-
 def _prepared_inputs(q, k, v, mask):
     """(compute dtype, q, k, v, mask) ready for _core (bfloat16 still as ml_dtypes.bfloat16:
     see _core_view): the dtype policy of ``attention``."""
@@ -317,117 +195,16 @@ def _prepared_inputs(q, k, v, mask):
     return _compute_dtype(q_dtype), q, k, v, mask
 
 
-def _real_number(name, x, finite=True):
-    """x (a real number, not a bool: a str is not parsed, a complex not cut) as a float, an int
-    or Fraction beyond float64 as ±inf; TypeError naming it, and ValueError when `finite` and it
-    is not (else the caller checks its range)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {_describe(x)}")
-    try:
-        value = float(x)
-    except OverflowError:  # an int or Fraction beyond float64
-        value = math.inf if x > 0 else -math.inf
-    if finite and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {_describe(x)}")
-    return value
-
-
-def _scale_value(scale):
-    """A scale as a finite float (see _real_number)."""
-    return _real_number("scale", scale)
-
-
-def _parsed_options(causal, scale, window, backend, dtype):
-    """(causal code, scale or None, window left, window right) for _core, validated; `dtype` is
-    the compute dtype, which must hold the scale."""
-    # Only bools (Python or NumPy) and the names: 1, 0.0 and the like are more likely slips.
-    key = bool(causal) if causal is None or isinstance(causal, (bool, np.bool_)) else causal
-    if not isinstance(key, (bool, str)) or key not in _CAUSAL:
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
-    causal_code = _CAUSAL[key]
-    if not isinstance(backend, str):
-        raise ValueError(f"backend must be 'auto', 'flash', 'reference' or 'naive', got {backend!r}")
-    if isinstance(scale, np.ndarray) and scale.ndim == 0:
-        scale = scale[()]  # a 0-d array is a number
-    if scale is not None:
-        value = _scale_value(scale)
-        # The kernels multiply in the compute dtype, where the scale must not round to inf (for
-        # float32, a magnitude past its max by half an ulp or more) nor, when not 0, to 0 (for
-        # float32, 2**-150, half its smallest subnormal, or less): the same rule as _core's,
-        # which also sees no more than the float64 value (Fraction(1, 10**400) is 0 there).
-        with np.errstate(over="ignore", under="ignore"):
-            rounded = dtype.type(value)
-        if np.isinf(rounded) or (rounded == 0 and scale != 0):
-            holds = {"float32": "from about 1.4e-45 to 3.4e38; pass float64 q, k and v for such a scale",
-                     "float64": "from about 4.9e-324 to 1.8e308"}[dtype.name]
-            raise ValueError(f"scale {_describe(scale)} does not fit in {dtype}, the dtype q, k and v compute in: "
-                             f"it would become {'inf' if np.isinf(rounded) else '0'} ({dtype} holds magnitudes "
-                             f"{holds})")
-        scale = value
-    left, right = _window_bounds(window)
-    return causal_code, scale, left, right
-
-
-def _parsed_dropout(dropout_p, seed):
-    """(p, seed) for _core: p a real number in [0, 1); seed an integer, required when p > 0."""
-    p = _real_number("dropout_p", dropout_p, finite=False)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {_describe(dropout_p)}")
-    if seed is None:
-        if p > 0:
-            raise ValueError("seed must be given when dropout_p > 0: the same seed draws the same "
-                             "dropout mask in attention and attention_backward")
-        seed = 0
-    return p, _checked_int("seed", seed, 0, 2**64 - 1)
-
-
-def _prepared_indices(name, a, meaning, ndim=1):
-    """An index array (seqlens_k, cu_seqlens, block_table, sequence ids) as the int64 array _core
-    reads; _core checks its length and values, so that its messages name the batch and the
-    sizes. `meaning` says what it holds, for the messages here. The one rule for indices:
-    integers only, a float (1.0 too: nothing is truncated) or bool array is TypeError."""
-    if a is None:
-        return None
-    given, a = a, _asarray(name, a)
-    if a.size == 0 and not isinstance(given, np.ndarray):
-        a = a.astype(np.int64)  # [] has no dtype of its own (NumPy makes it float64)
-    if a.dtype == object:  # NumPy keeps integers beyond int64 and uint64 ([2**64]) as Python objects
-        big = [x for x in a.flat if isinstance(x, numbers.Integral) and not _INT64_MIN <= x <= _INT64_MAX]
-        if big:
-            raise ValueError(f"{name} holds {_describe(big[0])}, beyond int64 ({meaning})")
-    if a.dtype == np.bool_ or a.dtype.kind not in "iu":
-        raise TypeError(f"{name} has dtype {a.dtype}, but must hold integers ({meaning})")
-    if a.ndim != ndim:
-        raise ValueError(f"{name} has shape {a.shape}, but must have {ndim} dim{'s' * (ndim > 1)}: {meaning}")
-    if a.dtype == np.uint64 and a.size and int(a.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"{name} holds {int(a.max())}, more than any number of rows")
-    return np.ascontiguousarray(a, dtype=np.int64)
-
-
 def _prepared_seqlens(seqlens_k):
     return _prepared_indices("seqlens_k", seqlens_k, "(B,), one key length per sequence")
 
 
-_SOFTCAP_ORDERS = ("before_bias", "after_bias")
-
-
-def _block_sizes(block_size, low=_INT64_MIN):
-    """(block_q, block_k) from an int or a pair of ints, each in [low, 2**63 - 1] (_core checks
-    that they are >= 1, naming block_q and block_k)."""
-    pair = block_size if isinstance(block_size, (tuple, list)) else (block_size, block_size)
-    if len(pair) != 2:
-        raise TypeError(f"block_size must be an int or a pair of ints (block_q, block_k), got {_describe(block_size)}")
-    return tuple(_checked_int("block_size", b, low) for b in pair)
-
-
 def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128):
     """The score modifiers as _core's keyword arguments: softcap a real number (_core checks its
-    range), the order one of _SOFTCAP_ORDERS, slopes and sinks real arrays in the compute dtype
+    range; _parsed_softcap), slopes and sinks real arrays in the compute dtype
     `dtype` (_core checks shapes and values, naming the batch and heads), a bool block_mask
     and its block sizes (_core checks its shape against them)."""
-    softcap = _real_number("softcap", softcap, finite=False)  # 10**400 is inf, which _core refuses by name
-    if softcap_order not in _SOFTCAP_ORDERS:
-        raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {_describe(softcap_order)}")
+    softcap, softcap_order = _parsed_softcap(softcap, softcap_order)
     mods = {"softcap": softcap, "softcap_order": softcap_order}
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
@@ -899,13 +676,10 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
-_POOL_DTYPES = {_FLOAT32: "float32", _FLOAT64: "float64", _FLOAT16: "float16", _BFLOAT16: "bfloat16"}
-
-
 def _pool_array(name, a):
     """A page pool as _core reads it: in place, never copied (it may be most of memory)."""
     a = _asarray(name, a)
-    if a.dtype not in _POOL_DTYPES:
+    if a.dtype not in _STORAGE_NAME:
         raise TypeError(f"{name} has dtype {a.dtype}, but a page pool must be float32, float64, float16 or "
                         "ml_dtypes.bfloat16 (it is read in place, not converted)")
     if a.ndim != 4:
@@ -1026,8 +800,8 @@ class KVCache:
         sizes = [_checked_int(name, n) for name, n in (("num_pages", num_pages), ("page_size", page_size),
                                                        ("num_kv_heads", num_kv_heads), ("head_dim_k", head_dim_k))]
         sizes.append(sizes[3] if head_dim_v is None else _checked_int("head_dim_v", head_dim_v))
-        self._dtype = _dtype_arg("dtype", dtype, _POOL_DTYPES, "float32, float64, float16 or ml_dtypes.bfloat16")
-        self._c = _core.KVCache(*sizes, _POOL_DTYPES[self._dtype])
+        self._dtype = _dtype_arg("dtype", dtype, _STORAGE_NAME, "float32, float64, float16 or ml_dtypes.bfloat16")
+        self._c = _core.KVCache(*sizes, _STORAGE_NAME[self._dtype])
 
     def new_sequence(self):
         """A new, empty sequence; returns its id (the lowest not in use)."""

@@ -42,8 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from . import _checked_int, _real_number, _sequence_ids
-from .torch import _as_numpy, _attention, _check_tensors, _options
+from . import _sequence_ids
+from ._args import _checked_int, _numpy_of_tensor, _real_number
+from .torch import _attention, _check_tensors, _options
 
 _attention_weights = torch.ops.sdpa.attention_weights.default
 
@@ -294,12 +295,12 @@ class MultiheadAttention(torch.nn.Module):
         # pages and the options before appending. Its weights act on the right: torch's transposed.
         from . import _core
         (w_q, w_k, w_v), (b_q, b_k, b_v) = self._projections()
-        params = [_as_numpy(n, w).T for n, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v),
+        params = [_numpy_of_tensor(n, w).T for n, w in (("w_q", w_q), ("w_k", w_k), ("w_v", w_v),
                                                 ("w_o", self.out_proj.weight))]
-        params += [None if b is None else _as_numpy("bias", b) for b in (b_q, b_k, b_v, self.out_proj.bias)]
+        params += [None if b is None else _numpy_of_tensor("bias", b) for b in (b_q, b_k, b_v, self.out_proj.bias)]
         config = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.embed_dim,
                   self.embed_dim, self.in_proj_bias is not None, self.rope, self.rope_base)
-        xs = _as_numpy("x", x.contiguous())
+        xs = _numpy_of_tensor("x", x.contiguous())
         y = np.empty(xs.shape[:2] + (self.embed_dim,), np.float32)
         _core.mha_step(config, params, xs, cache._c, seqs, y, None, -1, -1, "auto")
         return torch.from_numpy(y)

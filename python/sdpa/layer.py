@@ -36,8 +36,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import (_checked_int, _core, _core_view, _dtype_arg, _empty, _generator, _parsed_dropout, _parsed_options,
-               _prepared, _prepared_mask, _real_array, _real_number, _sequence_ids, KVCache)
+from . import _core, _core_view, _empty, _prepared, _prepared_mask, _sequence_ids, KVCache
+from ._args import _checked_int, _dtype_arg, _generator, _parsed_dropout, _parsed_options, _real_array, _real_number
 
 __all__ = ["MultiHeadAttention", "LayerGradients"]
 

@@ -65,8 +65,9 @@ import os
 import numpy as np
 import torch
 
-from . import (_CAUSAL, _block_sizes, _check_real, _parsed_dropout, _prepared_indices, _real_array, _real_number,
-               _scale_value, _window_bounds)
+from ._args import (_block_sizes, _causal_name, _check_real, _compute_dtype, _numpy_of_tensor, _parsed_dropout,
+                    _parsed_softcap, _prepared_indices, _real_array, _scale_value, _tensor_of_numpy, _torch_dtypes,
+                    _window_bounds)
 
 __all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats",
            "MultiheadAttention"]
@@ -95,15 +96,11 @@ def _load_operators():
 _load_operators()
 _ops = torch.ops.sdpa
 _attention = _ops.attention.default
-_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_FLOATS = _torch_dtypes(torch)
 _Tensor = torch.Tensor
 
 
 # ---------------------------------------------------------------- fake kernels (torch.compile)
-
-
-def _compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _dsinks(q, sinks):
@@ -193,8 +190,9 @@ def _options(dropout_p, scale):
     number, a 0-dim tensor (_tensor_scale) or None). The seed is drawn from torch's global
     generator when dropout_p > 0 (torch.manual_seed reproduces it), as a tensor so that
     torch.compile traces it."""
-    if type(dropout_p) is not float or not 0.0 <= dropout_p < 1.0:
+    if type(dropout_p) is not float:
         dropout_p, _ = _parsed_dropout(dropout_p, 0)  # a real number in [0, 1), else an error naming it
+    # (a float's range is the operator's to check: its ValueError names dropout_p)
     if scale is not None and type(scale) is not float:
         scale = _scale_value(_tensor_scale(scale) if isinstance(scale, torch.Tensor) else scale)
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64) if dropout_p > 0 else None
@@ -208,9 +206,7 @@ def _mods(softcap, softcap_order, alibi_slopes, sinks):
     (_check_real: complex, str, object and float8 are TypeError naming them), as float tensors
     (float32 unless float64: the kernels take those two; a bfloat16 parameter's gradient flows
     back through the conversion). The operator checks the rest."""
-    softcap = _real_number("softcap", softcap, finite=False)
-    if softcap_order not in ("before_bias", "after_bias"):
-        raise ValueError(f"softcap_order must be 'before_bias' or 'after_bias', got {softcap_order!r}")
+    softcap, softcap_order = _parsed_softcap(softcap, softcap_order)
     tensors = []
     for name, t in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if t is not None:
@@ -369,13 +365,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 # ---------------------------------------------------------------- packed sequences, paged KV cache
 
 
-def _causal_name(causal):
-    key = bool(causal) if isinstance(causal, bool) or causal is None else causal
-    if not isinstance(key, (bool, str)) or key not in _CAUSAL:
-        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left', got {causal!r}")
-    return _CAUSAL[key]
-
-
 def _index_tensor(name, t, meaning, ndim=1):
     """An index tensor (cu_seqlens, seqlens_k, block_table) as int32 or int64 on the CPU; a
     sequence or array is converted as ``sdpa`` converts it."""
@@ -436,27 +425,10 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
     return (out, lse) if return_lse else out
 
 
-def _as_numpy(name, t):
-    """A tensor (detached, on the CPU) as a NumPy array sharing its memory: bfloat16 and the
-    float8 types as ml_dtypes' (NumPy has none of them); TypeError naming it when it is not a
-    tensor or NumPy cannot hold its dtype (complex32, quantized)."""
-    import ml_dtypes
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    t = t.detach().cpu()
-    ml = getattr(ml_dtypes, str(t.dtype).removeprefix("torch."), None) if t.is_floating_point() else None
-    if ml is not None and t.element_size() in (1, 2):  # a bit-for-bit view through an integer of its size
-        return t.view({1: torch.uint8, 2: torch.int16}[t.element_size()]).numpy().view(ml)
-    try:
-        return t.numpy()
-    except TypeError:
-        raise TypeError(f"{name} has dtype {t.dtype}, which NumPy cannot hold") from None
-
-
 def _check_real_tensor(name, t):
     """sdpa's rule for arrays of values (_check_real) on a tensor's dtype, read from an empty
     array of its NumPy counterpart (the data is not touched)."""
-    _check_real(name, _as_numpy(name, t.new_empty(0)))
+    _check_real(name, _numpy_of_tensor(name, t.new_empty(0)))
 
 
 def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=None, window=None, topk=8,
@@ -472,18 +444,16 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
     through ml_dtypes), so this suits looking inside a model's heads from a forward hook."""
     from . import attention
     _, scale, _ = _options(0.0, scale)  # a 0-dim tensor as its number
-    arrays = [_as_numpy(n, t) for n, t in (("query", query), ("key", key), ("value", value))]
+    arrays = [_numpy_of_tensor(n, t) for n, t in (("query", query), ("key", key), ("value", value))]
     for n, a in zip(("query", "key", "value"), arrays):
         _check_real(n, a)  # here, so that the message names the argument as this function calls it
-    mask = None if attn_mask is None else _as_numpy("attn_mask", attn_mask)
+    mask = None if attn_mask is None else _numpy_of_tensor("attn_mask", attn_mask)
     kw = dict(causal=causal, scale=scale, window=window, softcap=softcap, softcap_order=softcap_order)
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
-            kw[name] = _as_numpy(name, a) if isinstance(a, torch.Tensor) else a  # sdpa.attention checks them
+            kw[name] = _numpy_of_tensor(name, a) if isinstance(a, torch.Tensor) else a  # sdpa.attention checks them
     out, st = attention(*arrays, mask, return_stats=True, topk=topk, **kw)
-    as_tensor = (lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-                 if a.dtype.name == "bfloat16" else torch.from_numpy(a))
-    return as_tensor(out), type(st)(*(torch.from_numpy(x) for x in st))
+    return _tensor_of_numpy(out), type(st)(*(torch.from_numpy(x) for x in st))
 
 
 from ._torch_mha import MultiheadAttention  # noqa: E402  (it uses scaled_dot_product_attention above)
