@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "checks.h"
 #include "problem.h"
 #include "storage.h"
 
@@ -36,7 +37,7 @@ void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, D
     fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but the cache holds " + dtype_name(dtype));
   }
   if (n > 0 && D > 1 && t.strides[2] != 1) fail(std::string(name) + " must have a unit last stride");
-  if (n > 0 && H > 0 && D > 0 && t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  internal::check_has_data(name, t);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-// Argument validation: every check of the public API lives here, before any write.
+// Argument validation: every check of the public API lives here (make_problem's and the shared
+// ones of checks.h), before any write.
 #include "problem.h"
 
 #include <cmath>
@@ -7,6 +8,8 @@
 #include <sstream>
 #include <string>
 #include <utility>
+
+#include "checks.h"
 
 namespace sdpa {
 
@@ -68,6 +71,28 @@ std::string TensorView::shape_string() const {
 }
 
 namespace internal {
+
+void check_rank(const char* name, const TensorView& t, int rank, const char* meaning) {
+  if (t.rank != rank) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + meaning);
+}
+
+void check_index_dtype(const char* name, const TensorView& t) {
+  if (t.dtype != DType::kInt32 && t.dtype != DType::kInt64) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be int32 or int64");
+  }
+}
+
+void check_has_data(const char* name, const TensorView& t) {
+  if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+}
+
+void check_packed_lse(const TensorView& lse, const TensorView& q) {
+  if (lse.shape[0] != q.shape[1] || lse.shape[1] != q.shape[0]) {
+    fail("lse has shape " + lse.shape_string() + " but must be (Hq, total_q) = (" + std::to_string(q.shape[1]) + ", " +
+         std::to_string(q.shape[0]) + ")");
+  }
+}
+
 namespace {
 
 std::string shape_string(const int64_t* shape, int rank) {
@@ -91,7 +116,7 @@ void check_basic(const char* name, const TensorView& t, int min_rank, int max_ra
       fail(std::string(name) + " has shape " + t.shape_string() + ", more elements than int64_t counts");
     }
   }
-  if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  check_has_data(name, t);
 }
 
 void check_unit_last_stride(const char* name, const TensorView& t) {
@@ -192,9 +217,7 @@ void check_mask_values(const TensorView& m) {
 // Inputs::seqlens_k: (B,) int32 or int64, any stride, each length in [0, Nk]. Read once here.
 std::vector<int64_t> read_seqlens(const TensorView& s, int64_t B, int64_t Nk, int q_rank) {
   check_basic("seqlens_k", s, 1, 1);
-  if (s.dtype != DType::kInt32 && s.dtype != DType::kInt64) {
-    fail(std::string("seqlens_k has dtype ") + dtype_name(s.dtype) + " but must be int32 or int64");
-  }
+  check_index_dtype("seqlens_k", s);
   if (s.shape[0] != B) {
     fail("seqlens_k has shape " + s.shape_string() + " but must be (" + std::to_string(B) + ",): one key length per " +
          (q_rank == 4 ? "batch entry of q (B = " + std::to_string(B) + ")" : std::string("call (q has no batch dim)")));
@@ -455,11 +478,33 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   return p;
 }
 
+// Outputs::stats' fields, the views make_problem makes of them and their shapes, in Stats'
+// order: the one list of them (check_stats and any_stats read it).
+enum class StatShape { kRows, kTopK, kPooled };  // lse's shape; with a last dim k; with a last dim G
+struct StatField {
+  const char* name;
+  std::optional<TensorView> Stats::*given;
+  std::optional<View4> Problem::StatViews::*view;
+  bool index;  // int64 (a count or a key index); else the compute type
+  StatShape shape;
+};
+constexpr StatField kStatFields[] = {
+    {"allowed", &Stats::allowed, &Problem::StatViews::allowed, true, StatShape::kRows},
+    {"entropy", &Stats::entropy, &Problem::StatViews::entropy, false, StatShape::kRows},
+    {"entropy_normalized", &Stats::entropy_normalized, &Problem::StatViews::entropy_normalized, false, StatShape::kRows},
+    {"max_weight", &Stats::max_weight, &Problem::StatViews::max_weight, false, StatShape::kRows},
+    {"argmax", &Stats::argmax, &Problem::StatViews::argmax, true, StatShape::kRows},
+    {"topk_weights", &Stats::topk_weights, &Problem::StatViews::topk_weights, false, StatShape::kTopK},
+    {"topk_indices", &Stats::topk_indices, &Problem::StatViews::topk_indices, true, StatShape::kTopK},
+    {"pooled_weights", &Stats::pooled_weights, &Problem::StatViews::pooled_weights, false, StatShape::kPooled},
+};
+
 // Outputs::stats: lse's shape (the top-k views with a last dim k <= 32 added, the same k for
-// both), the compute type or int64 (indices and counts).
+// both; pooled_weights with any last dim G), the compute type or int64 (indices and counts).
 void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, bool written, Problem& p) {
   const char* rows = r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)";
   const char* topk_rows = r == 2 ? "(Nq, k)" : r == 3 ? "(Hq, Nq, k)" : "(B, Hq, Nq, k)";
+  const char* pooled_rows = r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)";
   const std::optional<TensorView>& first_topk = st.topk_weights ? st.topk_weights : st.topk_indices;
   if (first_topk && first_topk->rank == r && first_topk->shape[r - 1] > kMaxTopK) {
     fail(std::string(st.topk_weights ? "topk_weights" : "topk_indices") + " has shape " + first_topk->shape_string() +
@@ -467,31 +512,25 @@ void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, b
          std::to_string(kMaxTopK));
   }
   const int64_t k = first_topk && first_topk->rank == r ? first_topk->shape[r - 1] : 0;
-  // A view of lse's shape, or with a last dim `last` added; `meaning` names its dims.
-  const auto check = [&](const char* name, const std::optional<TensorView>& t, bool index, std::optional<int64_t> last,
-                         const char* meaning, std::optional<View4>& dst) {
-    if (!t) return;
-    check_basic(name, *t, last ? 2 : 1, last ? 4 : 3);
-    if (index && t->dtype != DType::kInt64) {
-      fail(std::string(name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
-    }
-    if (!index) check_compute_dtype(name, *t, q, p.compute);
-    const int64_t with_last[4] = {full_weights[0], full_weights[1], full_weights[2], last.value_or(0)};
-    check_shape(name, *t, (last ? with_last : full_weights) + (4 - r), last ? r : r - 1, meaning);
-    if (written) check_no_zero_stride(name, *t);
-    dst = to_view4(*t, last ? 4 : 3);
-  };
-  check("allowed", st.allowed, true, std::nullopt, rows, p.stats.allowed);
-  check("entropy", st.entropy, false, std::nullopt, rows, p.stats.entropy);
-  check("entropy_normalized", st.entropy_normalized, false, std::nullopt, rows, p.stats.entropy_normalized);
-  check("max_weight", st.max_weight, false, std::nullopt, rows, p.stats.max_weight);
-  check("argmax", st.argmax, true, std::nullopt, rows, p.stats.argmax);
-  check("topk_weights", st.topk_weights, false, k, topk_rows, p.stats.topk_weights);
-  check("topk_indices", st.topk_indices, true, k, topk_rows, p.stats.topk_indices);
-  // (..., G), any G: its own last dim.
   const int64_t G = st.pooled_weights && st.pooled_weights->rank == r ? st.pooled_weights->shape[r - 1] : 0;
-  check("pooled_weights", st.pooled_weights, false, G, r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)",
-        p.stats.pooled_weights);
+  for (const StatField& f : kStatFields) {
+    const std::optional<TensorView>& t = st.*f.given;
+    if (!t) continue;
+    // A view of lse's shape, or with a last dim `last` added; `meaning` names its dims.
+    const std::optional<int64_t> last = f.shape == StatShape::kRows   ? std::nullopt
+                                        : f.shape == StatShape::kTopK ? std::optional<int64_t>(k)
+                                                                      : std::optional<int64_t>(G);
+    const char* meaning = f.shape == StatShape::kRows ? rows : f.shape == StatShape::kTopK ? topk_rows : pooled_rows;
+    check_basic(f.name, *t, last ? 2 : 1, last ? 4 : 3);
+    if (f.index && t->dtype != DType::kInt64) {
+      fail(std::string(f.name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
+    }
+    if (!f.index) check_compute_dtype(f.name, *t, q, p.compute);
+    const int64_t with_last[4] = {full_weights[0], full_weights[1], full_weights[2], last.value_or(0)};
+    check_shape(f.name, *t, (last ? with_last : full_weights) + (4 - r), last ? r : r - 1, meaning);
+    if (written) check_no_zero_stride(f.name, *t);
+    p.stats.*f.view = to_view4(*t, last ? 4 : 3);
+  }
   p.stats.topk = p.stats.topk_weights || p.stats.topk_indices ? k : 0;
 }
 
@@ -550,6 +589,12 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
 
 Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
   return make_problem(in, outs, opt, /*written=*/true);
+}
+
+bool any_stats(const Stats& stats) {
+  for (const StatField& f : kStatFields)
+    if (stats.*f.given) return true;
+  return false;
 }
 
 void check_alibi_gradient(const TensorView& t, const Options& opt) {

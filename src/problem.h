@@ -1,5 +1,5 @@
-// The validated, normalised description of one attention call, shared by every kernel.
-// make_problem() is the only place that checks arguments; kernels trust a Problem.
+// The validated, normalised description of one attention call, shared by every kernel. Only
+// make_problem() and checks.h check arguments (problem.cc); kernels trust a Problem.
 #pragma once
 
 #include <algorithm>
