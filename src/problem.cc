@@ -13,31 +13,8 @@
 
 namespace sdpa {
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kBool: return "bool";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
-}
-
-int64_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kBool: return 1;
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kBFloat16: return 2;
-    case DType::kFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-  }
-  return 0;
-}
+const char* dtype_name(DType dtype) { return internal::dtype_traits(dtype).name; }
+int64_t dtype_size(DType dtype) { return internal::storage_bytes(dtype); }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {
   if (shape.size() < 1 || shape.size() > 4) throw Error("TensorView::contiguous: rank must be 1..4");
@@ -84,6 +61,15 @@ void check_index_dtype(const char* name, const TensorView& t) {
 
 void check_has_data(const char* name, const TensorView& t) {
   if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+}
+
+std::string storage_dtype_list() {
+  std::vector<std::string> names;
+  for (const DTypeTraits& t : kDTypeTable)
+    if (t.storage) names.push_back(t.name);
+  std::string list = names.front();
+  for (size_t i = 1; i < names.size(); ++i) list += (i + 1 == names.size() ? " or " : ", ") + names[i];
+  return list;
 }
 
 void check_packed_lse(const TensorView& lse, const TensorView& q) {
@@ -362,7 +348,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   check_basic("k", k, 2, 4);
   check_basic("v", v, 2, 4);
   if (!is_float_dtype(q.dtype)) {
-    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32, float64, bfloat16 or float16");
+    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be " + storage_dtype_list());
   }
   // q, k and v share a dtype, but float32 queries may read a bfloat16 or float16 KV cache.
   const bool f32_over_16 = q.dtype == DType::kFloat32 && (k.dtype == DType::kBFloat16 || k.dtype == DType::kFloat16);
