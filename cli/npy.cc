@@ -21,6 +21,10 @@
 #include <string_view>
 #include <system_error>
 
+// The dtype table (descriptors, sizes) and the 16-bit conversions: by path, as npy_fuzz also
+// compiles this file, outside the library's include path.
+#include "../src/storage.h"
+
 namespace sdpa_cli {
 
 // Elements are copied as raw bytes, and the files we accept are little-endian.
@@ -36,28 +40,16 @@ constexpr size_t kPreludeSize = sizeof(kMagic) + 2;  // magic + major + minor ve
 // making us allocate gigabytes. (NumPy itself refuses headers over 10000 bytes by default.)
 constexpr uint32_t kMaxHeaderSize = 1 << 16;
 constexpr int kMaxRank = 4;
-// numpy.save writes dtype.str as the descr. ml_dtypes.bfloat16 is a legacy user dtype without a
-// NumPy type code: its str is '<V2', a 2-byte void with a byte order, which no NumPy type has
-// ('V2' is '|V2'), and bfloat16 is the only 2-byte type in ml_dtypes (its float8, float6,
-// float4 and int4 types are 1 byte, '<V1'). So '<V2' is read as bfloat16, and bfloat16 written so.
-constexpr const char* kBFloat16Descr = "<V2";
-
 [[noreturn]] void fail(const fs::path& path, const std::string& what) {
   throw std::runtime_error(path.string() + ": " + what);
 }
 
+// numpy.save writes dtype.str as the descr: the dtype table's npy_descr (bfloat16's is '<V2',
+// what numpy.save writes for an ml_dtypes.bfloat16 array; see storage.h).
 const char* descr_of(sdpa::DType dtype) {
-  switch (dtype) {
-    case sdpa::DType::kFloat32: return "<f4";
-    case sdpa::DType::kFloat64: return "<f8";
-    case sdpa::DType::kBool: return "|b1";
-    case sdpa::DType::kFloat16: return "<f2";
-    // NumPy has no bfloat16: this is what numpy.save writes for an ml_dtypes.bfloat16 array.
-    case sdpa::DType::kBFloat16: return kBFloat16Descr;
-    case sdpa::DType::kInt32: return "<i4";
-    case sdpa::DType::kInt64: return "<i8";
-  }
-  throw std::logic_error("npy: unknown dtype");
+  const char* descr = sdpa::internal::dtype_traits(dtype).npy_descr;
+  if (*descr == '\0') throw std::logic_error("npy: unknown dtype");
+  return descr;
 }
 
 // What the header dict says.
@@ -184,13 +176,8 @@ std::string quoted_excerpt(std::string_view text) {
 }
 
 sdpa::DType dtype_from_descr(const fs::path& path, const std::string& descr) {
-  if (descr == "<f4") return sdpa::DType::kFloat32;
-  if (descr == "<f8") return sdpa::DType::kFloat64;
-  if (descr == "<f2") return sdpa::DType::kFloat16;
-  if (descr == kBFloat16Descr) return sdpa::DType::kBFloat16;
-  if (descr == "|b1") return sdpa::DType::kBool;
-  if (descr == "<i4") return sdpa::DType::kInt32;
-  if (descr == "<i8") return sdpa::DType::kInt64;
+  for (const sdpa::internal::DTypeTraits& t : sdpa::internal::kDTypeTable)
+    if (descr == t.npy_descr) return t.dtype;
   if (!descr.empty() && descr[0] == '>') {
     fail(path,
          "big-endian data ('" + descr + "') is not supported; convert with arr.astype(arr.dtype.newbyteorder('<'))");
@@ -378,18 +365,8 @@ NpyArray read_npy(const fs::path& path) {
   return a;
 }
 
-float float16_to_float(uint16_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits >> 15) << 31;
-  const uint32_t exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
-  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
-    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-    return sign ? -magnitude : magnitude;
-  }
-  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
-  return std::bit_cast<float>(sign | ((exponent + 127 - 15) << 23) | (mantissa << 13));
-}
-
-float bfloat16_to_float(uint16_t bits) { return std::bit_cast<float>(uint32_t{bits} << 16); }
+float float16_to_float(uint16_t bits) { return sdpa::internal::f16_to_f32(bits); }
+float bfloat16_to_float(uint16_t bits) { return sdpa::internal::bf16_to_f32(bits); }
 
 std::string npy_header_dict(sdpa::DType dtype, const std::vector<int64_t>& shape) {
   // Key order and spacing as NumPy writes them, so our files look like NumPy's.

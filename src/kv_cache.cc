@@ -6,6 +6,7 @@
 #include <limits>
 #include <string>
 
+#include "checks.h"
 #include "problem.h"
 #include "storage.h"
 
@@ -36,7 +37,7 @@ void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, D
     fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but the cache holds " + dtype_name(dtype));
   }
   if (n > 0 && D > 1 && t.strides[2] != 1) fail(std::string(name) + " must have a unit last stride");
-  if (n > 0 && H > 0 && D > 0 && t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  internal::check_has_data(name, t);
 }
 
 }  // namespace
@@ -52,8 +53,8 @@ KVCache::KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int
   if (head_dim_k < 0 || head_dim_v < 0) {
     fail("KVCache: head dims " + std::to_string(head_dim_k) + ", " + std::to_string(head_dim_v) + " must be >= 0");
   }
-  if (dtype != DType::kFloat32 && dtype != DType::kFloat64 && dtype != DType::kBFloat16 && dtype != DType::kFloat16) {
-    fail(std::string("KVCache: dtype ") + dtype_name(dtype) + " must be float32, float64, bfloat16 or float16");
+  if (!internal::is_float_dtype(dtype)) {
+    fail(std::string("KVCache: dtype ") + dtype_name(dtype) + " must be " + internal::storage_dtype_list());
   }
   const int64_t bytes = internal::storage_bytes(dtype);
   k_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_k, bytes})));

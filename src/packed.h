@@ -12,8 +12,8 @@ namespace sdpa::internal {
 // cu_seqlens: (B + 1,) int32 or int64, starting at 0, non-decreasing, ending at `total` (the
 // packed rows of `of`). Read once, into int64; Error naming `name` and the entry otherwise.
 std::vector<int64_t> read_offsets(const char* name, const TensorView& t, int64_t total, const char* of);
-// Error unless t has rank 3 ("name has shape ... but must be <shape>").
-void check_rank3(const char* name, const TensorView& t, const char* shape);
+// The most rows any sequence of cu_seqlens `cu` (read_offsets') has: 0 for no sequence.
+int64_t longest_sequence(const std::vector<int64_t>& cu);
 // Rows [r0, r1) of a packed (total, H, D) tensor as a (H, r1 - r0, D) view (no copy).
 TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1);
 // Columns [r0, r1) of lse (H, total_q).

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "packed.h"
 #include "problem.h"
 #include "storage.h"
@@ -16,10 +17,6 @@
 namespace sdpa {
 namespace internal {
 namespace {
-
-void check_rank(const char* name, const TensorView& t, int rank, const char* shape) {
-  if (t.rank != rank) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape);
-}
 
 // The pool (num_pages, page_size, H, D) as the (B, H, max_pages · page_size, D) view that
 // make_problem validates: batch stride 0, rows page_size apart within a page.
@@ -82,9 +79,7 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
     fail("v_pages has shape " + vp.shape_string() + " but k_pages has " + kp.shape_string() +
          ": they share num_pages and page_size (dims 0 and 1)");
   }
-  if (table.dtype != DType::kInt32 && table.dtype != DType::kInt64) {
-    fail(std::string("block_table has dtype ") + dtype_name(table.dtype) + " but must be int32 or int64");
-  }
+  check_index_dtype("block_table", table);
   if (table.shape[0] != B) {
     fail("block_table has shape " + table.shape_string() + " but q has batch " + std::to_string(B) + " (q " +
          in.q.shape_string() + ")");
@@ -143,7 +138,7 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
   }
   Problem p = make_problem(dense, checked, opts);
   // The pages each sequence reads exist.
-  if (B > 0 && max_pages > 0 && table.data == nullptr) fail("block_table has no data but shape " + table.shape_string());
+  check_has_data("block_table", table);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t used = (p.keys_of(b) + page_size - 1) / page_size;
     for (int64_t j = 0; j < used; ++j) {
@@ -177,22 +172,20 @@ TensorView with_batch_of_one(TensorView t) {
 
 // Entry b of a (B, ...) tensor as a (1, ...) view.
 TensorView entry_of(TensorView t, int64_t b) {
-  if (t.shape[0] > 0 && t.data != nullptr) t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+  if (t.shape[0] > 0 && t.data != nullptr) {
+    t.data = static_cast<char*>(t.data) + b * t.strides[0] * storage_bytes(t.dtype);
+  }
   t.shape[0] = 1;
   return t;
 }
 
 // Packed queries: q (total_q, Hq, Dk) cut by cu_seqlens_q, sequence b against table row b.
 std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs, const Options& options) {
-  check_rank3("q", in.q, "(total_q, Hq, Dk) with cu_seqlens_q");
-  check_rank3("out", outs.out, "(total_q, Hq, Dv) with cu_seqlens_q");
+  check_rank("q", in.q, 3, "(total_q, Hq, Dk) with cu_seqlens_q");
+  check_rank("out", outs.out, 3, "(total_q, Hq, Dv) with cu_seqlens_q");
   if (outs.weights) fail("weights are not available with cu_seqlens_q (packed queries)");
-  const Stats& st = outs.stats;
-  if (st.allowed || st.entropy || st.entropy_normalized || st.max_weight || st.argmax || st.topk_weights ||
-      st.topk_indices || st.pooled_weights) {
-    fail("stats are not available with cu_seqlens_q (packed queries)");
-  }
-  if (outs.lse && outs.lse->rank != 2) fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q)");
+  if (any_stats(outs.stats)) fail("stats are not available with cu_seqlens_q (packed queries)");
+  if (outs.lse) check_rank("lse", *outs.lse, 2, "(Hq, total_q)");
   const std::vector<int64_t> cu = read_offsets("cu_seqlens_q", *in.cu_seqlens_q, in.q.shape[0], "q");
   const int64_t B = static_cast<int64_t>(cu.size()) - 1;
   check_rank("block_table", in.block_table, 2, "(B, max_pages)");
@@ -208,19 +201,14 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     fail("out has shape " + outs.out.shape_string() + " but q has " + in.q.shape_string() +
          ": out is (total_q, Hq, Dv)");
   }
-  if (outs.lse && (outs.lse->shape[0] != in.q.shape[1] || outs.lse->shape[1] != in.q.shape[0])) {
-    fail("lse has shape " + outs.lse->shape_string() + " but must be (Hq, total_q) = (" +
-         std::to_string(in.q.shape[1]) + ", " + std::to_string(in.q.shape[0]) + ")");
-  }
+  if (outs.lse) check_packed_lse(*outs.lse, in.q);
   // The options checked against all sequences, with no sequence too (fuzz finding F19). Each
   // sequence's keys are the max_pages · page_size rows of its block-table row.
-  int64_t max_q = 0;
-  for (int64_t b = 0; b < B; ++b) max_q = std::max(max_q, cu[b + 1] - cu[b]);
   check_rank("k_pages", in.k_pages, 4, "(num_pages, page_size, Hkv, Dk)");
   const int64_t max_pages = in.block_table.shape[1], page_size = std::max<int64_t>(in.k_pages.shape[1], 1);
   const int64_t nk = max_pages > std::numeric_limits<int64_t>::max() / page_size ? std::numeric_limits<int64_t>::max()
                                                                                  : max_pages * page_size;
-  packed_options(options, B, in.q.shape[1], max_q, nk);
+  packed_options(options, B, in.q.shape[1], longest_sequence(cu), nk);
   std::vector<Problem> problems;
   problems.reserve(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {  // every sequence valid before any is computed
@@ -256,7 +244,7 @@ void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& 
         at += rest % w.shape[d] * w.strides[d];
         rest /= w.shape[d];
       }
-      internal::store_as(w.dtype, static_cast<char*>(w.data) + at * dtype_size(w.dtype), 0.0);
+      internal::store_as(w.dtype, static_cast<char*>(w.data) + at * internal::storage_bytes(w.dtype), 0.0);
     }
   }
 }

@@ -1,4 +1,5 @@
-// Argument validation: every check of the public API lives here, before any write.
+// Argument validation: every check of the public API lives here (make_problem's and the shared
+// ones of checks.h), before any write.
 #include "problem.h"
 
 #include <cmath>
@@ -8,33 +9,12 @@
 #include <string>
 #include <utility>
 
+#include "checks.h"
+
 namespace sdpa {
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kBool: return "bool";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
-}
-
-int64_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kBool: return 1;
-    case DType::kFloat32: return 4;
-    case DType::kFloat64: return 8;
-    case DType::kBFloat16: return 2;
-    case DType::kFloat16: return 2;
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-  }
-  return 0;
-}
+const char* dtype_name(DType dtype) { return internal::dtype_traits(dtype).name; }
+int64_t dtype_size(DType dtype) { return internal::storage_bytes(dtype); }
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape) {
   if (shape.size() < 1 || shape.size() > 4) throw Error("TensorView::contiguous: rank must be 1..4");
@@ -68,6 +48,37 @@ std::string TensorView::shape_string() const {
 }
 
 namespace internal {
+
+void check_rank(const char* name, const TensorView& t, int rank, const char* meaning) {
+  if (t.rank != rank) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + meaning);
+}
+
+void check_index_dtype(const char* name, const TensorView& t) {
+  if (t.dtype != DType::kInt32 && t.dtype != DType::kInt64) {
+    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be int32 or int64");
+  }
+}
+
+void check_has_data(const char* name, const TensorView& t) {
+  if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+}
+
+std::string storage_dtype_list() {
+  std::vector<std::string> names;
+  for (const DTypeTraits& t : kDTypeTable)
+    if (t.storage) names.push_back(t.name);
+  std::string list = names.front();
+  for (size_t i = 1; i < names.size(); ++i) list += (i + 1 == names.size() ? " or " : ", ") + names[i];
+  return list;
+}
+
+void check_packed_lse(const TensorView& lse, const TensorView& q) {
+  if (lse.shape[0] != q.shape[1] || lse.shape[1] != q.shape[0]) {
+    fail("lse has shape " + lse.shape_string() + " but must be (Hq, total_q) = (" + std::to_string(q.shape[1]) + ", " +
+         std::to_string(q.shape[0]) + ")");
+  }
+}
+
 namespace {
 
 std::string shape_string(const int64_t* shape, int rank) {
@@ -91,7 +102,7 @@ void check_basic(const char* name, const TensorView& t, int min_rank, int max_ra
       fail(std::string(name) + " has shape " + t.shape_string() + ", more elements than int64_t counts");
     }
   }
-  if (t.data == nullptr && t.numel() > 0) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  check_has_data(name, t);
 }
 
 void check_unit_last_stride(const char* name, const TensorView& t) {
@@ -192,9 +203,7 @@ void check_mask_values(const TensorView& m) {
 // Inputs::seqlens_k: (B,) int32 or int64, any stride, each length in [0, Nk]. Read once here.
 std::vector<int64_t> read_seqlens(const TensorView& s, int64_t B, int64_t Nk, int q_rank) {
   check_basic("seqlens_k", s, 1, 1);
-  if (s.dtype != DType::kInt32 && s.dtype != DType::kInt64) {
-    fail(std::string("seqlens_k has dtype ") + dtype_name(s.dtype) + " but must be int32 or int64");
-  }
+  check_index_dtype("seqlens_k", s);
   if (s.shape[0] != B) {
     fail("seqlens_k has shape " + s.shape_string() + " but must be (" + std::to_string(B) + ",): one key length per " +
          (q_rank == 4 ? "batch entry of q (B = " + std::to_string(B) + ")" : std::string("call (q has no batch dim)")));
@@ -339,7 +348,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   check_basic("k", k, 2, 4);
   check_basic("v", v, 2, 4);
   if (!is_float_dtype(q.dtype)) {
-    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be float32, float64, bfloat16 or float16");
+    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be " + storage_dtype_list());
   }
   // q, k and v share a dtype, but float32 queries may read a bfloat16 or float16 KV cache.
   const bool f32_over_16 = q.dtype == DType::kFloat32 && (k.dtype == DType::kBFloat16 || k.dtype == DType::kFloat16);
@@ -455,11 +464,33 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   return p;
 }
 
+// Outputs::stats' fields, the views make_problem makes of them and their shapes, in Stats'
+// order: the one list of them (check_stats and any_stats read it).
+enum class StatShape { kRows, kTopK, kPooled };  // lse's shape; with a last dim k; with a last dim G
+struct StatField {
+  const char* name;
+  std::optional<TensorView> Stats::*given;
+  std::optional<View4> Problem::StatViews::*view;
+  bool index;  // int64 (a count or a key index); else the compute type
+  StatShape shape;
+};
+constexpr StatField kStatFields[] = {
+    {"allowed", &Stats::allowed, &Problem::StatViews::allowed, true, StatShape::kRows},
+    {"entropy", &Stats::entropy, &Problem::StatViews::entropy, false, StatShape::kRows},
+    {"entropy_normalized", &Stats::entropy_normalized, &Problem::StatViews::entropy_normalized, false, StatShape::kRows},
+    {"max_weight", &Stats::max_weight, &Problem::StatViews::max_weight, false, StatShape::kRows},
+    {"argmax", &Stats::argmax, &Problem::StatViews::argmax, true, StatShape::kRows},
+    {"topk_weights", &Stats::topk_weights, &Problem::StatViews::topk_weights, false, StatShape::kTopK},
+    {"topk_indices", &Stats::topk_indices, &Problem::StatViews::topk_indices, true, StatShape::kTopK},
+    {"pooled_weights", &Stats::pooled_weights, &Problem::StatViews::pooled_weights, false, StatShape::kPooled},
+};
+
 // Outputs::stats: lse's shape (the top-k views with a last dim k <= 32 added, the same k for
-// both), the compute type or int64 (indices and counts).
+// both; pooled_weights with any last dim G), the compute type or int64 (indices and counts).
 void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, bool written, Problem& p) {
   const char* rows = r == 2 ? "(Nq,)" : r == 3 ? "(Hq, Nq)" : "(B, Hq, Nq)";
   const char* topk_rows = r == 2 ? "(Nq, k)" : r == 3 ? "(Hq, Nq, k)" : "(B, Hq, Nq, k)";
+  const char* pooled_rows = r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)";
   const std::optional<TensorView>& first_topk = st.topk_weights ? st.topk_weights : st.topk_indices;
   if (first_topk && first_topk->rank == r && first_topk->shape[r - 1] > kMaxTopK) {
     fail(std::string(st.topk_weights ? "topk_weights" : "topk_indices") + " has shape " + first_topk->shape_string() +
@@ -467,31 +498,25 @@ void check_stats(const Stats& st, DType q, int r, const int64_t* full_weights, b
          std::to_string(kMaxTopK));
   }
   const int64_t k = first_topk && first_topk->rank == r ? first_topk->shape[r - 1] : 0;
-  // A view of lse's shape, or with a last dim `last` added; `meaning` names its dims.
-  const auto check = [&](const char* name, const std::optional<TensorView>& t, bool index, std::optional<int64_t> last,
-                         const char* meaning, std::optional<View4>& dst) {
-    if (!t) return;
-    check_basic(name, *t, last ? 2 : 1, last ? 4 : 3);
-    if (index && t->dtype != DType::kInt64) {
-      fail(std::string(name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
-    }
-    if (!index) check_compute_dtype(name, *t, q, p.compute);
-    const int64_t with_last[4] = {full_weights[0], full_weights[1], full_weights[2], last.value_or(0)};
-    check_shape(name, *t, (last ? with_last : full_weights) + (4 - r), last ? r : r - 1, meaning);
-    if (written) check_no_zero_stride(name, *t);
-    dst = to_view4(*t, last ? 4 : 3);
-  };
-  check("allowed", st.allowed, true, std::nullopt, rows, p.stats.allowed);
-  check("entropy", st.entropy, false, std::nullopt, rows, p.stats.entropy);
-  check("entropy_normalized", st.entropy_normalized, false, std::nullopt, rows, p.stats.entropy_normalized);
-  check("max_weight", st.max_weight, false, std::nullopt, rows, p.stats.max_weight);
-  check("argmax", st.argmax, true, std::nullopt, rows, p.stats.argmax);
-  check("topk_weights", st.topk_weights, false, k, topk_rows, p.stats.topk_weights);
-  check("topk_indices", st.topk_indices, true, k, topk_rows, p.stats.topk_indices);
-  // (..., G), any G: its own last dim.
   const int64_t G = st.pooled_weights && st.pooled_weights->rank == r ? st.pooled_weights->shape[r - 1] : 0;
-  check("pooled_weights", st.pooled_weights, false, G, r == 2 ? "(Nq, G)" : r == 3 ? "(Hq, Nq, G)" : "(B, Hq, Nq, G)",
-        p.stats.pooled_weights);
+  for (const StatField& f : kStatFields) {
+    const std::optional<TensorView>& t = st.*f.given;
+    if (!t) continue;
+    // A view of lse's shape, or with a last dim `last` added; `meaning` names its dims.
+    const std::optional<int64_t> last = f.shape == StatShape::kRows   ? std::nullopt
+                                        : f.shape == StatShape::kTopK ? std::optional<int64_t>(k)
+                                                                      : std::optional<int64_t>(G);
+    const char* meaning = f.shape == StatShape::kRows ? rows : f.shape == StatShape::kTopK ? topk_rows : pooled_rows;
+    check_basic(f.name, *t, last ? 2 : 1, last ? 4 : 3);
+    if (f.index && t->dtype != DType::kInt64) {
+      fail(std::string(f.name) + " has dtype " + dtype_name(t->dtype) + " but must be int64");
+    }
+    if (!f.index) check_compute_dtype(f.name, *t, q, p.compute);
+    const int64_t with_last[4] = {full_weights[0], full_weights[1], full_weights[2], last.value_or(0)};
+    check_shape(f.name, *t, (last ? with_last : full_weights) + (4 - r), last ? r : r - 1, meaning);
+    if (written) check_no_zero_stride(f.name, *t);
+    p.stats.*f.view = to_view4(*t, last ? 4 : 3);
+  }
   p.stats.topk = p.stats.topk_weights || p.stats.topk_indices ? k : 0;
 }
 
@@ -550,6 +575,12 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
 
 Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt) {
   return make_problem(in, outs, opt, /*written=*/true);
+}
+
+bool any_stats(const Stats& stats) {
+  for (const StatField& f : kStatFields)
+    if (stats.*f.given) return true;
+  return false;
 }
 
 void check_alibi_gradient(const TensorView& t, const Options& opt) {

@@ -1,5 +1,8 @@
 // The validated, normalised description of one attention call, shared by every kernel.
-// make_problem() is the only place that checks arguments; kernels trust a Problem.
+// make_problem() (problem.cc) checks every argument of an attention() call; the calls that cut
+// their tensors into such problems (varlen.cc, paged.cc, kv_cache.cc) check only their own
+// layouts, with the shared checks of checks.h, and hand each problem to make_problem; the layer
+// (layer/mha.cc) checks its weights and inputs and calls attention(). Kernels trust a Problem.
 #pragma once
 
 #include <algorithm>
@@ -10,15 +13,12 @@
 #include <optional>
 #include <vector>
 
+#include "checks.h"
 #include "dropout.h"
 #include "storage.h"
 #include "sdpa/attention.h"
 
 namespace sdpa::internal {
-
-// Reports an invalid argument: throws Error(message). The one way the checks report (make_problem
-// and those of varlen.cc, paged.cc and kv_cache.cc), always before anything is written.
-[[noreturn]] inline void fail(const std::string& message) { throw Error(message); }
 
 // A tensor view normalised to 4 dims (B, H, N, D). Dims that broadcast have stride 0.
 struct View4 {

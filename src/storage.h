@@ -1,33 +1,71 @@
-// Storage types versus compute types. Tensors are stored as float64, float32, bfloat16 or
-// float16; the kernels compute (accumulate scores, sums, outputs, gradients) in float64 for
-// float64 storage and in float32 for everything else. Inputs are widened exactly; results are
-// rounded once, to nearest even, when stored. These are the scalar conversions every slow path
-// uses (validation, the references, fallbacks, writing results); the kernels widen whole rows
-// with SIMD (flash/rows-inl.h) and agree with these bit for bit.
+// The dtypes: one table of what each DType is, then the scalar conversions of the storage
+// types. Tensors are stored as float64, float32, bfloat16 or float16; the kernels compute
+// (accumulate scores, sums, outputs, gradients) in float64 for float64 storage and in float32
+// for everything else. Inputs are widened exactly; results are rounded once, to nearest even,
+// when stored. These are the scalar conversions every slow path uses (validation, the
+// references, fallbacks, writing results); the kernels widen whole rows with SIMD
+// (flash/rows-inl.h) and agree with these bit for bit.
+//
+// Adding a storage dtype: its DType (include/sdpa/attention.h), its row in kDTypeTable, its
+// widening and rounding below (load_as, store_as; write_row's row loop in problem.h), the
+// kernels' row reader (flash/rows-inl.h's WidenRow, Widened, WithStorage) and the tests. Names,
+// sizes, compute types, validation's lists of dtypes and the .npy descriptor follow the row.
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 
 #include "sdpa/attention.h"
 
 namespace sdpa::internal {
 
-// The compute type of a floating-point storage dtype: float64 for float64, float32 otherwise.
-inline DType compute_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+// What one DType is (as ggml's type traits): the table below has one row per DType, in the
+// enum's order.
+struct DTypeTraits {
+  DType dtype;
+  const char* name;       // dtype_name(): how errors, the CLI and Python spell it
+  int64_t bytes;          // per element (dtype_size())
+  bool storage;           // a floating-point storage type of q, k, v, out and float masks
+  DType compute;          // for a storage type, what the kernels compute in; else the dtype itself
+  const char* npy_descr;  // the .npy header's descr (numpy.save's dtype.str), read and written by cli/npy.cc
+};
+
+inline constexpr DTypeTraits kDTypeTable[] = {
+    {DType::kBool, "bool", 1, false, DType::kBool, "|b1"},
+    {DType::kFloat32, "float32", 4, true, DType::kFloat32, "<f4"},
+    {DType::kFloat64, "float64", 8, true, DType::kFloat64, "<f8"},
+    // NumPy has no bfloat16: numpy.save writes an ml_dtypes.bfloat16 array's dtype.str, '<V2' (a
+    // 2-byte void with a byte order, which no NumPy type has: its own is '|V2'); bfloat16 is
+    // ml_dtypes' only 2-byte type (its float8, float6, float4 and int4 are '<V1').
+    {DType::kBFloat16, "bfloat16", 2, true, DType::kFloat32, "<V2"},
+    {DType::kFloat16, "float16", 2, true, DType::kFloat32, "<f2"},
+    {DType::kInt32, "int32", 4, false, DType::kInt32, "<i4"},
+    {DType::kInt64, "int64", 8, false, DType::kInt64, "<i8"},
+};
+constexpr bool table_in_enum_order() {
+  for (size_t i = 0; i < std::size(kDTypeTable); ++i)
+    if (static_cast<size_t>(kDTypeTable[i].dtype) != i) return false;
+  return true;
+}
+static_assert(table_in_enum_order(), "kDTypeTable has one row per DType, in the enum's order");
+
+// DType t's row. A value outside the enum (which no check lets through) reads as kUnknownDType:
+// named unknown, 0 bytes, no storage type.
+inline constexpr DTypeTraits kUnknownDType{DType::kBool, "unknown", 0, false, DType::kBool, ""};
+constexpr const DTypeTraits& dtype_traits(DType t) {
+  const auto i = static_cast<size_t>(t);
+  return i < std::size(kDTypeTable) ? kDTypeTable[i] : kUnknownDType;
+}
 
 // Bytes per element (inline: the slow paths ask it per element).
-inline int64_t storage_bytes(DType t) {
-  return t == DType::kFloat64 || t == DType::kInt64 ? 8 : t == DType::kFloat32 || t == DType::kInt32 ? 4
-         : t == DType::kBool                          ? 1
-                                                      : 2;
-}
-
-inline bool is_float_dtype(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kBFloat16 || t == DType::kFloat16;
-}
+inline int64_t storage_bytes(DType t) { return dtype_traits(t).bytes; }
+inline bool is_float_dtype(DType t) { return dtype_traits(t).storage; }
+// The compute type of a floating-point storage dtype: float64 for float64, float32 otherwise.
+inline DType compute_dtype(DType storage) { return dtype_traits(storage).compute; }
 
 // The dtype of a compute type.
 template <typename T>

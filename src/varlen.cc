@@ -7,6 +7,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checks.h"
 #include "kernel_path.h"
 #include "packed.h"
 #include "problem.h"
@@ -19,11 +20,9 @@ namespace internal {
 // packed rows of `of`). Read once, into int64.
 std::vector<int64_t> read_offsets(const char* name, const TensorView& t, int64_t total, const char* of) {
   if (t.rank != 1) fail(std::string(name) + " has rank " + std::to_string(t.rank) + " but must have rank 1: (B + 1,)");
-  if (t.dtype != DType::kInt32 && t.dtype != DType::kInt64) {
-    fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be int32 or int64");
-  }
+  check_index_dtype(name, t);
   if (t.shape[0] < 1) fail(std::string(name) + " has shape " + t.shape_string() + " but must hold B + 1 >= 1 offsets");
-  if (t.data == nullptr) fail(std::string(name) + " has no data but shape " + t.shape_string());
+  check_has_data(name, t);
   std::vector<int64_t> cu(static_cast<size_t>(t.shape[0]));
   for (int64_t b = 0; b < t.shape[0]; ++b) {
     cu[b] = index_at(t, b);
@@ -41,8 +40,10 @@ std::vector<int64_t> read_offsets(const char* name, const TensorView& t, int64_t
   return cu;
 }
 
-void check_rank3(const char* name, const TensorView& t, const char* shape) {
-  if (t.rank != 3) fail(std::string(name) + " has shape " + t.shape_string() + " but must be " + shape);
+int64_t longest_sequence(const std::vector<int64_t>& cu) {
+  int64_t longest = 0;
+  for (size_t b = 1; b < cu.size(); ++b) longest = std::max(longest, cu[b] - cu[b - 1]);
+  return longest;
 }
 
 bool holds_elements(const TensorView& t) {
@@ -60,7 +61,7 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
   v.strides[1] = t.strides[0];
   // A view without elements keeps t's pointer: it is never read, and its data may be null and
   // its strides anything (the header allows both), so no arithmetic on them (F12).
-  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * dtype_size(t.dtype);
+  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[0] * storage_bytes(t.dtype);
   return v;
 }
 
@@ -68,7 +69,7 @@ TensorView rows_of(const TensorView& t, int64_t r0, int64_t r1) {
 TensorView cols_of(const TensorView& t, int64_t r0, int64_t r1) {
   TensorView v = t;
   v.shape[1] = r1 - r0;
-  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * dtype_size(t.dtype);
+  if (holds_elements(v)) v.data = static_cast<char*>(t.data) + r0 * t.strides[1] * storage_bytes(t.dtype);
   return v;
 }
 
@@ -96,7 +97,7 @@ Options sequence_options(const Options& options, int64_t b, int64_t nq, int64_t 
   // Row b of a (B, ...) view whose first dim is B (not a broadcast 1), without its first dim.
   const auto row = [b](TensorView t) {
     if (t.shape[0] != 1 && t.data != nullptr && t.numel() > 0) {
-      t.data = static_cast<char*>(t.data) + b * t.strides[0] * dtype_size(t.dtype);
+      t.data = static_cast<char*>(t.data) + b * t.strides[0] * storage_bytes(t.dtype);
     }
     for (int d = 1; d < t.rank; ++d) t.shape[d - 1] = t.shape[d], t.strides[d - 1] = t.strides[d];
     --t.rank;
@@ -129,12 +130,7 @@ struct Packed {
   // The options checked against all sequences, for the check of all rows as one sequence
   // (packed_options), and sequence b's own.
   Options options(const Options& o, const VarlenInputs& in) const {
-    int64_t max_q = 0, max_k = 0;
-    for (int64_t b = 0; b < sequences(); ++b) {
-      max_q = std::max(max_q, cu_q[b + 1] - cu_q[b]);
-      max_k = std::max(max_k, cu_k[b + 1] - cu_k[b]);
-    }
-    return packed_options(o, sequences(), in.q.shape[1], max_q, max_k);
+    return packed_options(o, sequences(), in.q.shape[1], longest_sequence(cu_q), longest_sequence(cu_k));
   }
   Options options(const Options& o, int64_t b) const {
     return sequence_options(o, b, cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]);
@@ -150,11 +146,11 @@ struct Packed {
 };
 
 Packed read_packed(const VarlenInputs& in, const TensorView& out, const std::optional<TensorView>& lse) {
-  check_rank3("q", in.q, "(total_q, Hq, Dk)");
-  check_rank3("k", in.k, "(total_k, Hkv, Dk)");
-  check_rank3("v", in.v, "(total_k, Hkv, Dv)");
-  check_rank3("out", out, "(total_q, Hq, Dv)");
-  if (lse && lse->rank != 2) fail("lse has shape " + lse->shape_string() + " but must be (Hq, total_q)");
+  check_rank("q", in.q, 3, "(total_q, Hq, Dk)");
+  check_rank("k", in.k, 3, "(total_k, Hkv, Dk)");
+  check_rank("v", in.v, 3, "(total_k, Hkv, Dv)");
+  check_rank("out", out, 3, "(total_q, Hq, Dv)");
+  if (lse) check_rank("lse", *lse, 2, "(Hq, total_q)");
   Packed p{read_offsets("cu_seqlens_q", in.cu_seqlens_q, in.q.shape[0], "q"),
            read_offsets("cu_seqlens_k", in.cu_seqlens_k, in.k.shape[0], "k")};
   if (p.cu_q.size() != p.cu_k.size()) {
@@ -167,10 +163,7 @@ Packed read_packed(const VarlenInputs& in, const TensorView& out, const std::opt
     fail("out has shape " + out.shape_string() + " but must be (total_q, Hq, Dv) = (" + std::to_string(in.q.shape[0]) +
          ", " + std::to_string(in.q.shape[1]) + ", " + std::to_string(in.v.shape[2]) + ")");
   }
-  if (lse && (lse->shape[0] != in.q.shape[1] || lse->shape[1] != in.q.shape[0])) {
-    fail("lse has shape " + lse->shape_string() + " but must be (Hq, total_q) = (" + std::to_string(in.q.shape[1]) +
-         ", " + std::to_string(in.q.shape[0]) + ")");
-  }
+  if (lse) check_packed_lse(*lse, in.q);
   return p;
 }
 
@@ -235,10 +228,10 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
                                const TensorView& dout, const Gradients& grads, const Options& options) {
   internal::note_kernel_path(KernelPath::kSimd);
   const internal::Packed pk = internal::read_packed(inputs, out, lse);
-  internal::check_rank3("dout", dout, "(total_q, Hq, Dv)");
-  internal::check_rank3("dq", grads.dq, "(total_q, Hq, Dk)");
-  internal::check_rank3("dk", grads.dk, "(total_k, Hkv, Dk)");
-  internal::check_rank3("dv", grads.dv, "(total_k, Hkv, Dv)");
+  internal::check_rank("dout", dout, 3, "(total_q, Hq, Dv)");
+  internal::check_rank("dq", grads.dq, 3, "(total_q, Hq, Dk)");
+  internal::check_rank("dk", grads.dk, 3, "(total_k, Hkv, Dk)");
+  internal::check_rank("dv", grads.dv, 3, "(total_k, Hkv, Dv)");
   for (const auto& [name, t, like] : {std::tuple{"dout", &dout, &out}, std::tuple{"dq", &grads.dq, &inputs.q},
                                       std::tuple{"dk", &grads.dk, &inputs.k}, std::tuple{"dv", &grads.dv, &inputs.v}}) {
     if (t->shape[0] != like->shape[0]) {
@@ -280,8 +273,8 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
     for (int64_t h = 0; h < Hq; ++h) {
       double sum = 0;
       for (int64_t b = 0; b < pk.sequences(); ++b) sum += seq_dsinks[static_cast<size_t>(b * Hq + h)];
-      internal::store_as(grads.dsinks->dtype, static_cast<char*>(grads.dsinks->data) +
-                                        h * grads.dsinks->strides[0] * dtype_size(grads.dsinks->dtype), sum);
+      const TensorView& d = *grads.dsinks;
+      internal::store_as(d.dtype, static_cast<char*>(d.data) + h * d.strides[0] * internal::storage_bytes(d.dtype), sum);
     }
   }
   if (grads.dalibi_slopes) {
@@ -294,7 +287,7 @@ void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out
           sum += seq_dalibi[static_cast<size_t>(b * Hq + h)];
         }
         const int64_t at = (d.rank == 2 ? r * d.strides[0] : 0) + h * d.strides[d.rank - 1];
-        internal::store_as(d.dtype, static_cast<char*>(d.data) + at * dtype_size(d.dtype), sum);
+        internal::store_as(d.dtype, static_cast<char*>(d.data) + at * internal::storage_bytes(d.dtype), sum);
       }
   }
 }

@@ -542,7 +542,8 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadConfig& config, DType dtyp
   for (int p = 0; p < 8; ++p) {
     const int64_t n = shapes[p][0] * shapes[p][1];
     if (p >= 4 && !c.bias) continue;
-    params_[p].assign(static_cast<size_t>(n * dtype_size(dtype)), std::byte{0});
+    const int64_t bytes = internal::storage_bytes(dtype);
+    params_[p].assign(static_cast<size_t>(n * bytes), std::byte{0});
     if (p >= 4) continue;  // biases start at 0
     // Xavier-uniform on the input projections, ±1/sqrt(fan_in) on W_O (torch's out_proj, a
     // Linear). torch draws W_Q, W_K, W_V as one (3E × E) in_proj_weight when they are all E × E
@@ -553,7 +554,7 @@ MultiHeadAttention::MultiHeadAttention(const MultiHeadConfig& config, DType dtyp
     const double fan_out = packed && p < 3 ? 3.0 * static_cast<double>(c.d_model) : static_cast<double>(shapes[p][1]);
     const double bound = p < 3 ? std::sqrt(6.0 / (fan_in + fan_out)) : 1.0 / std::sqrt(fan_in);
     std::uniform_real_distribution<double> u(-bound, bound);
-    for (int64_t i = 0; i < n; ++i) internal::store_as<double>(dtype, params_[p].data() + i * dtype_size(dtype), u(rng));
+    for (int64_t i = 0; i < n; ++i) internal::store_as<double>(dtype, params_[p].data() + i * bytes, u(rng));
   }
 }
 
