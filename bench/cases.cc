@@ -1,11 +1,12 @@
 #include "cases.h"
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cmath>
 #include <limits>
 #include <random>
+
+#include "storage.h"  // src/: the dtype table, and rounding as the library rounds its outputs
 
 namespace sdpa::bench {
 
@@ -33,46 +34,11 @@ std::optional<DType> dtype_of_tag(const std::string& tag) {
 
 namespace {
 
-DType compute_dtype(DType dtype) { return dtype == DType::kFloat64 ? dtype : DType::kFloat32; }
-
-// float32 to float16 or bfloat16 bits, rounded to nearest even (as the library rounds its outputs).
-uint16_t to_float16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
-  const uint32_t magnitude = x & 0x7fffffff;
-  if (magnitude > 0x7f800000) return sign | 0x7e00;   // NaN
-  if (magnitude >= 0x477ff000) return sign | 0x7c00;  // 65520 and above round to inf
-  if (magnitude < 0x38800000) {                       // below 2^-14: subnormal, m · 2^-24
-    const float scaled = std::bit_cast<float>(magnitude) * 16777216.0f;  // exact: < 1024
-    return sign | static_cast<uint16_t>(std::nearbyint(scaled));          // to even (the default mode)
-  }
-  uint32_t h = (((magnitude >> 23) - 112) << 10) | ((magnitude >> 13) & 0x3ff);
-  const uint32_t rest = magnitude & 0x1fff;
-  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;  // a carry into the exponent is right
-  return sign | static_cast<uint16_t>(h);
-}
-
-uint16_t to_bfloat16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  if ((x & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN stays NaN
-  return static_cast<uint16_t>((x + 0x7fff + ((x >> 16) & 1)) >> 16);
-}
+using internal::compute_dtype;
 
 // Stores `value` as element i of a buffer of `dtype`, rounded to nearest even.
 void store(DType dtype, std::vector<char>& buf, size_t i, double value) {
-  switch (dtype) {
-    case DType::kFloat64: reinterpret_cast<double*>(buf.data())[i] = value; return;
-    case DType::kFloat32: reinterpret_cast<float*>(buf.data())[i] = static_cast<float>(value); return;
-    case DType::kFloat16:
-      reinterpret_cast<uint16_t*>(buf.data())[i] = to_float16(static_cast<float>(value));
-      return;
-    case DType::kBFloat16:
-      reinterpret_cast<uint16_t*>(buf.data())[i] = to_bfloat16(static_cast<float>(value));
-      return;
-    case DType::kBool:
-    case DType::kInt32:
-    case DType::kInt64: break;
-  }
+  internal::store_as(dtype, buf.data() + i * static_cast<size_t>(internal::storage_bytes(dtype)), value);
 }
 
 // The (i, j) pairs that causal and the window allow: the header's rules, summed row by row.

@@ -11,6 +11,7 @@
 
 #include "npy.h"
 #include "sdpa/attention.h"
+#include "storage.h"
 
 namespace CLI {
 class App;
@@ -46,11 +47,7 @@ struct Input {
 
   std::string label() const { return name + " (" + path + ")"; }
   const std::vector<int64_t>& shape() const { return array.shape; }
-  bool is_float() const {
-    const sdpa::DType t = array.dtype;
-    return t == sdpa::DType::kFloat32 || t == sdpa::DType::kFloat64 || t == sdpa::DType::kFloat16 ||
-           t == sdpa::DType::kBFloat16;
-  }
+  bool is_float() const { return sdpa::internal::is_float_dtype(array.dtype); }
 };
 
 // and the call read and checked (sdpa::validate), with the arrays its views point into.

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "storage.h"  // src/: the dtype table
+
 namespace sdpa_inspect {
 namespace {
 
@@ -140,7 +142,6 @@ std::pair<sdpa::Inputs, sdpa::Options> head_call(const Request& r, const Dims& d
   return {head, o};
 }
 
-DType compute_of(DType q) { return q == DType::kFloat64 ? q : DType::kFloat32; }
 
 // The Stats views of rows `rows` (lse's shape) and top k.
 struct StatBuffers {
@@ -197,7 +198,7 @@ int64_t run_first(int64_t c, int64_t cells, int64_t n) {
 
 HeadSummary summarize_head(const Request& r, const Dims& d, int64_t b, int64_t h) {
   const auto [in, o] = head_call(r, d, b, h);
-  const DType ct = compute_of(in.q.dtype);
+  const DType ct = sdpa::internal::compute_dtype(in.q.dtype);
   HeadSummary s;
   s.b = b;
   s.h = h;

@@ -24,6 +24,7 @@
 #include "front_options.h"
 #include "npy.h"
 #include "sdpa/attention.h"
+#include "storage.h"
 
 namespace sdpa_cli {
 namespace {
@@ -108,10 +109,10 @@ std::string index_string(const std::vector<int64_t>& shape, int64_t flat) {
   return shape_string(index);
 }
 
-bool is_16_bit(sdpa::DType dtype) { return dtype == sdpa::DType::kFloat16 || dtype == sdpa::DType::kBFloat16; }
+bool is_16_bit(sdpa::DType dtype) { return sdpa::internal::is_float_dtype(dtype) && sdpa::internal::storage_bytes(dtype) == 2; }
 
 // The type the library computes in for queries of this dtype, and so the dtype of weights and lse.
-sdpa::DType compute_dtype(sdpa::DType q) { return q == sdpa::DType::kFloat64 ? q : sdpa::DType::kFloat32; }
+using sdpa::internal::compute_dtype;
 
 // A float64 mask beside float32 compute is narrowed to float32, where a finite bias beyond
 // float32's range would become ±inf: +inf, which the library would then report as if it were
@@ -133,16 +134,7 @@ void check_mask_narrowing(const Input& mask, sdpa::DType to, const std::string& 
 // Element i of a float array, widened (exactly) to T.
 template <class T>
 T float_at(const NpyArray& a, int64_t i) {
-  switch (a.dtype) {
-    case sdpa::DType::kFloat32: return static_cast<T>(a.values<float>()[i]);
-    case sdpa::DType::kFloat64: return static_cast<T>(a.values<double>()[i]);
-    case sdpa::DType::kFloat16: return static_cast<T>(float16_to_float(a.values<uint16_t>()[i]));
-    case sdpa::DType::kBFloat16: return static_cast<T>(bfloat16_to_float(a.values<uint16_t>()[i]));
-    case sdpa::DType::kBool:
-    case sdpa::DType::kInt32:
-    case sdpa::DType::kInt64: break;
-  }
-  throw std::logic_error("float_at: not a float array");
+  return sdpa::internal::load_as<T>(a.dtype, a.values<std::byte>() + i * sdpa::internal::storage_bytes(a.dtype));
 }
 
 // A float array is converted to `to`, float32 or float64: float32 inputs beside a float64 one

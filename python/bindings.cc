@@ -351,7 +351,7 @@ NB_MODULE(_core, m) {
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
-              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, sdpa::front::parse_name("dtype", sdpa::front::kFloatDTypeNames, dtype)); },
+              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, sdpa::front::parse_storage_dtype("dtype", dtype)); },
            nb::arg("num_pages"), nb::arg("page_size"), nb::arg("num_kv_heads"), nb::arg("head_dim_k"),
            nb::arg("head_dim_v"), nb::arg("dtype"))
       .def("new_sequence", &sdpa::KVCache::new_sequence)

@@ -15,10 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "sdpa/attention.h"
+#include "storage.h"
 
 namespace sdpa::front {
 
@@ -38,22 +41,29 @@ inline constexpr Name<ScoresStage> kScoresStageNames[] = {{"scaled", ScoresStage
                                                           {"softcapped", ScoresStage::kSoftcapped},
                                                           {"biased", ScoresStage::kBiased},
                                                           {"final", ScoresStage::kFinal}};
-// The storage dtypes a KV cache's pool takes (KVCache's constructor).
-inline constexpr Name<DType> kFloatDTypeNames[] = {{"float32", DType::kFloat32},
-                                                   {"float64", DType::kFloat64},
-                                                   {"float16", DType::kFloat16},
-                                                   {"bfloat16", DType::kBFloat16}};
-
 // The value that `names` spells `text`, else Error "<arg> must be 'a', 'b' or 'c'<also>, got
 // '<text>'" (`also`: what a front door accepts besides, as " (or true, false)").
-template <class E, size_t n>
-E parse_name(std::string_view arg, const Name<E> (&names)[n], std::string_view text, std::string_view also = {}) {
+template <class E>
+E parse_name(std::string_view arg, std::span<const Name<E>> names, std::string_view text, std::string_view also = {}) {
   std::string expected;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < names.size(); ++i) {
     if (names[i].name == text) return names[i].value;
-    expected += (i == 0 ? "'" : i + 1 == n ? " or '" : ", '") + std::string(names[i].name) + "'";
+    expected += (i == 0 ? "'" : i + 1 == names.size() ? " or '" : ", '") + std::string(names[i].name) + "'";
   }
   throw Error(std::string(arg) + " must be " + expected + std::string(also) + ", got '" + std::string(text) + "'");
+}
+template <class E, size_t n>
+E parse_name(std::string_view arg, const Name<E> (&names)[n], std::string_view text, std::string_view also = {}) {
+  return parse_name<E>(arg, std::span<const Name<E>>(names), text, also);
+}
+
+// The storage dtype named `text`, by the dtype table's names (storage.h: 'float32', 'float64',
+// 'bfloat16' or 'float16'): a KV cache's pool dtype.
+inline DType parse_storage_dtype(std::string_view arg, std::string_view text) {
+  std::vector<Name<DType>> names;
+  for (const internal::DTypeTraits& row : internal::kDTypeTable)
+    if (row.storage) names.push_back({row.name, row.dtype});
+  return parse_name<DType>(arg, names, text);
 }
 
 // The name of `value` in `names` ("?" for one it lacks); a literal's, so data() ends in '\0'.
