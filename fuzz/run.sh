@@ -6,7 +6,7 @@
 #
 # Environment: BUILD_DIR (default build-fuzz), SCRATCH (default /tmp/sdpa-fuzz: new corpus
 # entries, crash files and logs; the committed seeds in fuzz/corpus/ are only read),
-# SDPA_FUZZ_STRICT=1 (every check fatal, KNOWN ones too; see attention_fuzz.cc), FUZZ_SEED (libFuzzer's
+# SDPA_FUZZ_STRICT=1 (every check fatal, KNOWN ones too; see attention/main.cc), FUZZ_SEED (libFuzzer's
 # -seed; 0, the default, picks one at random; CI sets 1 so that its inputs are the same each
 # run, in the same order: run `FUZZ_SEED=1 SCRATCH=$(mktemp -d) fuzz/run.sh 360` to cover them).
 # Exits non-zero when a target crashes, hangs, leaks or fails a check; the reproducer is then

@@ -21,14 +21,12 @@ void PrintTo(Backend b, std::ostream* os) { *os << sdpa_test::backend_name(b); }
 namespace sdpa_test {
 namespace {
 
-// Guard patterns: quiet NaNs with a recognisable payload, so a guard read into arithmetic
-// poisons the result; 0xA5 for bool; int32 and int64 take the float patterns of their size
-// (they took the 1-byte pattern and read 3 or 7 bytes past it: an ASan global-buffer-overflow).
-constexpr uint32_t kSentinel32 = 0x7fc5a5a5u;
-constexpr uint64_t kSentinel64 = 0x7ff8a5a5a5a5a5a5ull;
-constexpr uint8_t kSentinel8 = 0xa5;
-constexpr uint16_t kSentinelBF16 = 0x7fa5;  // exponent all ones, mantissa non-zero: NaN
-constexpr uint16_t kSentinelF16 = 0x7ea5;
+// Guard patterns: the oracle's (tests/oracle/oracle.h), shared with the fuzzers.
+using sdpa_oracle::kSentinel32;
+using sdpa_oracle::kSentinel64;
+using sdpa_oracle::kSentinel8;
+using sdpa_oracle::kSentinelBF16;
+using sdpa_oracle::kSentinelF16;
 
 const void* sentinel(DType dtype) {
   switch (dtype) {
@@ -41,50 +39,6 @@ const void* sentinel(DType dtype) {
     case DType::kBool: break;
   }
   return &kSentinel8;
-}
-
-// The 16-bit formats, written here from their definitions (not from src/): `digits`
-// significant bits, smallest normal exponent `emin` (x = m · 2^e with 1 <= m < 2), largest
-// finite value `max`.
-struct HalfFormat {
-  int digits, emin;
-  double max;
-};
-constexpr HalfFormat kBF16Format{8, -126, 0x1.fep127};
-constexpr HalfFormat kF16Format{11, -14, 65504.0};
-
-// x rounded to the format, to nearest with ties to even (std::nearbyint's default mode).
-double round_half(const HalfFormat& f, double x) {
-  if (std::isnan(x) || std::isinf(x) || x == 0) return x;
-  int e;
-  std::frexp(x, &e);  // |x| = m · 2^e, 0.5 <= m < 1: the leading bit is worth 2^(e - 1)
-  const int spacing = std::max(e - f.digits, f.emin - f.digits + 1);  // log2 of the unit in the last place
-  const double r = std::ldexp(std::nearbyint(std::ldexp(x, -spacing)), spacing);
-  return std::abs(r) > f.max ? std::copysign(kInf, x) : r;
-}
-
-// The bits of a value the format holds exactly (NaN: a quiet NaN).
-uint16_t half_bits(const HalfFormat& f, double x) {
-  const int exp_bits = f.digits == 8 ? 8 : 5, mant_bits = f.digits - 1, bias = (1 << (exp_bits - 1)) - 1;
-  const uint16_t sign = std::signbit(x) ? 0x8000 : 0, all_ones = static_cast<uint16_t>(((1 << exp_bits) - 1) << mant_bits);
-  if (std::isnan(x)) return static_cast<uint16_t>(all_ones | (1 << (mant_bits - 1)));
-  if (std::isinf(x)) return sign | all_ones;
-  const double a = std::abs(x);
-  if (a < std::ldexp(1.0, f.emin)) return sign | static_cast<uint16_t>(std::ldexp(a, -(f.emin - mant_bits)));  // subnormal
-  int e;
-  const double m = std::frexp(a, &e);  // a = (2m) · 2^(e - 1)
-  const uint16_t mant = static_cast<uint16_t>(std::ldexp(2 * m - 1, mant_bits));
-  return sign | static_cast<uint16_t>((e - 1 + bias) << mant_bits) | mant;
-}
-
-double half_value(const HalfFormat& f, uint16_t bits) {
-  const int exp_bits = f.digits == 8 ? 8 : 5, mant_bits = f.digits - 1, bias = (1 << (exp_bits - 1)) - 1;
-  const double sign = bits & 0x8000 ? -1.0 : 1.0;
-  const int exp = (bits >> mant_bits) & ((1 << exp_bits) - 1);
-  const int mant = bits & ((1 << mant_bits) - 1);
-  if (exp == (1 << exp_bits) - 1) return mant ? std::numeric_limits<double>::quiet_NaN() : sign * kInf;
-  if (exp == 0) return sign * std::ldexp(mant, f.emin - mant_bits);
-  return sign * std::ldexp(1.0 + std::ldexp(mant, -mant_bits), exp - bias);
 }
 
 uint64_t fnv1a(const std::string& s) {
@@ -100,24 +54,6 @@ const char* backend_name(sdpa::Backend b) {
          : b == sdpa::Backend::kFlash ? "Flash"
          : b == sdpa::Backend::kNaive ? "Naive"
                                       : "Reference";
-}
-
-double eps(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat64: return DBL_EPSILON;
-    case DType::kBFloat16: return 0x1p-7;
-    case DType::kFloat16: return 0x1p-10;
-    default: return FLT_EPSILON;
-  }
-}
-
-double round_to(DType dtype, double x) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<float>(x);
-    case DType::kBFloat16: return round_half(kBF16Format, x);
-    case DType::kFloat16: return round_half(kF16Format, x);
-    default: return x;
-  }
 }
 
 Dims dims_of(const Tensors& t) {
@@ -138,7 +74,7 @@ Dims dims_of(const Tensors& t) {
 double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j) {
   if (!t.mask) return 0.0;
   const double m = t.mask->at(b, h, i, j);
-  return t.mask->dtype() == DType::kBool ? (m != 0 ? 0.0 : -kInf) : m;
+  return sdpa_oracle::mask_bias(t.mask->dtype(), m);
 }
 
 double max_abs_finite(const std::vector<double>& xs) {
@@ -258,7 +194,7 @@ double GuardedTensor::get(int64_t flat) const {
     case DType::kFloat16: {
       uint16_t bits;
       std::memcpy(&bits, p, sizeof bits);
-      return half_value(dtype_ == DType::kBFloat16 ? kBF16Format : kF16Format, bits);
+      return sdpa_oracle::half_value(sdpa_oracle::half_format(dtype_), bits);
     }
     case DType::kBool:
     case DType::kInt32:
@@ -278,8 +214,8 @@ void GuardedTensor::set(int64_t flat, double value) {
     case DType::kFloat64: std::memcpy(p, &value, sizeof value); return;
     case DType::kBFloat16:
     case DType::kFloat16: {
-      const HalfFormat& f = dtype_ == DType::kBFloat16 ? kBF16Format : kF16Format;
-      const uint16_t bits = half_bits(f, round_half(f, value));
+      const sdpa_oracle::HalfFormat& f = sdpa_oracle::half_format(dtype_);
+      const uint16_t bits = sdpa_oracle::half_bits(f, sdpa_oracle::round_half(f, value));
       std::memcpy(p, &bits, sizeof bits);
       return;
     }
@@ -443,19 +379,10 @@ Values values(const Outs& outs) {
 
 // ---- The oracle ----
 
-bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j) {
-  const int64_t aligned = i + (Nk - Nq);  // the header aligns causal and window bottom-right
-  if (options.causal == sdpa::Causal::kBottomRight && j > aligned) return false;
-  if (options.causal == sdpa::Causal::kTopLeft && j > i) return false;
-  if (options.window.left >= 0 && aligned - j > options.window.left) return false;
-  if (options.window.right >= 0 && j - aligned > options.window.right) return false;
-  return true;
-}
-
 bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t i, int64_t j) {
   const Dims d = dims_of(t);
   const int64_t keys = t.seqlens_k.empty() ? d.Nk : t.seqlens_k[static_cast<size_t>(b)];
-  return j < keys && key_allowed(options, d.Nq, keys, i, j);
+  return j < keys && sdpa_oracle::key_allowed(options, d.Nq, keys, i, j);
 }
 
 double view_value(const sdpa::TensorView& v, int64_t row, int64_t col) {
@@ -468,7 +395,7 @@ double alibi_bias(const Tensors& t, const sdpa::Options& options, int64_t b, int
   if (!options.alibi_slopes) return 0.0;
   const Dims d = dims_of(t);
   const int64_t keys = t.seqlens_k.empty() ? d.Nk : t.seqlens_k[static_cast<size_t>(b)];
-  return -view_value(*options.alibi_slopes, b, h) * static_cast<double>(std::llabs(i + keys - d.Nq - j));
+  return sdpa_oracle::alibi_bias(view_value(*options.alibi_slopes, b, h), d.Nq, keys, i, j);
 }
 
 double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j,
@@ -488,11 +415,11 @@ double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b
   const Dims d = dims_of(t);
   const double bias = mask_bias(t, b, h, i, j);
   if (!key_allowed(t, options, b, i, j) || !std::isfinite(bias)) return 0.0;
-  const double scale = options.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
+  const double scale = sdpa_oracle::scale_of(options, d.Dk);
   double sum = 0;
   for (int64_t x = 0; x < d.Dk; ++x) sum += std::abs(t.q.at(b, h, i, x) * t.k.at(b, h / d.group, j, x));
   // ALiBi's bias is a term of the score too (its distance exact, its product rounded once).
-  return std::abs(scale) * sum + std::abs(bias) + std::abs(alibi_bias(t, options, b, h, i, j));
+  return sdpa_oracle::score_magnitude(scale, sum, bias, alibi_bias(t, options, b, h, i, j));
 }
 
 double max_score_magnitude(const Tensors& t, const sdpa::Options& options) {
@@ -510,7 +437,7 @@ double max_score_magnitude(const Tensors& t, const sdpa::Options& options) {
 
 Values oracle(const Tensors& t, const sdpa::Options& options) {
   const Dims d = dims_of(t);
-  const double scale = options.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0);
+  const double scale = sdpa_oracle::scale_of(options, d.Dk);
   Values r;
   r.out.reserve(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Dv));
   r.weights.reserve(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Nk));

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "oracle.h"
 #include "sdpa/attention.h"
 
 namespace sdpa {
@@ -129,19 +130,16 @@ struct Values {
 };
 Values values(const Outs& outs);
 
-// Whether causal and window let query i see key j: the header's rules written out again,
-// independently of src/.
-bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
+// The oracle's rules (tests/oracle/oracle.h, shared with the fuzzers): whether causal and window
+// let query i see key j, the dtypes' eps and rounding, the compute type.
+using sdpa_oracle::compute_dtype;
+using sdpa_oracle::eps;
+using sdpa_oracle::key_allowed;
+using sdpa_oracle::round_to;
 // The same for batch b of t: Nk is that sequence's own length when t has seqlens_k (the header:
 // keys past it do not exist, and causal and window align to it).
 bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t i, int64_t j);
 
-// The dtype of weights and lse for q of this dtype: float64 for float64, float32 otherwise.
-inline DType compute_dtype(DType q) { return q == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
-double eps(DType dtype);  // the unit roundoff's double: FLT_EPSILON, DBL_EPSILON, 2^-7 (bf16), 2^-10 (f16)
-// x rounded to nearest even in dtype (float32, bfloat16, float16; float64: x), as a double.
-// The 16-bit formats are written in test_util.cc from their definitions, independently of src/.
-double round_to(DType dtype, double x);
 
 const char* backend_name(sdpa::Backend b);  // "Auto", "Flash", "Naive", "Reference"
 

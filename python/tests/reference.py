@@ -30,7 +30,8 @@ def _to4(a):
 
 
 def _structural_allowed(nq, nk, causal, window):
-    """(Nq, Nk) bool: which keys each query may see under the causal rule and the window."""
+    """(Nq, Nk) bool: which keys each query may see under the causal rule and the window (the C++
+    tests and fuzzers state the same rule once: tests/oracle/oracle.cc, key_range)."""
     i = np.arange(nq)[:, None]
     j = np.arange(nk)[None, :]
     allowed = np.ones((nq, nk), dtype=bool)
