@@ -77,11 +77,24 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }  // namespace
 
 double measure_fma_peak_gflops(int threads) {
-  double best = 0;
-  for (int rep = 0; rep < 5; ++rep) {  // best of 5: the peak is what the machine can reach
+  // Rounds per run: doubled from 2^16 until a run takes 0.1 s (2^24 rounds, as the fixed
+  // 2·10^7 before, on a 2-thread AVX-512 VM, where 20 ms runs read ~10 % lower). In a sanitizer
+  // build each round's accumulators go through checked stack slots, 140x slower (0.8 GFLOP/s):
+  // the fixed rounds made this probe most of a `sdpa bench` test's 52 s (CI's ASan stage).
+  int64_t iters = int64_t{1} << 16;
+  double flops = 0, seconds = 0;
+  for (;;) {
     const auto t0 = std::chrono::steady_clock::now();
-    const double flops = HWY_DYNAMIC_DISPATCH(FmaFlops)(threads, 20'000'000);
-    best = std::max(best, flops / seconds_since(t0) / 1e9);
+    flops = HWY_DYNAMIC_DISPATCH(FmaFlops)(threads, iters);
+    seconds = seconds_since(t0);
+    if (seconds >= 0.1 || iters >= (int64_t{1} << 30)) break;
+    iters *= 2;
+  }
+  double best = flops / seconds / 1e9;
+  for (int rep = 1; rep < 5; ++rep) {  // best of 5: the peak is what the machine can reach
+    const auto t0 = std::chrono::steady_clock::now();
+    const double f = HWY_DYNAMIC_DISPATCH(FmaFlops)(threads, iters);
+    best = std::max(best, f / seconds_since(t0) / 1e9);
   }
   return best;
 }
@@ -91,12 +104,8 @@ double measure_read_bandwidth_gbs(int threads, size_t bytes) {
   auto data = hwy::AllocateAligned<float>(n);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) data[i] = 1.0f;  // first touch by the readers
-  // Best of 7, like STREAM (on a shared VM runs vary ×2), but of 2 once the passes have taken
-  // a second: a pass is ~30 ms in a Release build, but ~6 s in a sanitizer build, where the
-  // seven passes were most of each `sdpa bench` test's 50 s (CI's AddressSanitizer stage).
-  const auto start = std::chrono::steady_clock::now();
   double best = 0;
-  for (int rep = 0; rep < 7 && (rep < 2 || seconds_since(start) < 1.0); ++rep) {
+  for (int rep = 0; rep < 7; ++rep) {  // best of 7, like STREAM: on a shared VM runs vary ×2
     const auto t0 = std::chrono::steady_clock::now();
     volatile double sum = HWY_DYNAMIC_DISPATCH(ReadAll)(data.get(), n, threads);
     (void)sum;

@@ -11,8 +11,7 @@ namespace sdpa::bench {
 double measure_fma_peak_gflops(int threads);
 
 // Read bandwidth streaming `bytes` (far larger than the caches) on `threads` threads, GB/s:
-// the best of 7 passes (of 2 when the passes take over a second, as in a sanitizer build), what
-// the machine can reach (as the FMA peak is).
+// the best of several runs, what the machine can reach (as the FMA peak is).
 double measure_read_bandwidth_gbs(int threads, size_t bytes = size_t{1} << 30);
 
 // The SIMD target the kernels dispatch to on this CPU, e.g. "AVX2" or "AVX3".
