@@ -324,18 +324,10 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
                  T* bad, LaneRow* lanes, T* HWY_RESTRICT vtile, const LaneStats<T>& stats = {}) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
-  const T scale = static_cast<T>(p.scale);
   // The visited keys of the block's rows; pack their queries pre-scaled and zero-padded.
   const LaneSpan span = describe_lanes(p, blk, key_begin, key_end, lanes);
   std::fill(qbuf, qbuf + blk.rows * dkp, T(0));
-  for (int64_t r = 0; r < blk.rows; ++r) {
-    if (p.q.dtype == dtype_of<T>()) {
-      const T* q = p.q.at<T>(blk.b, lanes[r].h, lanes[r].i);
-      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
-    } else {  // widened exactly, then scaled as above
-      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = p.q.load<T>(blk.b, lanes[r].h, lanes[r].i, c) * scale;
-    }
-  }
+  for (int64_t r = 0; r < blk.rows; ++r) PackScaledQuery(p, blk.b, lanes[r].h, lanes[r].i, qbuf + r * dkp, 1);
   const auto rows = [&](auto r_const) {
     constexpr int64_t R = decltype(r_const)::value;
     if (weights) {

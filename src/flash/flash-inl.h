@@ -371,16 +371,9 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
   if (bs.stats.reals != nullptr) bs.stats.begin();
   if (bs.bad != nullptr) std::fill(bs.bad, bs.bad + kBadClasses * p.Dv * mq, -std::numeric_limits<T>::infinity());
   // qt even with pairs: tiles of keys outside their range use it.
-  const T scale = static_cast<T>(p.scale);
   std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
   for (int64_t l = 0; l < blk.rows; ++l) {
-    const LaneRow& r = bs.lanes[l];
-    if (p.q.dtype == dtype_of<T>()) {
-      const T* q = p.q.at<T>(blk.b, r.h, r.i);
-      for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = q[c] * scale;
-    } else {  // widened exactly, then scaled as above
-      for (int64_t c = 0; c < p.Dk; ++c) bs.qt[c * mq + l] = p.q.load<T>(blk.b, r.h, r.i, c) * scale;
-    }
+    PackScaledQuery(p, blk.b, bs.lanes[l].h, bs.lanes[l].i, bs.qt + l, static_cast<int64_t>(mq));
   }
 }
 
