@@ -1,6 +1,7 @@
 // The fused backward pass (FlashAttention-2), compiled per SIMD target; included by
-// backward_f32.cc and backward_f64.cc. It includes flash-inl.h, whose outer-product kernels it
-// reuses. Per query row i:
+// backward_f32.cc and backward_f64.cc. It shares the forward's outer products
+// (products-inl.h), bfloat16 dot path (bf16_path-inl.h) and query blocks (query_block-inl.h:
+// the dq pass's lanes, packed q and score tiles). Per query row i:
 //   p_ij = exp(s_ij - lse_i)       (recomputed tile by tile from the saved lse)
 //   D_i  = dout_i · out_i          ds_ij = p_ij · (dout_i · v_j - D_i)
 //   dv_j = Σ_i p_ij dout_i         dk_j = scale · Σ_i ds_ij q_i        dq_i = scale · Σ_j ds_ij k_j
@@ -31,8 +32,18 @@
 #include <limits>
 #include <vector>
 
-#include "flash/flash-inl.h"
+#include "flash/bf16_path-inl.h"
+#include "flash/flash_plan.h"
 #include "flash/grad_rules-inl.h"
+#include "flash/products-inl.h"
+#include "flash/query_block-inl.h"
+#include "flash/rows-inl.h"
+#include "flash/score_tile-inl.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "kernel_path.h"
+#include "problem.h"
+#include "reference.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {

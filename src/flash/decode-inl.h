@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "flash/flash_plan.h"
+#include "flash/products-inl.h"
 #include "flash/row_stats.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
@@ -33,15 +34,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// Vector registers of this target: AVX-512 (and the AVX3 family) has 32, AVX2 and SSE 16.
-// Other architectures are counted as 16, which only makes register blocks smaller. Sizes
-// DecodeValues below and the products' register blocks in flash-inl.h (kBlockRows).
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-inline constexpr int64_t kVectorRegisters = 32;
-#else
-inline constexpr int64_t kVectorRegisters = 16;
-#endif
 
 // Feature vectors per DecodeValues call for R rows: 4, 2 or 1, the most that keep its R·C
 // accumulators and C value vectors in registers (AVX2: 4 up to three rows, 2 up to seven;
@@ -195,7 +187,10 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
     const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
-    // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
+    // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
+    //    are BlockTile's (forward_block-inl.h: msafe, shifted_exp's +inf max, t's clamped term),
+    //    the arithmetic is not: here p is summed per lane then across lanes, and l and t are
+    //    rescaled with a multiply then an add, where BlockTile sums down lanes and fuses them.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
     for (int64_t r = 0; r < R; ++r) {
