@@ -124,9 +124,9 @@ template <typename T>
 T shifted_exp(T s, T m) {
   return s == m ? T(1) : std::exp(s - m);
 }
-// The backward's rule for ds (the fused kernel's SIMD Ds follows it): ds = p · (z·dp - D) with
-// z the dropout factor (1 without dropout), exactly 0 where p is, and a dropped key's dp
-// (z · NaN) counting as 0: a key of weight 0 passes no NaN from its v row.
+// The backward's rule for ds (flash/grad_rules-inl.h's DroppedDp and Ds are its SIMD form):
+// ds = p · (z·dp - D) with z the dropout factor (1 without dropout), exactly 0 where p is, and
+// a dropped key's dp (z · NaN) counting as 0: a key of weight 0 passes no NaN from its v row.
 template <typename T>
 T grad_ds(T p, T z, T dp, T D_row) {
   return p == 0 ? T(0) : p * ((z == 0 ? T(0) : z * dp) - D_row);
@@ -235,11 +235,12 @@ struct Problem {
   bool block_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
     return !block_mask || *block_mask->at<uint8_t>(b, h, i / block_q, j / block_k) != 0;
   }
-  // Whether it lets row i of (b, h) see some key of [j0, j1) (its blocks that overlap them).
-  bool block_allows_any(int64_t b, int64_t h, int64_t i, int64_t j0, int64_t j1) const {
-    if (j0 >= j1) return false;
-    if (!block_mask) return true;
-    const uint8_t* row = block_mask->at<uint8_t>(b, h, i / block_q, 0);
+  // Whether block row qb (rows qb·block_q ..) of (b, h)'s block mask allows some key of [j0, j1)
+  // (j0 < j1; a block mask is given): one of its blocks that overlap them is set. The one rule
+  // for "does this block of rows see any key of this tile" (flash_plan.h's BlockRowsSeeKeys asks
+  // it for the kernels' lanes and rows).
+  bool block_allows_any(int64_t b, int64_t h, int64_t qb, int64_t j0, int64_t j1) const {
+    const uint8_t* row = block_mask->at<uint8_t>(b, h, qb, 0);
     for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb) {
       if (row[kb * block_mask->strides[3]] != 0) return true;
     }

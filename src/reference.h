@@ -1,7 +1,9 @@
 // The materialising kernels: a float64 oracle and its same-precision twin.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -97,8 +99,26 @@ inline std::pair<int64_t, int64_t> readers(int64_t m, int64_t extent, int64_t n)
 template <typename T>
 void fast_bias_gradients(const BackwardProblem& bp);
 
-// dsinks from the given lse, out and dout (BackwardProblem::dsinks; the header's formula), in
-// float64: for calls whose kernels have nothing else to write.
+// dsinks (BackwardProblem::dsinks; the header's formula) from each row's lse and D = dout · out,
+// row(b, h, i) giving {lse, D} in float64: dsink_h = -Σ_b Σ_i exp(sink_h - lse) · D in (b, i)
+// order, a row with lse = -inf (no allowed key) adding nothing. The fused backward gives it its
+// rows' lse and D (D in the compute type), sink_gradients those below.
+template <typename Row>
+void store_sink_gradients(const BackwardProblem& bp, const Row& row) {
+  const Problem& p = bp.fwd;
+  for (int64_t h = 0; h < p.Hq; ++h) {
+    double sum = 0;
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t i = 0; i < p.Nq; ++i) {
+        const auto [lse, D] = row(b, h, i);
+        if (lse == -std::numeric_limits<double>::infinity()) continue;
+        sum -= std::exp(p.sink<double>(h) - lse) * D;
+      }
+    bp.dsinks->store(0, 0, 0, h, sum);
+  }
+}
+// store_sink_gradients from the given lse, out and dout, D in float64: for calls whose kernels
+// have nothing else to write.
 void sink_gradients(const BackwardProblem& bp);
 
 }  // namespace sdpa::internal

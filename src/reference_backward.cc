@@ -86,18 +86,11 @@ void materialized_backward(const BackwardProblem& bp) {
 
 void sink_gradients(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
-  for (int64_t h = 0; h < p.Hq; ++h) {
-    double sum = 0;
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t i = 0; i < p.Nq; ++i) {
-        const double lse = p.lse->load<double>(b, h, i, 0);
-        if (lse == -std::numeric_limits<double>::infinity()) continue;
-        double D = 0;
-        for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<double>(b, h, i, e) * p.out.load<double>(b, h, i, e);
-        sum -= std::exp(p.sink<double>(h) - lse) * D;
-      }
-    bp.dsinks->store(0, 0, 0, h, sum);
-  }
+  store_sink_gradients(bp, [&](int64_t b, int64_t h, int64_t i) {
+    double D = 0;
+    for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<double>(b, h, i, e) * p.out.load<double>(b, h, i, e);
+    return std::pair<double, double>{p.lse->load<double>(b, h, i, 0), D};
+  });
 }
 
 template float backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*,

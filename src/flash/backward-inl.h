@@ -1,6 +1,7 @@
 // The fused backward pass (FlashAttention-2), compiled per SIMD target; included by
-// backward_f32.cc and backward_f64.cc. It includes flash-inl.h, whose outer-product kernels it
-// reuses. Per query row i:
+// backward_f32.cc and backward_f64.cc. It shares the forward's outer products
+// (products-inl.h), bfloat16 dot path (bf16_path-inl.h) and query blocks (query_block-inl.h:
+// the dq pass's lanes, packed q and score tiles). Per query row i:
 //   p_ij = exp(s_ij - lse_i)       (recomputed tile by tile from the saved lse)
 //   D_i  = dout_i · out_i          ds_ij = p_ij · (dout_i · v_j - D_i)
 //   dv_j = Σ_i p_ij dout_i         dk_j = scale · Σ_i ds_ij q_i        dq_i = scale · Σ_j ds_ij k_j
@@ -31,7 +32,18 @@
 #include <limits>
 #include <vector>
 
-#include "flash/flash-inl.h"
+#include "flash/bf16_path-inl.h"
+#include "flash/flash_plan.h"
+#include "flash/grad_rules-inl.h"
+#include "flash/products-inl.h"
+#include "flash/query_block-inl.h"
+#include "flash/rows-inl.h"
+#include "flash/score_tile-inl.h"
+#include "hwy/aligned_allocator.h"
+#include "hwy/highway.h"
+#include "kernel_path.h"
+#include "problem.h"
+#include "reference.h"
 
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
@@ -66,6 +78,7 @@ struct BackwardScratch {
         l(hwy::AllocateAligned<T>(mq)),
         lane_lse(hwy::AllocateAligned<T>(mq)),
         lane_D(hwy::AllocateAligned<T>(mq)),
+        zt(hwy::AllocateAligned<T>(mq)),
         ktile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dk))),
         vtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dv))),
         qtile(hwy::AllocateAligned<T>(kTileKeys * std::max<int64_t>(1, p.Dk))),
@@ -74,7 +87,9 @@ struct BackwardScratch {
         grad_row(static_cast<size_t>(std::max<int64_t>(1, std::max(p.Dk, p.Dv)))),
         grad_row2(grad_row.size()),
         lanes(mq),
-        rows(kTileKeys) {}
+        rows(kTileKeys) {
+    std::fill(zt.get(), zt.get() + mq, T(0));
+  }
   // Bfloat16 inputs with the AVX512_BF16 path: xt and yt's operands also in bfloat16 pairs
   // (bf16_dot.h), for the score and dout · vᵀ products; blocks that must not use them widen.
   bool bf16_dot, amx;  // amx: their products with AmxDotScores
@@ -84,6 +99,7 @@ struct BackwardScratch {
   hwy::AlignedFreeUniquePtr<T[]> pt, dpt, ct, mask_rows, m, l;  // score tiles, MaskScores' rows, BeginBlock's m, l
   // ct: the softcap's ∂s/∂x over the score tile (with a softcap; else unused)
   hwy::AlignedFreeUniquePtr<T[]> lane_lse, lane_D;  // per query lane: lse and D
+  hwy::AlignedFreeUniquePtr<T[]> zt;  // a tile row's dropout factors (padding lanes: 0 or stale; their p is 0)
   hwy::AlignedFreeUniquePtr<T[]> ktile, vtile, qtile, dtile;  // rows of k, v, q, dout widened to T (ReadRows)
   hwy::AlignedFreeUniquePtr<T[]> kpad;  // the one-pass plan: the block's keys, rows padded to whole vectors
   std::vector<T> grad_row, grad_row2;               // one gradient row before write_row
@@ -91,31 +107,12 @@ struct BackwardScratch {
   std::vector<LaneRow> rows;   // the dk/dv pass's query rows of one tile
 };
 
-// p = exp(s - lse), exactly 0 for a blocked key (s = -inf) even where lse is NaN, and at most
-// 1: s is recomputed here in another order than the forward's (k · scale, not q · scale), so
-// with huge scores (|s| ~ 1e9 in float32) s - lse can exceed 0 by far more than rounding of p
-// would, and exp of it overflowed into NaN gradients.
-// (ExpNormal: a p below the smallest normal number is 0.)
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V Probability(D d, V s, V lse) {
-  using T = hn::TFromD<D>;
-  return hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, -std::numeric_limits<T>::infinity())),
-                            hn::Min(ExpNormal(d, hn::Sub(s, lse)), hn::Set(d, T(1))));
-}
-// problem.h's grad_ds() without dropout: ds = p · (dp - D), exactly 0 where p is.
-template <class D, class V = hn::Vec<D>>
-HWY_INLINE V Ds(D d, V p, V dp, V D_row) {
-  return hn::IfThenZeroElse(hn::Eq(p, hn::Zero(d)), hn::Mul(p, hn::Sub(dp, D_row)));
-}
-
-// ds ← ds · c over n contiguous entries, c the softcap's ∂s/∂x (MaskScores' slope tile): the
-// chain rule through the cap. An exact 0 (a key of weight 0) stays 0.
+// ds ← CapSlope(ds, c) over n contiguous entries, c the softcap's slope tile (MaskScores').
 template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE void ApplySlope(D d, T* HWY_RESTRICT ds, const T* HWY_RESTRICT slope, int64_t n) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   for (int64_t x = 0; x < n; x += N) {  // n is whole vectors (tiles are)
-    const auto g = hn::Load(d, ds + x);
-    hn::Store(hn::IfThenZeroElse(hn::Eq(g, hn::Zero(d)), hn::Mul(g, hn::Load(d, slope + x))), d, ds + x);
+    hn::Store(CapSlope(d, hn::Load(d, ds + x), hn::Load(d, slope + x)), d, ds + x);
   }
 }
 
@@ -264,26 +261,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // Rows of this tile that see any key of the block (and whose block mask allows one); the
       // others contribute nothing.
       int64_t first = -1, last = -1;
-      // The block mask's answer for all of the block's keys, kept for the rows of one block of
-      // rows (rows up to qb_end): a division per block of rows, not per row.
-      int64_t qb_end = -1;
-      bool qb_sees = true;
+      BlockRowsSeeKeys allowed(p, b);
       for (int64_t i = i0; i < std::min(rows.last, i0 + kTileKeys); ++i) {
         const KeyRange kr = p.key_range(b, i);
         const int64_t lo = std::max(kr.begin, j0), hi = std::min(kr.end, j0 + nk);
-        bool sees = lo < hi;
-        if (sees && p.block_mask) {
-          if (lo == j0 && hi == j0 + nk) {
-            if (i >= qb_end) {
-              const int64_t qb_begin = i - i % p.block_q;
-              qb_end = qb_begin + std::min(p.block_q, std::numeric_limits<int64_t>::max() - qb_begin);
-              qb_sees = p.block_allows_any(b, h, i, j0, j0 + nk);
-            }
-            sees = qb_sees;
-          } else {
-            sees = p.block_allows_any(b, h, i, lo, hi);
-          }
-        }
+        const bool sees = lo < hi && (!p.block_mask || allowed(h, i, lo, hi));
         if (sees && rs.lse[rs.index(b, h, i)] != T(INFINITY)) {
           if (first < 0) first = i;
           last = i;
@@ -325,19 +307,23 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       } else {
         OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
       }
+      T* z = s.zt.get();  // row r's dropout factors, key lanes [0, nk)
       for (int64_t r = 0; r < n; ++r) {
-        const T Di = rs.D[rs.index(b, h, first + r)];
+        const V Di = hn::Set(d, rs.D[rs.index(b, h, first + r)]);
         if (p.dropout.enabled()) {
-          for (int64_t l = 0; l < nk; ++l) {
-            const T z = p.dropout.factor<T>(b, h, first + r, j0 + l);
-            dpt[r * mq + l] = grad_ds(pt[r * mq + l], z, dpt[r * mq + l], Di);
-            pt[r * mq + l] *= z;
-          }
-          continue;
+          for (int64_t l = 0; l < nk; ++l) z[l] = p.dropout.factor<T>(b, h, first + r, j0 + l);
         }
         for (size_t q = 0; q < QV; ++q) {
           T* x = dpt + r * mq + q * N;
-          hn::Store(Ds(d, hn::Load(d, pt + r * mq + q * N), hn::Load(d, x), hn::Set(d, Di)), d, x);
+          T* pr = pt + r * mq + q * N;
+          const V pq = hn::Load(d, pr);
+          V dp = hn::Load(d, x);
+          if (p.dropout.enabled()) {
+            const V zq = hn::Load(d, z + q * N);
+            dp = DroppedDp(d, zq, dp);
+            hn::Store(hn::Mul(pq, zq), d, pr);  // dv's weight z·p
+          }
+          hn::Store(Ds(d, pq, dp, Di), d, x);
         }
       }
       if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));  // (padding lanes: ds = 0)
@@ -421,18 +407,17 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
       const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, j0, n, p.Dv, s.vtile.get());
       OuterScores<QV>(d, s.yt.get(), mq, values.data, values.stride, p.Dv, n, dpt);
     }
-    if (p.dropout.enabled()) {  // dp = z · (dout · vᵀ), z the dropout factor (0 · NaN = 0 here)
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t l = 0; l < blk.rows; ++l) {
-          const T z = p.dropout.factor<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i, j0 + j);
-          dpt[j * mq + l] = z == 0 ? T(0) : z * dpt[j * mq + l];
-        }
-    }
+    T* z = s.zt.get();  // key j's dropout factor per row lane [0, blk.rows)
     for (int64_t j = 0; j < n; ++j) {
+      if (p.dropout.enabled()) {
+        for (int64_t l = 0; l < blk.rows; ++l) z[l] = p.dropout.factor<T>(blk.b, bs.lanes[l].h, bs.lanes[l].i, j0 + j);
+      }
       for (size_t q = 0; q < QV; ++q) {
         const V pj = Probability(d, hn::Load(d, pt + j * mq + q * N), lse[q]);
         T* x = dpt + j * mq + q * N;
-        hn::Store(Ds(d, pj, hn::Load(d, x), Dv[q]), d, x);  // ds = p · (dp - D)
+        V dp = hn::Load(d, x);
+        if (p.dropout.enabled()) dp = DroppedDp(d, hn::Load(d, z + q * N), dp);
+        hn::Store(Ds(d, pj, dp, Dv[q]), d, x);  // ds = p · (z·dp - D)
       }
     }
     if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));
@@ -582,17 +567,12 @@ void FlashBackward(const BackwardProblem& bp) {
       }
     }
   }
-  if (bp.dsinks) {  // dsink_h = -Σ_b Σ_i exp(sink_h - lse) · D, in a fixed order (rs.lse is +inf where no key)
-    for (int64_t h = 0; h < p.Hq; ++h) {
-      double sum = 0;
-      for (int64_t b = 0; b < p.B; ++b)
-        for (int64_t i = 0; i < p.Nq; ++i) {
-          const int64_t x = rs.index(b, h, i);
-          if (rs.lse[x] == T(INFINITY)) continue;  // no sink's share (lse = -inf: a NaN row, or no sink)
-          sum -= std::exp(p.sink<double>(h) - static_cast<double>(rs.lse[x])) * static_cast<double>(rs.D[x]);
-        }
-      bp.dsinks->store(0, 0, 0, h, sum);
-    }
+  if (bp.dsinks) {  // rs.lse is +inf where the given lse is -inf (or +inf): no sink's share
+    store_sink_gradients(bp, [&](int64_t b, int64_t h, int64_t i) {
+      const int64_t x = rs.index(b, h, i);
+      const double lse = rs.lse[x] == T(INFINITY) ? -INFINITY : static_cast<double>(rs.lse[x]);
+      return std::pair<double, double>{lse, static_cast<double>(rs.D[x])};
+    });
   }
 }
 

@@ -1,4 +1,4 @@
-// AVX512_BF16 score tiles (see bf16_dot.h). Register blocking as flash-inl.h's ScoreKeys:
+// AVX512_BF16 score tiles (see bf16_dot.h). Register blocking as products-inl.h's ScoreKeys:
 // KB keys × QV vectors of lanes in accumulators, one broadcast pair of a key's features and QV
 // loads of query pairs per step.
 #include "flash/bf16_dot.h"

@@ -7,7 +7,8 @@
 // the keys, the score's modifiers, p = exp(s - lse) from the given lse, dropout,
 // ds = p · (z·dp - D) (times the cap's slope under kAfterBias), added in float64 into dbias and
 // into the row's ALiBi term. The scores' modifiers are the kernels' own (MaskScores on the row:
-// cap, edges, ALiBi, mask) and p their ExpNormal. Each dbias element is owned by one unit and
+// cap, edges, ALiBi, mask), and p, ds and the slope's chain rule the fused backward's
+// (grad_rules-inl.h: Probability, DroppedDp, Ds, CapSlope). Each dbias element is owned by one unit and
 // summed in the same order whatever the thread count; each row's ALiBi term by its unit.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "flash/bias_grad.cc"
@@ -19,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "flash/grad_rules-inl.h"
 #include "flash/score_tile-inl.h"
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
@@ -105,16 +107,12 @@ HWY_NOINLINE void BiasRow(const BackwardProblem& bp, int64_t b, int64_t h, int64
     for (int64_t jj = 0; jj < n; ++jj) s.z[jj] = p.dropout.factor<T>(b, h, i, range.begin + jj);
   }
   const auto vlse = hn::Set(d, lse), vD = hn::Set(d, D);
-  for (int64_t jj = 0; jj < n; jj += N) {
-    const auto prob = ExpNormal(d, hn::Sub(hn::LoadU(d, xs + jj), vlse));
+  for (int64_t jj = 0; jj < n; jj += N) {  // the fused backward's rules (grad_rules-inl.h)
+    const auto prob = Probability(d, hn::LoadU(d, xs + jj), vlse);
     auto dpv = hn::LoadU(d, s.dp.get() + range.begin + jj);
-    if (dropout) {  // grad_ds: a dropped key's dp (even NaN) is 0
-      const auto zv = hn::LoadU(d, s.z.get() + jj);
-      dpv = hn::IfThenZeroElse(hn::Eq(zv, hn::Zero(d)), hn::Mul(zv, dpv));
-    }
-    auto ds = hn::Mul(prob, hn::Sub(dpv, vD));
-    if (cap_after) ds = hn::Mul(ds, hn::LoadU(d, s.slope.get() + range.begin + jj));
-    ds = hn::IfThenZeroElse(hn::Eq(prob, hn::Zero(d)), ds);  // weight 0: exactly 0 (grad_ds)
+    if (dropout) dpv = DroppedDp(d, hn::LoadU(d, s.z.get() + jj), dpv);
+    auto ds = Ds(d, prob, dpv, vD);
+    if (cap_after) ds = CapSlope(d, ds, hn::LoadU(d, s.slope.get() + range.begin + jj));
     hn::StoreU(hn::IfThenElseZero(hn::FirstN(d, static_cast<size_t>(n - jj)), ds), d, s.ds.get() + jj);
   }
 }
@@ -130,7 +128,7 @@ HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, const GradRows& g, int64_t
   const int64_t row_chunks = (g.shape[2] + kChunk - 1) / kChunk;
   const int64_t mb = u / (g.shape[1] * row_chunks), mh = u / row_chunks % g.shape[1];
   const int64_t mi0 = u % row_chunks * kChunk, mi1 = std::min(g.shape[2], mi0 + kChunk);
-  const T scale = static_cast<T>(p.scale), neg_inf = -std::numeric_limits<T>::infinity();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
   std::fill(s.sum.begin(), s.sum.end(), 0.0);
   const auto [b0, b1] = readers(mb, g.shape[0], p.B);
   const auto [h0, h1] = readers(mh, g.shape[1], p.Hq);
@@ -158,8 +156,7 @@ HWY_NOINLINE void BiasUnit(const BackwardProblem& bp, const GradRows& g, int64_t
           read_row(p.out, b, h, i, p.Dv, s.row.data());
           T D = 0;
           for (int64_t e = 0; e < p.Dv; ++e) D += s.dout[e] * s.row[e];
-          read_row(p.q, b, h, i, p.Dk, s.q.data());
-          for (int64_t e = 0; e < p.Dk; ++e) s.q[e] *= scale;  // as the kernels scale q
+          PackScaledQuery(p, b, h, i, s.q.data(), 1);
           BiasRow(bp, b, h, i, range, lse, D, s);
           const int64_t n = range.end - range.begin;
           if (width == 1) {

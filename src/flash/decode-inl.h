@@ -23,6 +23,7 @@
 #include <type_traits>
 
 #include "flash/flash_plan.h"
+#include "flash/products-inl.h"
 #include "flash/row_stats.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
@@ -33,15 +34,6 @@
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::internal::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
-
-// Vector registers of this target: AVX-512 (and the AVX3 family) has 32, AVX2 and SSE 16.
-// Other architectures are counted as 16, which only makes register blocks smaller. Sizes
-// DecodeValues below and the products' register blocks in flash-inl.h (kBlockRows).
-#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-inline constexpr int64_t kVectorRegisters = 32;
-#else
-inline constexpr int64_t kVectorRegisters = 16;
-#endif
 
 // Feature vectors per DecodeValues call for R rows: 4, 2 or 1, the most that keep its R·C
 // accumulators and C value vectors in registers (AVX2: 4 up to three rows, 2 up to seven;
@@ -195,7 +187,10 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
     const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
-    // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha.
+    // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
+    //    are BlockTile's (forward_block-inl.h: msafe, shifted_exp's +inf max, t's clamped term),
+    //    the arithmetic is not: here p is summed per lane then across lanes, and l and t are
+    //    rescaled with a multiply then an add, where BlockTile sums down lanes and fuses them.
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
     for (int64_t r = 0; r < R; ++r) {
@@ -324,18 +319,10 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
                  T* bad, LaneRow* lanes, T* HWY_RESTRICT vtile, const LaneStats<T>& stats = {}) {
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const int64_t dkp = (p.Dk + N - 1) / N * N, dvp = (p.Dv + N - 1) / N * N;
-  const T scale = static_cast<T>(p.scale);
   // The visited keys of the block's rows; pack their queries pre-scaled and zero-padded.
   const LaneSpan span = describe_lanes(p, blk, key_begin, key_end, lanes);
   std::fill(qbuf, qbuf + blk.rows * dkp, T(0));
-  for (int64_t r = 0; r < blk.rows; ++r) {
-    if (p.q.dtype == dtype_of<T>()) {
-      const T* q = p.q.at<T>(blk.b, lanes[r].h, lanes[r].i);
-      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = q[c] * scale;
-    } else {  // widened exactly, then scaled as above
-      for (int64_t c = 0; c < p.Dk; ++c) qbuf[r * dkp + c] = p.q.load<T>(blk.b, lanes[r].h, lanes[r].i, c) * scale;
-    }
-  }
+  for (int64_t r = 0; r < blk.rows; ++r) PackScaledQuery(p, blk.b, lanes[r].h, lanes[r].i, qbuf + r * dkp, 1);
   const auto rows = [&](auto r_const) {
     constexpr int64_t R = decltype(r_const)::value;
     if (weights) {

@@ -88,39 +88,43 @@ inline LaneSpan describe_lanes(const Problem& p, const BlockRows& blk, int64_t k
   return span;
 }
 
-// Whether some lane may see a key of [j0, j1) (j0 < j1): one inside its own range that the
-// block mask allows (Problem::block_allows_any's rule). A tile that no lane sees changes none
-// of their sums, so kernels skip it unread. Asked once per tile and block of lanes, so written
-// for speed: lanes come in increasing rows (their block of rows found by comparison, not
-// division), and a lane asking what the previous one asked (same head, block of rows and
-// keys: every lane of a block but the GQA heads' when block_q >= its rows) is not asked again.
-inline bool lanes_see_keys(const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0, int64_t j1) {
-  if (!p.block_mask) {
-    for (int64_t l = 0; l < count; ++l) {
-      if (std::max(j0, lanes[l].begin) < std::min(j1, lanes[l].end)) return true;
+// Problem::block_allows_any for query rows of batch b asked in turn, each about its own keys
+// [lo, hi) (lo < hi; a block mask is given): a row asking what the one before asked (same head,
+// block of rows and keys: every row of a block of rows but the GQA heads' when block_q covers
+// them) gets the answer kept, and the block of rows is found by comparison while the rows stay
+// in it, not by a division per row. The kernels ask it per tile for each of their lanes or rows.
+class BlockRowsSeeKeys {
+ public:
+  BlockRowsSeeKeys(const Problem& p, int64_t b) : p_(p), b_(b) {}
+  bool operator()(int64_t h, int64_t i, int64_t lo, int64_t hi) {
+    if (i < qb_begin_ || i >= qb_end_) {
+      qb_ = i / p_.block_q;
+      qb_begin_ = qb_ * p_.block_q;
+      qb_end_ = qb_begin_ + std::min(p_.block_q, std::numeric_limits<int64_t>::max() - qb_begin_);
     }
-    return false;
+    if (h != h_ || qb_ != asked_qb_ || lo != lo_ || hi != hi_) {
+      h_ = h, asked_qb_ = qb_, lo_ = lo, hi_ = hi;
+      sees_ = p_.block_allows_any(b_, h, qb_, lo, hi);
+    }
+    return sees_;
   }
-  const View4& bm = *p.block_mask;
-  const int64_t kb0 = j0 / p.block_k, kb1 = (j1 - 1) / p.block_k;
-  int64_t qb = 0, qb_begin = 0, qb_end = 0;  // the current lane's block of rows, [qb_begin, qb_end)
-  int64_t last_h = -1, last_qb = -1, last_lo = -1, last_hi = -1;
+
+ private:
+  const Problem& p_;
+  int64_t b_;
+  int64_t qb_ = 0, qb_begin_ = 0, qb_end_ = 0;  // the current row's block of rows, [qb_begin_, qb_end_)
+  int64_t h_ = -1, asked_qb_ = -1, lo_ = -1, hi_ = -1;  // the last question, and its answer
+  bool sees_ = false;
+};
+
+// Whether some lane may see a key of [j0, j1) (j0 < j1): one inside its own range that the
+// block mask allows (BlockRowsSeeKeys; lanes come in increasing rows). A tile that no lane sees
+// changes none of their sums, so kernels skip it unread.
+inline bool lanes_see_keys(const Problem& p, int64_t b, const LaneRow* lanes, int64_t count, int64_t j0, int64_t j1) {
+  BlockRowsSeeKeys allowed(p, b);
   for (int64_t l = 0; l < count; ++l) {
-    const LaneRow& r = lanes[l];
-    const int64_t lo = std::max(j0, r.begin), hi = std::min(j1, r.end);
-    if (lo >= hi) continue;
-    if (r.i < qb_begin || r.i >= qb_end) {
-      qb = r.i / p.block_q;
-      qb_begin = qb * p.block_q;
-      qb_end = qb_begin + std::min(p.block_q, std::numeric_limits<int64_t>::max() - qb_begin);
-    }
-    if (r.h == last_h && qb == last_qb && lo == last_lo && hi == last_hi) continue;  // asked: blocked
-    last_h = r.h, last_qb = qb, last_lo = lo, last_hi = hi;
-    const int64_t first = lo == j0 ? kb0 : lo / p.block_k, last = hi == j1 ? kb1 : (hi - 1) / p.block_k;
-    const uint8_t* row = bm.at<uint8_t>(b, r.h, qb, 0);
-    for (int64_t kb = first; kb <= last; ++kb) {
-      if (row[kb * bm.strides[3]] != 0) return true;
-    }
+    const int64_t lo = std::max(j0, lanes[l].begin), hi = std::min(j1, lanes[l].end);
+    if (lo < hi && (!p.block_mask || allowed(lanes[l].h, lanes[l].i, lo, hi))) return true;
   }
   return false;
 }

@@ -10,8 +10,9 @@
 // At the end (write_row_stats), with the row's final max M and sum L (a sink's term included):
 //   w_j = exp(s_j - M) / L,  c = exp(m - M) / L (the keys' factor),
 //   H   = -Σ_j w_j log w_j = c · (l · (M - m + log L) - t)     (two terms >= 0: no cancellation)
-// which is log l - t / l without a sink. Target-independent: the SIMD kernels (flash-inl.h,
-// decode-inl.h) keep t, the counts and the top-k thresholds in vectors and call these per lane.
+// which is log l - t / l without a sink. Target-independent: the SIMD kernels
+// (forward_block-inl.h, tile_stats-inl.h, decode-inl.h) keep t, the counts and the top-k
+// thresholds in vectors and call these per lane.
 #pragma once
 
 #include <algorithm>

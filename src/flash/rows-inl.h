@@ -120,6 +120,20 @@ HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n
   return {scratch, width};
 }
 
+// Row (b, h, i) of q times the scale, as T, into dst[c · stride] for c < Dk (16-bit storage
+// widened exactly, then scaled): how every fused kernel that scales q packs it (the forward's
+// blocks, decode, the mask's gradient), so that their scores share its bits.
+template <typename T>
+void PackScaledQuery(const Problem& p, int64_t b, int64_t h, int64_t i, T* HWY_RESTRICT dst, int64_t stride) {
+  const T scale = static_cast<T>(p.scale);
+  if (p.q.dtype == dtype_of<T>()) {
+    const T* q = p.q.at<T>(b, h, i);
+    for (int64_t c = 0; c < p.Dk; ++c) dst[c * stride] = q[c] * scale;
+  } else {
+    for (int64_t c = 0; c < p.Dk; ++c) dst[c * stride] = p.q.load<T>(b, h, i, c) * scale;
+  }
+}
+
 // Whether ReadRows may need scratch for rows of v read as T.
 template <typename T>
 bool needs_row_scratch(const View4& v) {

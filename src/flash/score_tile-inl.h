@@ -2,7 +2,7 @@
 // tiles, decode, and both backward passes): causal/window edges and the mask's bias on a tile of
 // scores, in either of the kernels' two layouts. Score modifiers, per-sequence lengths and
 // paged K/V change this file, not the kernels: the softcap, ALiBi, edges and the mask live here. Compiled per SIMD target (included by
-// decode-inl.h, which flash-inl.h and backward-inl.h include).
+// decode-inl.h, query_block-inl.h, backward-inl.h, grad_rules-inl.h and bias_grad.cc).
 //
 // A tile holds s(r, jj) for `count` query rows (lanes[r]: head, row and allowed keys
 // [begin, end)) and keys j0 + jj, jj < n:
