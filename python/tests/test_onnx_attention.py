@@ -17,19 +17,13 @@ scripts/test.sh installs onnx (python/requirements-test.txt). Without onnx the m
 except where the environment variable CI is set: there it fails, so CI never passes without it.
 """
 
-import os
-
 import numpy as np
 import pytest
 
-try:
-    import onnx
-    from onnx.backend.test.case.node import attention as onnx_attention_cases
-except ImportError as e:
-    if os.environ.get("CI", "").lower() not in ("", "0", "false"):
-        raise RuntimeError(f"CI is set but onnx cannot be imported ({e}): scripts/test.sh installs it from "
-                           "python/requirements-test.txt, and CI must not skip the ONNX adapter tests") from e
-    pytest.skip(f"onnx is not installed ({e})", allow_module_level=True)
+from torch_required import required
+
+onnx = required("onnx", "onnx", "ONNX adapter tests", module_level=True)
+onnx_attention_cases = required("onnx.backend.test.case.node.attention", "onnx", "ONNX adapter tests", module_level=True)
 
 import sdpa  # noqa: E402
 
