@@ -159,5 +159,63 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Outputs::stats (entropy's t, max, top-k, allowed), appended so that the cases above keep
+  // their numbers: the prefill and decode shapes, float32 and float64, with and without a key
+  // mask, plain, causal, and keys that overflow the scores to +inf (the rule exp(s - m) = 1 at
+  // a +inf max).
+  for (sdpa::DType dt : {sdpa::DType::kFloat32, sdpa::DType::kFloat64}) {
+    for (const Shape& s : shapes) {
+      for (int mask = 0; mask < 2; ++mask) {
+        for (int variant = 0; variant < 3; ++variant) {  // none, causal BR, +inf scores
+          std::mt19937 rng(static_cast<uint32_t>(1000 + id));
+          Buffer q(dt, {s.B, s.Hq, s.Nq, s.Dk}), k(dt, {s.B, s.Hkv, s.Nk, s.Dk}), v(dt, {s.B, s.Hkv, s.Nk, s.Dv});
+          q.fill(rng, 1.5);
+          k.fill(rng, 1.0);
+          v.fill(rng, 1.0);
+          if (variant == 2) {  // every 7th key's first feature near the largest value: q0 · k0 overflows
+            for (int64_t r = 0; r < s.B * s.Hkv * s.Nk; r += 7) {
+              unsigned char* at = k.bytes.data() + r * s.Dk * (dt == sdpa::DType::kFloat64 ? 8 : 4);
+              if (dt == sdpa::DType::kFloat64) {
+                const double x = 1.7e308;
+                std::memcpy(at, &x, 8);
+              } else {
+                const float x = 3e38f;
+                std::memcpy(at, &x, 4);
+              }
+            }
+          }
+          std::vector<Buffer> m;
+          if (mask == 1) {
+            m.emplace_back(sdpa::DType::kBool, std::vector<int64_t>{s.Nk});
+            m[0].fill(rng, 1.0, 0.8);
+          }
+          sdpa::Options o;
+          if (variant == 1) o.causal = sdpa::Causal::kBottomRight;
+          constexpr int64_t kTop = 4;
+          Buffer out(dt, {s.B, s.Hq, s.Nq, s.Dv}), lse(dt, {s.B, s.Hq, s.Nq}), ent(dt, lse.shape), mx(dt, lse.shape),
+              allowed(sdpa::DType::kInt64, lse.shape), arg(sdpa::DType::kInt64, lse.shape),
+              tw(dt, {s.B, s.Hq, s.Nq, kTop}), ti(sdpa::DType::kInt64, tw.shape);
+          sdpa::Inputs in{q.view(), k.view(), v.view(), std::nullopt};
+          if (!m.empty()) in.mask = m[0].view();
+          sdpa::Outputs outs{out.view(), std::nullopt, lse.view()};
+          outs.stats.entropy = ent.view();
+          outs.stats.max_weight = mx.view();
+          outs.stats.allowed = allowed.view();
+          outs.stats.argmax = arg.view();
+          outs.stats.topk_weights = tw.view();
+          outs.stats.topk_indices = ti.view();
+          sdpa::attention(in, outs, o);
+          std::printf("%3d stats %s B%lld Hq%lld Hkv%lld Nq%lld Nk%lld Dk%lld Dv%lld mask%d variant%d", id,
+                      sdpa::dtype_name(dt), (long long)s.B, (long long)s.Hq, (long long)s.Hkv, (long long)s.Nq,
+                      (long long)s.Nk, (long long)s.Dk, (long long)s.Dv, mask, variant);
+          for (const Buffer* b : {&out, &lse, &ent, &mx, &allowed, &arg, &tw, &ti}) {
+            std::printf(" %06llx", static_cast<unsigned long long>(fnv(1469598103934665603ull, b->bytes) & 0xffffff));
+          }
+          std::printf("\n");
+          ++id;
+        }
+      }
+    }
+  }
   return 0;
 }

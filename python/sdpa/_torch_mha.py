@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from . import _sequence_ids
+from ._arrays import _sequence_ids
 from ._args import _checked_int, _numpy_of_tensor, _real_number
 from .torch import _attention, _check_tensors, _options
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _check_fits, _check_mask_dtype
+from ._arrays import _check_fits, _check_mask_dtype
 from ._args import _asarray, _block_sizes, _checked_int, _generator
 
 __all__ = ["block_mask_bigbird", "block_mask_dilated", "block_mask_from_mask", "document_mask",

@@ -36,7 +36,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _core, _core_view, _empty, _prepared, _prepared_mask, _sequence_ids, KVCache
+from . import _core, KVCache
+from ._arrays import _core_view, _empty, _prepared, _prepared_mask, _sequence_ids
 from ._args import _checked_int, _dtype_arg, _generator, _parsed_dropout, _parsed_options, _real_array, _real_number
 
 __all__ = ["MultiHeadAttention", "LayerGradients"]

@@ -188,9 +188,10 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
-    //    are BlockTile's (forward_block-inl.h: msafe, shifted_exp's +inf max, t's clamped term),
-    //    the arithmetic is not: here p is summed per lane then across lanes, and l and t are
-    //    rescaled with a multiply then an add, where BlockTile sums down lanes and fuses them.
+    //    are BlockTile's, one piece each (score_tile-inl.h: ShiftedExp, AddTTerm,
+    //    RescaleFactor); the sums are not: here p is summed per lane then across lanes, and l
+    //    and t are rescaled with a multiply then an add, where BlockTile sums down lanes and
+    //    fuses them (one order each would change decode's bits, which issue 27 forbids).
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
     for (int64_t r = 0; r < R; ++r) {
@@ -210,22 +211,22 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       const bool inf_max = mnew == std::numeric_limits<T>::infinity();
       V sum = hn::Zero(d), tsum = hn::Zero(d);
       // With statistics, also t's Σ p · (s - m) (row_stats.h), in a loop of its own.
-      const auto exp_row = [&](auto stats_const) {
+      const auto exp_row = [&](auto inf_max_const, auto stats_const) {
+        constexpr bool kInfMax = decltype(inf_max_const)::value;
         for (int64_t j = 0; j < n_vec; j += N) {
           const V s = hn::Load(d, row + j);
-          const V x = hn::Sub(s, vmsafe);
-          V pj = ExpNormal(d, x);
-          if (inf_max) pj = hn::IfThenElse(hn::Eq(s, vmsafe), hn::Set(d, T(1)), pj);
+          const V pj = ShiftedExp<kInfMax>(d, s, vmsafe);
           sum = hn::Add(sum, pj);
-          if constexpr (decltype(stats_const)::value) {  // a +inf key at a +inf max: s - m = 0
-            const V xs = inf_max ? hn::IfThenZeroElse(hn::Eq(s, vmsafe), x) : x;
-            tsum = hn::MulAdd(pj, hn::Max(xs, hn::Set(d, std::numeric_limits<T>::lowest())), tsum);
-          }
+          if constexpr (decltype(stats_const)::value) tsum = AddTTerm<kInfMax>(d, pj, s, vmsafe, tsum);
           hn::Store(pj, d, row + j);
         }
       };
-      stats.reals != nullptr ? exp_row(std::true_type{}) : exp_row(std::false_type{});
-      alpha[r] = m[r] == neg_inf ? T(0) : inf_max && m[r] == mnew ? T(1) : hn::GetLane(ExpNormal(d, hn::Set(d, m[r] - msafe)));
+      if (stats.reals != nullptr) {
+        inf_max ? exp_row(std::true_type{}, std::true_type{}) : exp_row(std::false_type{}, std::true_type{});
+      } else {
+        inf_max ? exp_row(std::true_type{}, std::false_type{}) : exp_row(std::false_type{}, std::false_type{});
+      }
+      alpha[r] = hn::GetLane(RescaleFactor(d, hn::Set(d, m[r]), vmsafe));
       if (stats.reals != nullptr) {
         stats.t()[r] = rescale_t(stats.t()[r], m[r], msafe, l[r], alpha[r]) + hn::GetLane(hn::SumOfLanes(d, tsum));
       }

@@ -195,33 +195,25 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     // A lane with nothing allowed yet keeps max -inf; subtracting 0 keeps exp(-inf) = 0.
     msafe[q] = hn::IfThenZeroElse(hn::Eq(mnew[q], neg_inf), mnew[q]);
     mold[q] = hn::Load(d, bs.m + q * N);
-    alpha[q] = ExpNormal(d, hn::Sub(mold[q], msafe[q]));
-    if (!hn::AllFalse(d, hn::Eq(mnew[q], pos_inf))) {
-      inf_max = true;
-      alpha[q] = hn::IfThenElse(hn::Eq(mold[q], pos_inf), one, alpha[q]);
-    }
+    alpha[q] = RescaleFactor(d, mold[q], msafe[q]);
+    inf_max = inf_max || !hn::AllFalse(d, hn::Eq(mnew[q], pos_inf));
     sum[q] = hn::Zero(d);
     tsum[q] = hn::Zero(d);
     hn::Store(mnew[q], d, bs.m + q * N);
   }
-  // p = exp(s - m) over the tile; the +inf-max variant, and the one that also sums t for the
-  // statistics (row_stats.h: Σ p · (s - m), -inf clamped so that 0 · -inf adds 0), in loops
-  // of their own, so that the common loop stays as it was.
+  // p = exp(s - m) over the tile (score_tile-inl.h's ShiftedExp); the +inf-max variant, and the
+  // one that also sums t for the statistics (AddTTerm), in loops of their own, so that the
+  // common loop stays as it was.
   const V lowest = hn::Set(d, std::numeric_limits<T>::lowest());
   const auto exp_tile = [&](auto inf_max_const, auto stats_const) {
+    constexpr bool kInfMax = decltype(inf_max_const)::value;
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
         T* row = st + j * mq + q * N;
         const V s = hn::Load(d, row);
-        const V x = hn::Sub(s, msafe[q]);
-        V pj = ExpNormal(d, x);
-        if constexpr (decltype(inf_max_const)::value) pj = hn::IfThenElse(hn::Eq(s, pos_inf), one, pj);  // m = +inf
+        const V pj = ShiftedExp<kInfMax>(d, s, msafe[q]);
         sum[q] = hn::Add(sum[q], pj);
-        if constexpr (decltype(stats_const)::value) {
-          // A +inf key at a +inf max is at the max: s - m counts as 0.
-          const V xs = decltype(inf_max_const)::value ? hn::IfThenZeroElse(hn::Eq(s, pos_inf), x) : x;
-          tsum[q] = hn::MulAdd(pj, hn::Max(xs, lowest), tsum[q]);
-        }
+        if constexpr (decltype(stats_const)::value) tsum[q] = AddTTerm<kInfMax>(d, pj, s, msafe[q], tsum[q]);
         hn::Store(pj, d, row);
       }
     }

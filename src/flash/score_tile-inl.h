@@ -48,6 +48,42 @@ HWY_INLINE V ExpNormal(D d, V x) {
   return hn::IfThenZeroElse(below, hn::Exp(d, hn::IfThenElse(below, lowest, x)));
 }
 
+// The online softmax's per-score rules, one vector at a time, shared by the two layouts that
+// run it: BlockTile (forward_block-inl.h: lanes along query rows, msafe a vector of row maxima)
+// and DecodeRows (decode-inl.h: lanes along keys, msafe one row's max in every lane). msafe is
+// the running max with -inf replaced by 0 (a row with nothing allowed yet: exp(-inf - 0) = 0).
+// What differs between the two is the order of the sums (down lanes vs across them), which is
+// the layouts', not a rule's.
+//
+// p = exp(s - m). kInfMax: some row's max is +inf (a score overflowed), shifted_exp's rule:
+// exp(s - m) = 1 where s == m = +inf, so that the row splits its weight among its +inf keys.
+template <bool kInfMax, class D, class V = hn::Vec<D>>
+HWY_INLINE V ShiftedExp(D d, V s, V msafe) {
+  const V p = ExpNormal(d, hn::Sub(s, msafe));
+  if constexpr (kInfMax) {
+    return hn::IfThenElse(hn::Eq(s, hn::Set(d, std::numeric_limits<hn::TFromD<D>>::infinity())),
+                          hn::Set(d, hn::TFromD<D>(1)), p);
+  }
+  return p;
+}
+// Entropy's running t (row_stats.h) gains p · (s - m) per score: -inf clamped to the lowest
+// finite value so that p = 0 adds 0 (not 0 · -inf), and a +inf key at a +inf max is at the
+// max (s - m counts as 0).
+template <bool kInfMax, class D, class V = hn::Vec<D>>
+HWY_INLINE V AddTTerm(D d, V p, V s, V msafe, V tsum) {
+  using T = hn::TFromD<D>;
+  V x = hn::Sub(s, msafe);
+  if constexpr (kInfMax) x = hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, std::numeric_limits<T>::infinity())), x);
+  return hn::MulAdd(p, hn::Max(x, hn::Set(d, std::numeric_limits<T>::lowest())), tsum);
+}
+// The rescale of what came before, alpha = exp(m_old - m_new): 0 where the row had nothing
+// allowed (m_old = -inf), 1 where the max stayed +inf.
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V RescaleFactor(D d, V mold, V msafe) {
+  const V pos_inf = hn::Set(d, std::numeric_limits<hn::TFromD<D>>::infinity());
+  return hn::IfThenElse(hn::Eq(mold, pos_inf), hn::Set(d, hn::TFromD<D>(1)), ExpNormal(d, hn::Sub(mold, msafe)));
+}
+
 // Adds the mask's bias for query (b, h, i) and keys [j0, j0 + n) to dst[jj]: -inf where a bool
 // mask blocks, the value of a float mask (widened from its dtype when that is not T's). One
 // row of the mask read through its own (possibly zero, broadcast) key stride.
