@@ -242,6 +242,7 @@ void CaseData::run(Backend backend) {
   opt.causal = c_.causal;
   opt.window = c_.window;
   opt.backend = backend;
+  opt.precision = c_.precision;
   Outputs outs;
   outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
   if (c_.page_size > 0) {

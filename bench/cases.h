@@ -33,6 +33,7 @@ struct BenchCase {
   // The pool's memory: head-major within a page, (pages, Hkv, page_size, D) (KVCache's), or
   // token-major, C order (pages, page_size, Hkv, D).
   bool token_major_pages = false;
+  Precision precision = Precision::kExact;  // Options::precision (sdpa bench --precision)
 };
 
 // Keys of sequence b: Nk, or with page_size the geometric spread above.

@@ -605,8 +605,15 @@ TEST_F(CliTest, BenchDtypeRunsTheTableInThatDtype) {
   // The table: its header names the dtype, and a row says it too.
   const Result table = sdpa("bench --dtype bf16 --filter 'decode mha 8 d64' --reps 1 --threads 1");
   ASSERT_EQ(table.status, 0) << table.err;
-  EXPECT_NE(table.out.find(", bfloat16, median of 1 runs"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find(", bfloat16, precision exact, median of 1 runs"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("decode mha 8 d64 (4 tokens) bf16 bf16"), std::string::npos) << table.out;
+  // --precision: every case's Options::precision, in the header and the JSON.
+  const Result fast = sdpa("bench --dtype bf16 --filter 'decode mha 8 d64' --reps 1 --threads 1 --precision fast --json");
+  ASSERT_EQ(fast.status, 0) << fast.err;
+  EXPECT_NE(fast.out.find("\"precision\": \"fast\""), std::string::npos) << fast.out;
+  const Result bad_precision = sdpa("bench --precision quick");
+  EXPECT_EQ(bad_precision.status, 2) << bad_precision.err;
+  EXPECT_NE(bad_precision.err.find("--precision"), std::string::npos) << bad_precision.err;
   const Result bad = sdpa("bench --dtype bf32");
   EXPECT_EQ(bad.status, 2) << bad.err;
   EXPECT_NE(bad.err.find("--dtype"), std::string::npos) << bad.err;
@@ -755,6 +762,17 @@ TEST_F(CliTest, BFloat16RunReadsAndWritesMlDtypesFiles) {
   EXPECT_EQ(out.data, direct.out.data);
   EXPECT_EQ(lse.data, direct.lse.data);
   EXPECT_EQ(w.data, direct.weights.data);
+  // --precision fast: the library's kFast call, bit for bit.
+  const Result fast = sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --lse lse.npy --scale 0.75 --precision fast");
+  ASSERT_EQ(fast.status, 0) << fast.err;
+  options.precision = sdpa::Precision::kFast;
+  const Direct direct_fast = attention_of(read_npy(path("q.npy")), read_npy(path("k.npy")), read_npy(path("v.npy")),
+                                          nullptr, DType::kBFloat16, DType::kFloat32, options);
+  EXPECT_EQ(read_npy(path("out.npy")).data, direct_fast.out.data);
+  EXPECT_EQ(read_npy(path("lse.npy")).data, direct_fast.lse.data);
+  const Result quick = sdpa("run --q q.npy --k k.npy --v v.npy -o out.npy --precision quick");
+  EXPECT_EQ(quick.status, 2) << quick.err;
+  EXPECT_NE(quick.err.find("--precision"), std::string::npos) << quick.err;
 
   save("q16.npy", random_16(DType::kFloat16, {3, 6, 4}, 9));
   save("k16.npy", random_16(DType::kFloat16, {3, 9, 4}, 10));

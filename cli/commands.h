@@ -36,6 +36,7 @@ struct CallOptions {
   std::string alibi_slopes, sinks;            // .npy files; empty: none
   std::string block_mask;                     // .npy file (bool); empty: none
   std::string block_size = "128";             // "B" or "BQ,BK"
+  std::string precision = "exact";            // or fast (16-bit inputs)
 };
 // declared on a subcommand (--q, --k and --v required or not),
 void add_call_options(CLI::App* command, CallOptions& options, bool required);
@@ -78,6 +79,7 @@ struct BenchOptions {
   int reps = 5;
   std::string filter;
   std::string dtype;  // "bf16", "f16", "f32", "f64": the whole table in it; empty: the default table
+  std::string precision = "exact";  // or fast: Options::precision of every case
   bool json = false;
   bool no_avx512 = false;
   bool no_bf16_dot = false;

@@ -191,13 +191,6 @@ const char* const kDtypesFooter =
       "seqlens_k: int32 '<i4' or int64 '<i8', shape (B,) ((1,) for q without a batch dim), each in [0, Nk].\n"
       "alibi_slopes, sinks: float32 or float64 (converted to float64 to be read; the compute type holds them).";
 
-// The names of Options::SoftcapOrder, for --softcap-order's check.
-static std::vector<std::string> softcap_orders() {
-  std::vector<std::string> names;
-  for (const auto& n : sdpa::front::kSoftcapOrderNames) names.emplace_back(n.name);
-  return names;
-}
-
 void add_call_options(CLI::App* run, CallOptions& o, bool required) {
   run->add_option("--q", o.q, "Queries (..., Hq, Nq, Dk), rank 2..4: float32, float64, float16 or bfloat16 (see below)")
       ->type_name("FILE")
@@ -229,7 +222,14 @@ void add_call_options(CLI::App* run, CallOptions& o, bool required) {
                   "before_bias: cap, then ALiBi and mask are added (FlashAttention, Gemma, ONNX); after_bias: "
                   "the cap of the biased score (blocked keys stay blocked in either)")
       ->type_name("ORDER")
-      ->check(CLI::IsMember(softcap_orders()))
+      ->check(CLI::IsMember(names_of(sdpa::front::kSoftcapOrderNames)))
+      ->capture_default_str();
+  run->add_option("--precision", o.precision,
+                  "exact: 16-bit inputs computed in float32, out rounded once; fast: the weights rounded to the "
+                  "inputs' type before p.V, as every peer does (each row still sums to 1; float32 and float64 "
+                  "inputs ignore it)")
+      ->type_name("MODE")
+      ->check(CLI::IsMember(names_of(sdpa::front::kPrecisionNames)))
       ->capture_default_str();
   run->add_option("--alibi-slopes", o.alibi_slopes,
                   "ALiBi slopes (Hq,) or (B, Hq): score -= slope * |i + Nk - Nq - j|")
@@ -262,8 +262,8 @@ CLI::App* add_run_command(CLI::App& app, RunOptions& o) {
 
 LoadedCall load_call(const CallOptions& o) {
   LoadedCall call;
-  sdpa::front::Call c{.scale = o.scale, .causal = causal_name(o.causal), .softcap = o.softcap,
-                      .softcap_order = o.softcap_order};
+  sdpa::front::Call c{.scale = o.scale, .causal = causal_name(o.causal), .precision = o.precision,
+                      .softcap = o.softcap, .softcap_order = o.softcap_order};
   if (!o.window.empty()) c.window = parse_window(o.window);
 
   call.q = read_input("q", o.q), call.k = read_input("k", o.k), call.v = read_input("v", o.v);

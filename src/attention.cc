@@ -18,6 +18,10 @@ bool computes_in_f64(DType compute) {
   return compute == DType::kFloat64;
 }
 
+// Whether the fused kernel runs p as two passes: Options::precision kFast (round_p) with the
+// weights or statistics asked for, which describe the exact softmax.
+bool splits_exact_pass(const internal::Problem& p) { return p.round_p && (p.weights || p.stats.any()); }
+
 void run_backend(const internal::Problem& p, Backend backend) {
   const bool f64 = computes_in_f64(p.compute);
   switch (backend) {
@@ -26,9 +30,23 @@ void run_backend(const internal::Problem& p, Backend backend) {
       return;
     case Backend::kAuto:
     case Backend::kFlash:
+      if (splits_exact_pass(p)) {
+        // kFast's weights and statistics are exact mode's: an exact pass writes them (and out,
+        // which the kFast pass then writes again; outputs overlap no input), the kFast pass out
+        // and lse.
+        internal::Problem exact = p;
+        exact.round_p = false;
+        exact.lse.reset();
+        internal::flash_attention(exact);
+        internal::Problem fast = p;
+        fast.weights.reset();
+        fast.stats = {};
+        internal::flash_attention(fast);
+        return;
+      }
       internal::flash_attention(p);
       return;
-    case Backend::kNaive:
+    case Backend::kNaive:  // kFast's naive row keeps the exact weights beside its rounded sums
       f64 ? internal::materialized_attention<double>(p) : internal::materialized_attention<float>(p);
       return;
   }
@@ -69,7 +87,7 @@ void run_forward_many(const std::vector<Problem>& problems, Backend backend) {
   std::vector<const Problem*> fused[2];  // by compute type: float32, float64
   for (const Problem& p : problems) {
     const bool fuse = (backend == Backend::kAuto || backend == Backend::kFlash) && !p.writes_nothing() &&
-                      !p.scores_are_biases_only();
+                      !p.scores_are_biases_only() && !splits_exact_pass(p);
     if (fuse) {
       fused[computes_in_f64(p.compute)].push_back(&p);
     } else {

@@ -37,6 +37,7 @@ inline constexpr Name<Backend> kBackendNames[] = {
     {"auto", Backend::kAuto}, {"flash", Backend::kFlash}, {"reference", Backend::kReference}, {"naive", Backend::kNaive}};
 inline constexpr Name<Options::SoftcapOrder> kSoftcapOrderNames[] = {
     {"before_bias", Options::SoftcapOrder::kBeforeBias}, {"after_bias", Options::SoftcapOrder::kAfterBias}};
+inline constexpr Name<Precision> kPrecisionNames[] = {{"exact", Precision::kExact}, {"fast", Precision::kFast}};
 inline constexpr Name<ScoresStage> kScoresStageNames[] = {{"scaled", ScoresStage::kScaled},
                                                           {"softcapped", ScoresStage::kSoftcapped},
                                                           {"biased", ScoresStage::kBiased},
@@ -55,6 +56,14 @@ E parse_name(std::string_view arg, std::span<const Name<E>> names, std::string_v
 template <class E, size_t n>
 E parse_name(std::string_view arg, const Name<E> (&names)[n], std::string_view text, std::string_view also = {}) {
   return parse_name<E>(arg, std::span<const Name<E>>(names), text, also);
+}
+
+// Every name in `names`, in order: a command-line option's allowed values.
+template <class E, size_t n>
+std::vector<std::string> names_of(const Name<E> (&names)[n]) {
+  std::vector<std::string> out;
+  for (const Name<E>& x : names) out.emplace_back(x.name);
+  return out;
 }
 
 // The storage dtype named `text`, by the dtype table's names (storage.h: 'float32', 'float64',
@@ -82,6 +91,7 @@ struct Call {
   std::string_view causal = "none";
   Window window = {};
   std::string_view backend = "auto";
+  std::string_view precision = "exact";
   double dropout_p = 0.0;
   std::optional<uint64_t> seed = std::nullopt;
   double softcap = 0.0;
@@ -97,6 +107,7 @@ inline Options options(const Call& c) {
   opt.causal = parse_name("causal", kCausalNames, c.causal);
   opt.window = c.window;
   opt.backend = parse_name("backend", kBackendNames, c.backend);
+  opt.precision = parse_name("precision", kPrecisionNames, c.precision);
   opt.dropout_p = c.dropout_p;
   opt.seed = c.seed;
   opt.softcap = c.softcap;

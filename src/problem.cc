@@ -454,6 +454,12 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   }
   p.causal = opt.causal;
   p.window = opt.window;
+  if (opt.precision != Precision::kExact && opt.precision != Precision::kFast) {
+    fail("precision has an unknown value " + std::to_string(static_cast<int>(opt.precision)));
+  }
+  // kFast rounds the weights to q's type; float32 and float64 q (a 16-bit KV cache included)
+  // compute exactly whatever it says.
+  p.round_p = opt.precision == Precision::kFast && (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16);
   read_modifiers(opt, p);
   p.dropout = make_dropout(opt.dropout_p, opt.seed.value_or(0));
   if (opt.dropout_p > 0 && !opt.seed) {

@@ -148,6 +148,9 @@ struct Problem {
   Causal causal = Causal::kNone;
   Window window;
   Dropout dropout;
+  // Options::precision kFast with 16-bit q (k, v: the same type): the weights p are rounded to
+  // `dtype` before the products that use them (the header's rule). False: exact.
+  bool round_p = false;
 
   // Score modifiers (Options::softcap, alibi_slopes, sinks), validated: the tanh cap (0: none)
   // and where it goes, and the slopes ((1 or B) × Hq, row-major; empty: none) and sinks (Hq;

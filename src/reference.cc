@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -97,18 +98,53 @@ Acc softmax_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Ac
   return row_max + std::log(sum);
 }
 
-template <typename Acc, typename Out>
-Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row, Acc* scores) {
-  const Acc lse = softmax_row(p, b, h, i, prob, scores);
-  // 3. out_i = sum_j w_ij v_j, the weights after dropout (w itself when it is off), over the
-  //    keys whose weight is not 0: a blocked, dropped or underflowed key adds nothing, even a
-  //    NaN in its value row.
-  std::vector<Acc> acc(static_cast<size_t>(p.Dv), Acc(0));
+// Options::precision kFast's row (Acc = float, Problem::round_p), the naive algorithm that
+// rounds what the fused kernel rounds: p~_j = exp(s_j - m) rounded to q's 16-bit type (m the
+// row's max, the sink's logit included), l = Σ_j p~_j (+ exp(sink - m), unrounded), out_i =
+// Σ_j p~_j · z_j · v_j / l. s: the row's scores (-inf blocked), at least one finite and none NaN.
+// Returns lse = m + log(l), the normaliser used.
+template <typename Acc>
+Acc attend_row_rounded(const Problem& p, int64_t b, int64_t h, int64_t i, const Acc* s, Acc* acc) {
+  Acc m = *std::max_element(s, s + p.Nk);
+  const Acc sink = p.has_sinks() ? p.in_compute_range(p.sink<Acc>(h)) : -std::numeric_limits<Acc>::infinity();
+  m = std::max(m, sink);
+  Acc l = p.has_sinks() ? shifted_exp(sink, m) : Acc(0);
   const int64_t kvh = h / p.group;
   for (int64_t j = 0; j < p.Nk; ++j) {
-    const Acc w = prob[j] * p.dropout.factor<Acc>(b, h, i, j);
+    if (s[j] == -std::numeric_limits<Acc>::infinity()) continue;
+    const Acc pj = rounded_to_16bit(p.dtype, shifted_exp(s[j], m));
+    l += pj;
+    const Acc w = pj * p.dropout.factor<Acc>(b, h, i, j);
     if (w == 0) continue;
     for (int64_t d = 0; d < p.Dv; ++d) acc[d] += w * p.v.load<Acc>(b, kvh, j, d);
+  }
+  for (int64_t d = 0; d < p.Dv; ++d) acc[d] /= l;
+  return m + std::log(l);
+}
+
+template <typename Acc, typename Out>
+Acc attend_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob, Out* out_row, Acc* scores) {
+  // kFast's rounding needs the row's scores; a row with no allowed key or a NaN score is the
+  // same in either mode (out 0 or NaN).
+  const bool rounded = !std::is_same_v<Acc, double> && p.round_p;
+  std::vector<Acc> own_scores(rounded && scores == nullptr ? static_cast<size_t>(p.Nk) : 0);
+  if (rounded && scores == nullptr) scores = own_scores.data();
+  Acc lse = softmax_row(p, b, h, i, prob, scores);
+  std::vector<Acc> acc(static_cast<size_t>(p.Dv), Acc(0));
+  const bool finite_row = rounded && std::any_of(scores, scores + p.Nk, [](Acc x) { return x > -std::numeric_limits<Acc>::infinity(); }) &&
+                          std::none_of(scores, scores + p.Nk, [](Acc x) { return std::isnan(x); });
+  if (finite_row) {
+    lse = attend_row_rounded(p, b, h, i, scores, acc.data());
+  } else {
+    // 3. out_i = sum_j w_ij v_j, the weights after dropout (w itself when it is off), over the
+    //    keys whose weight is not 0: a blocked, dropped or underflowed key adds nothing, even a
+    //    NaN in its value row.
+    const int64_t kvh = h / p.group;
+    for (int64_t j = 0; j < p.Nk; ++j) {
+      const Acc w = prob[j] * p.dropout.factor<Acc>(b, h, i, j);
+      if (w == 0) continue;
+      for (int64_t d = 0; d < p.Dv; ++d) acc[d] += w * p.v.load<Acc>(b, kvh, j, d);
+    }
   }
   for (int64_t d = 0; d < p.Dv; ++d) out_row[d] = static_cast<Out>(acc[d]);
   return lse;

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "reference.h"
@@ -25,6 +26,7 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
   const Acc lse = softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
+  const bool rounds = !std::is_same_v<Acc, double> && p.round_p;
   Acc D = 0;
   for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);
   if (dq) std::fill(dq, dq + p.Dk, Acc(0));
@@ -32,10 +34,13 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
   for (int64_t j = 0; j < p.Nk; ++j) {
     if (prob[j] == 0) continue;  // blocked keys get no gradient and give none
     const Acc z = p.dropout.factor<Acc>(b, h, i, j);  // 0, or 1 / (1 - dropout_p)
+    // Options::precision kFast (the naive twin, Acc = float): p and ds are rounded to q's 16-bit
+    // type before the products that use them (dv's p, dq's and dk's ds), as the fused kernel does.
+    const Acc pv = rounds ? static_cast<Acc>(rounded_to_16bit(p.dtype, static_cast<float>(prob[j]))) : prob[j];
     Acc dp = 0;
     for (int64_t e = 0; e < p.Dv; ++e) {
       const Acc g = bp.dout.load<Acc>(b, h, i, e);
-      if (dv) dv[j * p.Dv + e] += z * prob[j] * g;
+      if (dv) dv[j * p.Dv + e] += z * pv * g;
       dp += g * p.v.load<Acc>(b, kvh, j, e);
     }
     Acc slope = 1;  // the softcap's ∂s/∂x, from the scaled dot product x as the forward formed it
@@ -46,7 +51,8 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
     }
     const Acc dscore = grad_ds(prob[j], z, dp, D);  // ∂loss/∂s; a dropped key's v (even NaN) adds nothing
     if (dbias) dbias[j] = p.cap_after_bias ? dscore * slope : dscore;  // the bias is inside the cap, or after it
-    const Acc ds = dscore * slope * scale;
+    const Acc ds = (rounds ? static_cast<Acc>(rounded_to_16bit(p.dtype, static_cast<float>(dscore * slope)))
+                           : dscore * slope) * scale;
     for (int64_t d = 0; d < p.Dk; ++d) {
       if (dq) dq[d] += ds * p.k.load<Acc>(b, kvh, j, d);
       if (dk) dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);

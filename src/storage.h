@@ -130,6 +130,12 @@ inline uint16_t f32_to_f16(float f) {
   return static_cast<uint16_t>(sign | static_cast<uint16_t>(std::nearbyint(mag * 0x1p24f)));
 }
 
+// x rounded to nearest even in the 16-bit storage type t (bfloat16 or float16) and widened back:
+// Options::precision kFast's rounding of a weight (the naive twin's; the kernels' is SIMD).
+inline float rounded_to_16bit(DType t, float x) {
+  return t == DType::kBFloat16 ? bf16_to_f32(f32_to_bf16(x)) : f16_to_f32(f32_to_f16(x));
+}
+
 // Element i of a rank-1 int32 or int64 view (seqlens_k, cu_seqlens), any stride and alignment.
 inline int64_t index_at(const TensorView& t, int64_t i) {
   const char* at = static_cast<const char*>(t.data) + i * t.strides[0] * storage_bytes(t.dtype);

@@ -113,11 +113,37 @@ enum class Backend : uint8_t {
                // tolerances ("error of a naive implementation")
 };
 
+// How 16-bit inputs (bfloat16, float16 q, k and v) are computed. float32 and float64 inputs,
+// and float32 q over a 16-bit KV cache, ignore it: they are always computed as kExact.
+enum class Precision : uint8_t {
+  kExact,  // 16-bit inputs widened exactly, everything in float32, results rounded once
+  kFast,   // the weights rounded to the inputs' type before the products that use them, as
+           // every peer does (FlashAttention, PyTorch's CPU flash attention, OpenVINO), so
+           // that those products run on 16-bit instructions (AVX512_BF16's vdpbf16ps); each
+           // row stays stochastic (below)
+};
+// kFast, in the forward: each unnormalised weight p = exp(s - m) (m the row's running max, as
+// the online softmax has it) is rounded to nearest even in the inputs' type, p~, and
+//   out = Σ_j p~_j · z_j · v_j / l,   l = Σ_j p~_j (float32; + exp(sink - m) with a sink, unrounded)
+// with z_j the dropout factor (0 or 1 / (1 - dropout_p), in float32 after the rounding; 1
+// without dropout). The normaliser is the sum of the same rounded weights, so values all 1
+// give 1 and the error has no sign (FlashAttention's numerator and denominator differ: a
+// row of ones gives less than 1). Products accumulate in float32. lse = m + log(l), the
+// normaliser used. The weights and Outputs::stats are exact mode's (an exact pass computes
+// them: asking for them costs a second pass). In attention_backward, with p = exp(s - lse)
+// from the lse the forward gave, p is rounded before dv's product (dv += z·p~ · dout) and
+// ds = p·(z·dp - D) (times the softcap's slope) before dq's and dk's, all accumulating in
+// float32; dbias, dalibi_slopes and dsinks are exact mode's. Accuracy (tested): the error
+// against float64 is at most twice that of the naive algorithm that rounds the same values
+// (Backend::kNaive with kFast), plus the tolerance floor. kReference ignores it (the float64
+// oracle).
+
 struct Options {
   std::optional<double> scale;  // default 1 / sqrt(Dk); finite and held by the compute type
   Causal causal = Causal::kNone;
   Window window;
   Backend backend = Backend::kAuto;
+  Precision precision = Precision::kExact;  // for 16-bit inputs (above)
   // Dropout on the attention weights, after the softmax: each weight is dropped with
   // probability dropout_p and kept ones are scaled by 1 / (1 - dropout_p). The decision for
   // weight (b, h, i, j) is a pure function of (seed, b, h, i, j) (Philox4x32-10), the same in

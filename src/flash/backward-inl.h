@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "flash/bf16_path-inl.h"
@@ -225,6 +226,8 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
   const int64_t nk = std::min<int64_t>(static_cast<int64_t>(mq), p.Nk - j0);
   const T scale = static_cast<T>(p.scale);
   const T neg_inf = -std::numeric_limits<T>::infinity();
+  // Options::precision kFast: dv's p and dk's (and dq's) ds rounded to q's 16-bit type.
+  const bool rounds = std::is_same_v<T, float> && p.round_p;
   // kt = k · scale and vt, transposed; padding lanes zero.
   std::fill(s.xt.get(), s.xt.get() + p.Dk * mq, T(0));
   std::fill(s.yt.get(), s.yt.get() + p.Dv * mq, T(0));
@@ -321,12 +324,15 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
           if (p.dropout.enabled()) {
             const V zq = hn::Load(d, z + q * N);
             dp = DroppedDp(d, zq, dp);
-            hn::Store(hn::Mul(pq, zq), d, pr);  // dv's weight z·p
+            hn::Store(hn::Mul(rounds ? RoundTo16(d, p, pq) : pq, zq), d, pr);  // dv's weight z·p (kFast: z·p~)
+          } else if (rounds) {
+            hn::Store(RoundTo16(d, p, pq), d, pr);  // kFast: dv's weight p~
           }
           hn::Store(Ds(d, pq, dp, Di), d, x);
         }
       }
       if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));  // (padding lanes: ds = 0)
+      if (rounds) RoundTo16InPlace(d, p, dpt, n * static_cast<int64_t>(mq));  // kFast: dk's and dq's ds~
       // A row whose q or dout holds a NaN or inf reaches no key it gives weight 0.
       const uint8_t *q_bad = nullptr, *dout_bad = nullptr;
       if (rs.any_bad_rows) {
@@ -421,6 +427,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
       }
     }
     if (slope != nullptr) ApplySlope(d, dpt, slope, n * static_cast<int64_t>(mq));
+    if (std::is_same_v<T, float> && p.round_p) RoundTo16InPlace(d, p, dpt, n * static_cast<int64_t>(mq));  // kFast: dq's ds~, as the key pass rounds it
     // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
     const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
     AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());

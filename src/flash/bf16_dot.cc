@@ -75,7 +75,90 @@ __attribute__((target("avx512f,avx512bf16"))) void Tile(const uint32_t* qp, size
   for (; j < n; ++j) Block<1, QV>(qp, mq, dk, k + j * ks, ks, scale, st + j * mq);
 }
 
+// Every lane: the masked forms, whose unmasked ones g++ 12 warns about (_mm512_undefined_epi32
+// read as "maybe uninitialized").
+constexpr __mmask16 kAll = 0xffff;
+
+// EB value columns × QV vectors of lanes of ot: alpha·ot + Σ over key pairs [j2_0, j2_1) of
+// the weight pairs (pp, relative to j2_0) times a broadcast pair of values.
+template <int EB, int QV>
+__attribute__((target("avx512f,avx512bf16"))) inline void AccumulateBlock(const uint32_t* pp, size_t mq, int64_t pairs,
+                                                                          const uint32_t* vp, int64_t dv,
+                                                                          const __m512* alpha, float* ot) {
+  __m512 acc[EB][QV];
+  for (int e = 0; e < EB; ++e)
+    for (int v = 0; v < QV; ++v) acc[e][v] = _mm512_mul_ps(alpha[v], _mm512_load_ps(ot + e * mq + v * 16));
+  for (int64_t j2 = 0; j2 < pairs; ++j2) {
+    __m512bh pv[QV];
+    for (int v = 0; v < QV; ++v) pv[v] = (__m512bh)_mm512_load_si512(pp + j2 * mq + v * 16);
+    for (int e = 0; e < EB; ++e) {
+      const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[j2 * dv + e]));
+      for (int v = 0; v < QV; ++v) acc[e][v] = _mm512_dpbf16_ps(acc[e][v], vv, pv[v]);
+    }
+  }
+  for (int e = 0; e < EB; ++e)
+    for (int v = 0; v < QV; ++v) _mm512_store_ps(ot + e * mq + v * 16, acc[e][v]);
+}
+
+template <int QV>
+__attribute__((target("avx512f,avx512bf16"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
+                                                               const uint32_t* vp, int64_t dv, const float* alpha,
+                                                               uint32_t* pp, float* ot) {
+  // The weight pairs of keys (2·j2, 2·j2 + 1) from the pair holding `first`: a key outside
+  // [first, first + n) weighs 0. Each float32 p is a bfloat16 value: its top half.
+  const int64_t j2_0 = first / 2, j2_1 = (first + n + 1) / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t j2 = j2_0; j2 < j2_1; ++j2) {
+    const int64_t a = 2 * j2 - first, b = a + 1;  // rows of p
+    for (int v = 0; v < QV; ++v) {
+      const __m512i pa = a >= 0 ? _mm512_load_si512(p + a * mq + v * 16) : _mm512_setzero_si512();
+      const __m512i pb = b < n ? _mm512_load_si512(p + b * mq + v * 16) : _mm512_setzero_si512();
+      _mm512_store_si512(pp + (j2 - j2_0) * mq + v * 16, _mm512_or_si512(_mm512_maskz_srli_epi32(kAll, pa, 16), _mm512_and_si512(pb, high)));
+    }
+  }
+  __m512 al[QV];
+  for (int v = 0; v < QV; ++v) al[v] = _mm512_load_ps(alpha + v * 16);
+  constexpr int EB = QV == 1 ? 16 : 12;  // EB·QV accumulators + QV + 1 of the 32 registers
+  const uint32_t* vps = vp + j2_0 * dv;
+  const int64_t pairs = j2_1 - j2_0;
+  int64_t e = 0;
+  for (; e + EB <= dv; e += EB) AccumulateBlock<EB, QV>(pp, mq, pairs, vps + e, dv, al, ot + e * mq);
+  for (; e + 4 <= dv; e += 4) AccumulateBlock<4, QV>(pp, mq, pairs, vps + e, dv, al, ot + e * mq);
+  for (; e + 2 <= dv; e += 2) AccumulateBlock<2, QV>(pp, mq, pairs, vps + e, dv, al, ot + e * mq);
+  for (; e < dv; ++e) AccumulateBlock<1, QV>(pp, mq, pairs, vps + e, dv, al, ot + e * mq);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void PackPairs(const uint16_t* v, int64_t vs, int64_t n, int64_t dv,
+                                                              uint32_t* vp) {
+  for (int64_t j2 = 0; 2 * j2 < n; ++j2) {
+    const uint16_t* ra = v + 2 * j2 * vs;
+    const uint16_t* rb = 2 * j2 + 1 < n ? ra + vs : nullptr;
+    uint32_t* out = vp + j2 * dv;
+    int64_t e = 0;
+    for (; e + 16 <= dv; e += 16) {
+      const __m512i a = _mm512_maskz_cvtepu16_epi32(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + e)));
+      const __m512i b = rb ? _mm512_maskz_cvtepu16_epi32(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rb + e)))
+                           : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + e, _mm512_or_si512(a, _mm512_maskz_slli_epi32(kAll, b, 16)));
+    }
+    for (; e < dv; ++e) out[e] = ra[e] | (rb ? static_cast<uint32_t>(rb[e]) << 16 : 0u);
+  }
+}
+
 }  // namespace
+
+void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp) {
+  PackPairs(v, v_stride, n, dv, vp);
+}
+
+void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
+                       const float* alpha, uint32_t* pp, float* ot) {
+  if (mq == 16) {
+    Accumulate<1>(p, mq, first, n, vp, dv, alpha, pp, ot);
+  } else {
+    Accumulate<2>(p, mq, first, n, vp, dv, alpha, pp, ot);
+  }
+}
 
 bool cpu_has_avx512_bf16() {
   static const bool has = detect();
@@ -95,6 +178,9 @@ void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
 
 bool cpu_has_avx512_bf16() { return false; }
 void Bf16DotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
+void PackBf16ValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
+void Bf16DotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
+                       float*) {}
 
 #endif
 

@@ -63,6 +63,25 @@ bool pack_bf16_pairs(const RowOf& row_of, int64_t count, int64_t width, size_t m
 void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
                    float scale, float* st);
 
+// Options::precision kFast's p·V with vdpbf16ps, for a tile of keys k0 + [0, n) (forward_block-
+// inl.h): the weights are bfloat16 values held in float32 (RoundWeights), so the products are
+// exact and only their sums round, in float32. Range: p in [2^-126, 1] or 0 (ExpNormal's), and
+// the tile's values in bf16_dot_range_ok's range (checked by the caller), so every product is
+// 0 or at least 2^-166: one below 2^-126 is flushed to 0 by the instruction, an error below
+// 2^-126 · n relative to the largest |v|, far under the tolerance floor. (The scores path needs
+// more care because q·k can cancel; a weight is never negative.)
+//
+// vp[j2·dv + e] = v_{2·j2}[e] | v_{2·j2+1}[e] << 16 for the tile's rows [0, n) (bfloat16 bits,
+// row r at v + r·v_stride, elements; the high half 0 past an odd n): the value pairs, packed
+// once per tile for every block that reads it.
+void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp);
+// ot[e·mq + lane] = alpha[lane] · ot[e·mq + lane] + Σ_j p[(j - first)·mq + lane] · v_j[e] for
+// the tile's keys j in [first, first + n) and e < dv: p (key-major, mq = 16 or 32 lanes, 64-byte
+// aligned) holds bfloat16 values; vp from PackBf16ValuePairs; pp scratch of
+// ((n + 1) / 2 + 1) · mq words, 64-byte aligned. Only after cpu_has_avx512_bf16() returned true.
+void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
+                       const float* alpha, uint32_t* pp, float* ot);
+
 // AMX (amx_dot.cc): whether this CPU has AMX-TILE and AMX-BF16, the OS saves the tile state and
 // grants it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once, here).
 bool cpu_has_amx_bf16();

@@ -211,20 +211,29 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       const bool inf_max = mnew == std::numeric_limits<T>::infinity();
       V sum = hn::Zero(d), tsum = hn::Zero(d);
       // With statistics, also t's Σ p · (s - m) (row_stats.h), in a loop of its own.
-      const auto exp_row = [&](auto inf_max_const, auto stats_const) {
+      // kFast (Problem::round_p): each p rounded to q's 16-bit type before it is summed.
+      const auto exp_row = [&](auto inf_max_const, auto stats_const, auto round_const) {
         constexpr bool kInfMax = decltype(inf_max_const)::value;
+        constexpr Round16 kRound = decltype(round_const)::value;
         for (int64_t j = 0; j < n_vec; j += N) {
           const V s = hn::Load(d, row + j);
-          const V pj = ShiftedExp<kInfMax>(d, s, vmsafe);
+          const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax>(d, s, vmsafe));
           sum = hn::Add(sum, pj);
           if constexpr (decltype(stats_const)::value) tsum = AddTTerm<kInfMax>(d, pj, s, vmsafe, tsum);
           hn::Store(pj, d, row + j);
         }
       };
-      if (stats.reals != nullptr) {
-        inf_max ? exp_row(std::true_type{}, std::true_type{}) : exp_row(std::false_type{}, std::true_type{});
+      using NoRounding = std::integral_constant<Round16, Round16::kNone>;
+      if (stats.reals != nullptr) {  // never with kFast (run_forward)
+        inf_max ? exp_row(std::true_type{}, std::true_type{}, NoRounding{})
+                : exp_row(std::false_type{}, std::true_type{}, NoRounding{});
+      } else if (std::is_same_v<T, float> && p.round_p) {
+        WithRound16(p, [&](auto round) {
+          inf_max ? exp_row(std::true_type{}, std::false_type{}, round) : exp_row(std::false_type{}, std::false_type{}, round);
+        });
       } else {
-        inf_max ? exp_row(std::true_type{}, std::false_type{}) : exp_row(std::false_type{}, std::false_type{});
+        inf_max ? exp_row(std::true_type{}, std::false_type{}, NoRounding{})
+                : exp_row(std::false_type{}, std::false_type{}, NoRounding{});
       }
       alpha[r] = hn::GetLane(RescaleFactor(d, hn::Set(d, m[r]), vmsafe));
       if (stats.reals != nullptr) {

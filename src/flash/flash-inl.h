@@ -29,6 +29,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -54,6 +55,7 @@ struct Job {
   const Problem* p = nullptr;
   Plan plan;
   KernelPath dot = KernelPath::kSimd;
+  bool pv_pairs = false;  // kFast's p·V with vdpbf16ps (Scratch::pv_pairs)
   size_t mq = 0, partial_size = 0;
   std::vector<T> partial;
   // The statistics' lane states (LaneStats' two arrays) of each block and chunk, when asked for.
@@ -63,7 +65,7 @@ struct Job {
   // What a thread's Scratch depends on: jobs that agree share one (a varlen batch: all do).
   bool same_scratch(const Job& o) const {
     return p->Dk == o.p->Dk && p->Dv == o.p->Dv && p->k.dtype == o.p->k.dtype && p->v.dtype == o.p->v.dtype &&
-           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot &&
+           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot && pv_pairs == o.pv_pairs &&
            p->stats.in_pass() == o.p->stats.in_pass() && p->stats.topk == o.p->stats.topk;
   }
 };
@@ -162,7 +164,13 @@ void FlashMany(const Problem* const* problems, size_t n) {
     // present. (Not from a paged pool: the instruction reads a tile's keys in place, evenly spaced.)
     job.dot = job.plan.decode || !bf16_dot_scale_ok(p.scale) || p.k.paged() ? KernelPath::kSimd
                                                                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
-    noted = std::max(noted, job.dot);
+    // kFast's p·V with vdpbf16ps: prefill tiles of bfloat16 values (read in place, evenly
+    // spaced: not paged), without dropout (whose factor would need a second rounding), where the
+    // instruction is allowed and present (an AMX CPU has it too).
+    job.pv_pairs = std::is_same_v<T, float> && p.round_p && p.dtype == DType::kBFloat16 && !job.plan.decode &&
+                   !p.v.paged() && !p.dropout.enabled() &&
+                   Bf16DotPath<T>({p.v.dtype}) != KernelPath::kSimd && cpu_has_avx512_bf16();
+    noted = std::max({noted, job.dot, job.pv_pairs ? KernelPath::kAvx512Bf16 : KernelPath::kSimd});
     job.partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * job.mq;  // (ot, m, l, bad) of one block and chunk
     if (job.plan.needs_merge()) {
       const int64_t pieces = job.plan.blocks * job.plan.chunks, mq = static_cast<int64_t>(job.mq);
@@ -205,7 +213,8 @@ void FlashMany(const Problem* const* problems, size_t n) {
     const auto scratch = [&](const Job<T>& job) -> Scratch<T>& {
       for (auto& [owner, sc] : scratches)
         if (owner->same_scratch(job)) return *sc;
-      scratches.emplace_back(&job, std::make_unique<Scratch<T>>(*job.p, job.mq, N, job.plan.group_blocks, job.dot));
+      scratches.emplace_back(&job, std::make_unique<Scratch<T>>(*job.p, job.mq, N, job.plan.group_blocks, job.dot,
+                                                                 job.pv_pairs));
       return *scratches.back().second;
     };
     each(units, [&](int64_t u) {

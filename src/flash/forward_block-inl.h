@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "flash/flash_plan.h"
@@ -44,11 +45,12 @@ struct ScratchPart {
 // into parts (a decode step of a small model is shorter than a dozen mallocs).
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot)
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot, bool pv_pairs = false)
       : mq(mq),
         Dk(static_cast<size_t>(p.Dk)),
         Dv(static_cast<size_t>(p.Dv)),
         bf16_dot(dot != KernelPath::kSimd),
+        pv_pairs(pv_pairs),
         amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
         lanes(group * mq),
@@ -72,13 +74,20 @@ struct Scratch {
         at_least_1(group * kBadClasses * Dv * mq),                                    // bad
     };
     const size_t qp_size = bf16_dot ? at_least_1(group * ((Dk + 1) / 2) * mq) : 1;   // uint32_t
+    const size_t vp_size = pv_pairs ? at_least_1((kt + 1) / 2 * Dv) : 1;             // uint32_t
+    const size_t pp_size = pv_pairs ? ((kt + 1) / 2 + 1) * mq : 1;                     // uint32_t
     const auto rounded = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
-    size_t total = rounded(qp_size * sizeof(uint32_t));
+    size_t total = rounded(qp_size * sizeof(uint32_t)) + rounded(vp_size * sizeof(uint32_t)) +
+                   rounded(pp_size * sizeof(uint32_t));
     for (size_t n : sizes) total += rounded(n * sizeof(T));
     storage = hwy::AllocateAligned<uint8_t>(total);
     uint8_t* at = storage.get();
     qp.ptr = reinterpret_cast<uint32_t*>(at);
     at += rounded(qp_size * sizeof(uint32_t));
+    vp.ptr = reinterpret_cast<uint32_t*>(at);
+    at += rounded(vp_size * sizeof(uint32_t));
+    pp.ptr = reinterpret_cast<uint32_t*>(at);
+    at += rounded(pp_size * sizeof(uint32_t));
     ScratchPart<T>* parts[] = {&qt, &st, &mask_rows, &ot, &m, &l, &decode_q, &decode_o, &ktile, &vtile, &bad};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
       parts[i]->ptr = reinterpret_cast<T*>(at);
@@ -106,7 +115,9 @@ struct Scratch {
   ScratchPart<T> ktile, vtile;        // a tile of K, V rows widened to T (ReadRows)
   ScratchPart<T> bad;                 // BlockState::bad of each block
   ScratchPart<uint32_t> qp;           // BlockState::qp of each block, when bf16_dot
-  bool bf16_dot, amx;  // the bfloat16 products (qp), with AMX
+  ScratchPart<uint32_t> vp, pp;       // kFast's p·V pairs (bf16_dot.h), when pv_pairs: a tile's
+                                      // values (PackBf16ValuePairs) and a block's weights
+  bool bf16_dot, pv_pairs, amx;  // the bfloat16 products (qp; kFast's p·V), with AMX
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
   int64_t topk;                                       // Outputs::stats' k
@@ -118,9 +129,13 @@ struct Scratch {
 // kTileKeys), clipped to the block's span: scores, new max, rescale, p = exp(s - max), p·V.
 // keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it);
 // v_bad (null: none) flags the value rows holding NaN or inf, from k0 on.
+// v_pairs (kFast, bfloat16, with vdpbf16ps: Problem::round_p): the tile's values as
+// PackBf16ValuePairs made them from key k0 on, and pp Bf16DotAccumulate's scratch; null: p·V
+// from `values`.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
-               int64_t k0, const Rows<T>& keys, bool keys_in_range, const Rows<T>& values, const uint8_t* v_bad) {
+               int64_t k0, const Rows<T>& keys, bool keys_in_range, const Rows<T>& values, const uint8_t* v_bad,
+               const uint32_t* v_pairs = nullptr, uint32_t* pp = nullptr) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -205,21 +220,26 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   // one that also sums t for the statistics (AddTTerm), in loops of their own, so that the
   // common loop stays as it was.
   const V lowest = hn::Set(d, std::numeric_limits<T>::lowest());
-  const auto exp_tile = [&](auto inf_max_const, auto stats_const) {
+  // kFast (Problem::round_p) rounds each p to q's 16-bit type before it is summed: the
+  // normaliser is the sum of the weights p·V uses (RoundWeights).
+  const auto exp_tile = [&](auto inf_max_const, auto stats_const, auto round_const) {
     constexpr bool kInfMax = decltype(inf_max_const)::value;
+    constexpr Round16 kRound = decltype(round_const)::value;
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
         T* row = st + j * mq + q * N;
         const V s = hn::Load(d, row);
-        const V pj = ShiftedExp<kInfMax>(d, s, msafe[q]);
+        const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax>(d, s, msafe[q]));
         sum[q] = hn::Add(sum[q], pj);
         if constexpr (decltype(stats_const)::value) tsum[q] = AddTTerm<kInfMax>(d, pj, s, msafe[q], tsum[q]);
         hn::Store(pj, d, row);
       }
     }
   };
-  if (stats) {
-    inf_max ? exp_tile(std::true_type{}, std::true_type{}) : exp_tile(std::false_type{}, std::true_type{});
+  using NoRounding = std::integral_constant<Round16, Round16::kNone>;
+  if (stats) {  // never with kFast: run_forward gives the statistics an exact pass of their own
+    inf_max ? exp_tile(std::true_type{}, std::true_type{}, NoRounding{})
+            : exp_tile(std::false_type{}, std::true_type{}, NoRounding{});
     // t = alpha · (t + (m_old - m_new) · l_old) + Σ p · (s - m_new)  (rescale_t, per vector)
     for (size_t q = 0; q < QV; ++q) {
       T* t = bs.stats.t() + q * N;
@@ -227,10 +247,14 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       const V scaled = hn::Mul(alpha[q], hn::MulAdd(delta, hn::Load(d, bs.l + q * N), hn::LoadU(d, t)));
       hn::StoreU(hn::Add(hn::IfThenZeroElse(hn::Eq(alpha[q], hn::Zero(d)), scaled), tsum[q]), d, t);
     }
+  } else if (std::is_same_v<T, float> && p.round_p) {
+    WithRound16(p, [&](auto round) {
+      inf_max ? exp_tile(std::true_type{}, std::false_type{}, round) : exp_tile(std::false_type{}, std::false_type{}, round);
+    });
   } else if (inf_max) {
-    exp_tile(std::true_type{}, std::false_type{});
+    exp_tile(std::true_type{}, std::false_type{}, NoRounding{});
   } else {
-    exp_tile(std::false_type{}, std::false_type{});
+    exp_tile(std::false_type{}, std::false_type{}, NoRounding{});
   }
   for (size_t q = 0; q < QV; ++q) {
     sum[q] = hn::IfThenElse(nan[q], hn::Set(d, std::numeric_limits<T>::quiet_NaN()), sum[q]);
@@ -244,6 +268,14 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     }
   }
 
+  if constexpr (std::is_same_v<T, float>) {
+    if (v_pairs != nullptr) {  // kFast: the rounded weights times bfloat16 values, vdpbf16ps
+      alignas(64) float alphas[QV * hn::MaxLanes(d)];
+      for (size_t q = 0; q < QV; ++q) hn::Store(alpha[q], d, alphas + q * N);
+      Bf16DotAccumulate(st, mq, j0 - k0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+      return;
+    }
+  }
   // A value row holding NaN or inf reaches no lane that gives its key weight 0 (no 0 · NaN).
   AccumulateRows<QV, /*kFiniteOnly=*/true>(d, st, n, mq, values.row(j0 - k0), values.stride, p.Dv, alpha,
                                           v_bad ? v_bad + (j0 - k0) : nullptr,
@@ -287,12 +319,17 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     const bool keys_in_range = pairs && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
     widen_keys |= !keys_in_range;
     const Rows<T> keys = widen_keys ? ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get()) : Rows<T>{};
-    const Rows<T> values = ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
-    const bool v_bad = FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
+    // kFast's bfloat16 p·V (Scratch::pv_pairs) takes the tile's values as pairs when they lie in
+    // the instruction's range (which also leaves out NaN and inf); else they are widened.
+    const bool v_pairs = s.pv_pairs && Bf16RowsInDotRange(d, p.v.template at<uint16_t>(blk.b, blk.kvh, k0),
+                                                          p.v.strides[2], k1 - k0, p.Dv);
+    if (v_pairs) PackBf16ValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get());
+    const Rows<T> values = v_pairs ? Rows<T>{} : ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
+    const bool v_bad = !v_pairs && FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
       if (!sees[g]) continue;
       BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, keys_in_range, values,
-                    v_bad ? s.v_bad.data() : nullptr);
+                    v_bad ? s.v_bad.data() : nullptr, v_pairs ? s.vp.get() : nullptr, s.pp.get());
     }
   }
   for (size_t g = 0; g < count; ++g) {

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 
 #include "flash/flash_plan.h"
 #include "flash/rows-inl.h"
@@ -76,6 +77,61 @@ HWY_INLINE V AddTTerm(D d, V p, V s, V msafe, V tsum) {
   if constexpr (kInfMax) x = hn::IfThenZeroElse(hn::Eq(s, hn::Set(d, std::numeric_limits<T>::infinity())), x);
   return hn::MulAdd(p, hn::Max(x, hn::Set(d, std::numeric_limits<T>::lowest())), tsum);
 }
+// Options::precision kFast's rounding (Problem::round_p) of the weights p, and in the backward
+// of ds: kNone keeps float32's value, kBf16 / kF16 round to nearest even in q's 16-bit type,
+// a vector at a time, as storage.h's rounded_to_16bit does one value (any sign; float16's
+// overflow to inf from 65520 up; NaN stays NaN).
+enum class Round16 { kNone, kBf16, kF16 };
+template <Round16 kRound, class D, class V = hn::Vec<D>>
+HWY_INLINE V RoundWeights(D d, V x) {
+  if constexpr (kRound == Round16::kNone || !std::is_same_v<hn::TFromD<D>, float>) {
+    return x;
+  } else {
+    const hn::RebindToUnsigned<D> du;
+    const auto u = hn::BitCast(du, x);  // sign and magnitude: the carry stays in the magnitude
+    if constexpr (kRound == Round16::kBf16) {  // keep the top 16 bits, ties to even
+      const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+      return hn::BitCast(d, hn::And(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)), hn::Set(du, 0xffff0000u)));
+    } else {  // float16: 11 significant bits from 2^-14 up, multiples of 2^-24 below
+      const auto odd = hn::And(hn::ShiftRight<13>(u), hn::Set(du, 1u));
+      const V normal = hn::BitCast(d, hn::And(hn::Add(u, hn::Add(hn::Set(du, 0xfffu), odd)), hn::Set(du, ~0x1fffu)));
+      const V subnormal = hn::Mul(hn::Round(hn::Mul(x, hn::Set(d, 0x1p24f))), hn::Set(d, 0x1p-24f));
+      const V a = hn::Abs(x);
+      const V inf = hn::CopySign(hn::Set(d, std::numeric_limits<float>::infinity()), x);
+      return hn::IfThenElse(hn::Lt(a, hn::Set(d, 0x1p-14f)), subnormal,
+                            hn::IfThenElse(hn::Ge(a, hn::Set(d, 65520.0f)), inf, normal));
+    }
+  }
+}
+// x[0, count) rounded in place (count a multiple of the lanes, x aligned).
+template <Round16 kRound, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void RoundInPlace(D d, T* HWY_RESTRICT x, int64_t count) {
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  for (int64_t i = 0; i < count; i += N) hn::Store(RoundWeights<kRound>(d, hn::Load(d, x + i)), d, x + i);
+}
+// The rounding Problem::round_p asks for: f(std::integral_constant<Round16, ...>{}).
+template <typename F>
+HWY_INLINE void WithRound16(const Problem& p, const F& f) {
+  if (!p.round_p) {
+    f(std::integral_constant<Round16, Round16::kNone>{});
+  } else if (p.dtype == DType::kBFloat16) {
+    f(std::integral_constant<Round16, Round16::kBf16>{});
+  } else {
+    f(std::integral_constant<Round16, Round16::kF16>{});
+  }
+}
+
+// RoundWeights in the type Problem::round_p names, chosen at run time (the backward's loops,
+// where the choice is one predictable branch among loads and multiplies).
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE V RoundTo16(D d, const Problem& p, V x) {
+  return p.dtype == DType::kBFloat16 ? RoundWeights<Round16::kBf16>(d, x) : RoundWeights<Round16::kF16>(d, x);
+}
+template <class D, typename T = hn::TFromD<D>>
+HWY_INLINE void RoundTo16InPlace(D d, const Problem& p, T* HWY_RESTRICT x, int64_t count) {
+  WithRound16(p, [&](auto round) { RoundInPlace<decltype(round)::value>(d, x, count); });
+}
+
 // The rescale of what came before, alpha = exp(m_old - m_new): 0 where the row had nothing
 // allowed (m_old = -inf), 1 where the max stayed +inf.
 template <class D, class V = hn::Vec<D>>
