@@ -86,7 +86,7 @@ def forward_backward(rng, bf16=False):
         dtype = ml_dtypes.bfloat16
     print(f"\nforward + backward{' in bfloat16' if bf16 else ''}, "
           "GFLOP/s = 14*B*Hq*Nq*Nk*D / median time (halved for causal)")
-    print(f"{'case':34} {'sdpa':>9} {'torch':>9} {'sdpa/torch':>11}")
+    print(f"{'case':34} {'sdpa':>9} {'fast':>9} {'torch':>9} {'sdpa/torch':>11} {'fast/torch':>11}")
     for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:3]:
         draw = lambda shape: rng.standard_normal(shape, dtype=np.float32)
         q, k, v, dout = draw((B, Hq, Nq, D)), draw((B, Hkv, Nk, D)), draw((B, Hkv, Nk, D)), draw((B, Hq, Nq, D))
@@ -94,11 +94,12 @@ def forward_backward(rng, bf16=False):
             q, k, v, dout = (x.astype(dtype) for x in (q, k, v, dout))
         flops = 14 * B * Hq * Nq * Nk * D / (2 if causal else 1)
 
-        def ours():
-            out, lse = sdpa.attention(q, k, v, causal=causal, return_lse=True)
-            sdpa.attention_backward(dout, q, k, v, out, lse, causal=causal)
+        def ours(precision="exact"):
+            out, lse = sdpa.attention(q, k, v, causal=causal, return_lse=True, precision=precision)
+            sdpa.attention_backward(dout, q, k, v, out, lse, causal=causal, precision=precision)
 
         t_sdpa = median_time(ours, args.reps)
+        t_fast = median_time(lambda: ours("fast"), args.reps) if bf16 else None
         t_torch = None
         if torch is not None:
             as_torch = lambda x: torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) if bf16 else torch.from_numpy(x)
@@ -111,8 +112,8 @@ def forward_backward(rng, bf16=False):
             t_torch = median_time(theirs, args.reps)
         name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
         g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
-        r = f"{t_torch / t_sdpa:10.2f}x" if t_torch else f"{'n/a':>11}"
-        print(f"{name:34} {g(t_sdpa)} {g(t_torch)} {r}", flush=True)
+        r = lambda t: f"{t_torch / t:10.2f}x" if t_torch and t else f"{'n/a':>11}"
+        print(f"{name:34} {g(t_sdpa)} {g(t_fast)} {g(t_torch)} {r(t_sdpa)} {r(t_fast)}", flush=True)
 
 
 def openvino_sdpa(shape_q, shape_kv, causal):
@@ -140,13 +141,17 @@ def bfloat16_table(rng):
     has_amx = sdpa._core._kernel_path_available_amx()
     print(f"\nbfloat16, GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal); "
           f"sdpa's path: {'AMX' if has_amx else 'AVX512_BF16' if has_dot else 'SIMD (no bf16 dot on this CPU)'}")
-    print(f"{'case':34} {'sdpa':>9} {'no dot':>9} {'torch':>9} {'openvino':>9} {'sdpa/torch':>11} {'sdpa/ov':>9}")
-    for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:4]:
+    print("sdpa: precision exact (the default); fast: precision=\"fast\" (the weights rounded to bfloat16 "
+          "before p·V, as the peers do); ratios are fast's")
+    print(f"{'case':34} {'sdpa':>9} {'fast':>9} {'no dot':>9} {'torch':>9} {'openvino':>9} {'fast/exact':>11} "
+          f"{'fast/torch':>11} {'fast/ov':>9}")
+    for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:4] + [(1, 8, 8, 2048, 2048, 128, True)]:  # issue 28's five
         q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32).astype(bf16)
         k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32).astype(bf16)
         v = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32).astype(bf16)
         flops = 4 * B * Hq * Nq * Nk * D / (2 if causal else 1)
         t_sdpa = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
+        t_fast = median_time(lambda: sdpa.attention(q, k, v, causal=causal, precision="fast"), args.reps)
         sdpa._core._limit_kernel_path_to_simd(True)
         t_nodot = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
         sdpa._core._limit_kernel_path_to_simd(False)
@@ -160,8 +165,9 @@ def bfloat16_table(rng):
             t_ov = median_time(lambda: compiled(inputs), args.reps)
         name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
         g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
-        r = lambda t, w: f"{t / t_sdpa:{w - 1}.2f}x" if t else f"{'n/a':>{w}}"
-        print(f"{name:34} {g(t_sdpa)} {g(t_nodot)} {g(t_torch)} {g(t_ov)} {r(t_torch, 11)} {r(t_ov, 9)}", flush=True)
+        r = lambda t, w: f"{t / t_fast:{w - 1}.2f}x" if t else f"{'n/a':>{w}}"
+        print(f"{name:34} {g(t_sdpa)} {g(t_fast)} {g(t_nodot)} {g(t_torch)} {g(t_ov)} {r(t_sdpa, 11)} "
+              f"{r(t_torch, 11)} {r(t_ov, 9)}", flush=True)
 
 
 def main():

@@ -80,7 +80,9 @@ sdpa::front::Call call(std::optional<double> scale, const std::string& causal, i
 // Options for c with the score modifiers (the last arguments of every function below).
 sdpa::Options with_mods(sdpa::front::Call c, double softcap, const std::string& softcap_order,
                         const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
-                        const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
+                        const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+                        const std::string& precision) {
+  c.precision = precision;
   c.softcap = softcap;
   c.softcap_order = softcap_order;
   if (alibi_slopes) c.alibi_slopes = to_view(*alibi_slopes, "alibi_slopes");
@@ -98,7 +100,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                double dropout_p, std::optional<uint64_t> seed,
                double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                const std::optional<std::vector<std::optional<Array>>>& stats, const std::optional<Array>& scores,
-               const std::string& scores_stage) {
+               const std::string& scores_stage, const std::string& precision) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -118,7 +120,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
     outs.scores = to_view(*scores, "scores");
     outs.scores_stage = sdpa::front::parse_name("return_scores", sdpa::front::kScoresStageNames, scores_stage);
   }
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -130,7 +132,8 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         std::optional<double> scale, const std::string& causal, int64_t window_left,
                         int64_t window_right, const std::string& backend, double dropout_p,
                         std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                        const std::optional<Array>& dsinks, const std::optional<Array>& dbias) {
+                        const std::optional<Array>& dsinks, const std::optional<Array>& dbias,
+                        const std::string& precision) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -139,7 +142,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
   if (dbias) grads.dbias = to_view(*dbias, "dbias");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -147,12 +150,13 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
 void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray& v, const ConstArray& cu_q,
                       const ConstArray& cu_k, const Array& out, const std::optional<Array>& lse,
                       std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
-                      const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
+                      const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+                      const std::string& precision) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
                               to_view(cu_k, "cu_seqlens_k")};
   sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention_varlen(in, outs, opt);
 }
@@ -163,14 +167,14 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
                                std::optional<double> scale, const std::string& causal, int64_t window_left,
                                int64_t window_right, const std::string& backend, double dropout_p,
                                std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                               const std::optional<Array>& dsinks) {
+                               const std::optional<Array>& dsinks, const std::string& precision) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
                               to_view(cu_k, "cu_seqlens_k")};
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
                          dout_view = to_view(dout, "dout");
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention_varlen_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -178,13 +182,14 @@ void attention_varlen_backward(const ConstArray& q, const ConstArray& k, const C
 void attention_paged(const ConstArray& q, const ConstArray& k_pages, const ConstArray& v_pages, const ConstArray& table,
                      const ConstArray& seqlens_k, const std::optional<ConstArray>& cu_seqlens_q, const Array& out,
                      const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
-                     int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
+                     int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+                     const std::string& precision) {
   sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
                        to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt};
   if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention_paged(in, outs, opt);
 }
@@ -197,13 +202,13 @@ std::string inspect_report(const ConstArray& q, const ConstArray& k, const Const
                            int64_t max_heads, const std::string& title, bool progress, double softcap,
                            const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes,
                            const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask,
-                           int64_t block_q, int64_t block_k) {
+                           int64_t block_q, int64_t block_k, const std::string& precision) {
   sdpa_inspect::Request r;
   r.inputs = {to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) r.inputs.mask = to_view(*mask, "mask");
   if (seqlens_k) r.inputs.seqlens_k = to_view(*seqlens_k, "seqlens_k");
   r.options = with_mods(call(scale, causal, window_left, window_right, backend), softcap,
-                        softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+                        softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   r.topk = topk;
   r.cells = cells;
   r.max_heads = max_heads;
@@ -319,35 +324,39 @@ NB_MODULE(_core, m) {
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
         nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-        nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final");
+        nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final",
+        nb::arg("precision") = "exact");
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-        nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none());
+        nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none(), nb::arg("precision") = "exact");
   m.def("attention_varlen", &attention_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
+        nb::arg("precision") = "exact");
   m.def("attention_varlen_backward", &attention_varlen_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128, nb::arg("dsinks").none() = nb::none());
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128, nb::arg("dsinks").none() = nb::none(), nb::arg("precision") = "exact");
   m.def("attention_paged", &attention_paged, nb::arg("q"), nb::arg("k_pages"), nb::arg("v_pages"),
         nb::arg("block_table"), nb::arg("seqlens_k"), nb::arg("cu_seqlens_q").none(), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+        nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
+        nb::arg("precision") = "exact");
   m.def("inspect_report", &inspect_report, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("seqlens_k").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("topk"), nb::arg("cells"), nb::arg("max_heads"),
         nb::arg("title"), nb::arg("progress"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
-        nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+        nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
+        nb::arg("precision") = "exact");
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
@@ -374,18 +383,20 @@ NB_MODULE(_core, m) {
       .def("attention",
            [](const sdpa::KVCache& c, const ConstArray& q, const std::vector<int64_t>& seqs, const Array& out,
               const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
-              int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k) {
+              int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+              const std::string& precision) {
              sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
              if (lse) outs.lse = to_view(*lse, "lse");
              const sdpa::TensorView qv = to_view(q, "q");
-             const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k);
+             const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
              nb::gil_scoped_release release;
              c.attention(qv, seqs, outs, opt);
            },
            nb::arg("q"), nb::arg("seqs"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(),
            nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
            nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
-           nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128);
+           nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
+           nb::arg("precision") = "exact");
   nb::class_<sdpa::MultiHeadSaved>(m, "MultiHeadSaved").def(nb::init<>());
   m.def("mha_resolved", [](const LayerConfig& t) {
     const sdpa::MultiHeadConfig c = layer_config(t).resolved();

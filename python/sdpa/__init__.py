@@ -14,23 +14,23 @@ import numpy as np
 
 from . import _core
 from ._args import (_BFLOAT16, _FLOAT32, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
-                    _describe, _dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _prepared_indices,
-                    _real_array)
+                    _describe, _dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _precision_arg,
+                    _prepared_indices, _real_array, precision)
 from ._arrays import (_core_view, _empty, _narrow_float, _prepared, _prepared_inputs, _prepared_seqlens,
                       _readable_in_place, _sequence_ids)
 
-__all__ = ["attention", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
+__all__ = ["attention", "precision", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
            "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
 
-def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128):
+def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128, precision=None):
     """The score modifiers as _core's keyword arguments: softcap a real number (_core checks its
     range; _parsed_softcap), slopes and sinks real arrays in the compute dtype
     `dtype` (_core checks shapes and values, naming the batch and heads), a bool block_mask
     and its block sizes (_core checks its shape against them)."""
     softcap, softcap_order = _parsed_softcap(softcap, softcap_order)
-    mods = {"softcap": softcap, "softcap_order": softcap_order}
+    mods = {"softcap": softcap, "softcap_order": softcap_order, "precision": _precision_arg(precision)}
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
             mods[name] = np.ascontiguousarray(_real_array(name, a), dtype=dtype)
@@ -92,7 +92,7 @@ def _stats_arrays(lead, dtype, topk):
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-              block_size=128, return_stats=False, topk=8, return_scores=None):
+              block_size=128, return_stats=False, topk=8, return_scores=None, precision=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -208,6 +208,18 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
         backend: "auto" (the fastest exact kernel: today "flash"), "flash" (fused tiled SIMD
             kernel, O(N) memory), "reference" (float64, materialises the scores; the oracle
             of the tests) or "naive" (the reference's algorithm in the inputs' precision).
+        precision: "exact" (default) or "fast", for bfloat16 and float16 inputs (float32 and
+            float64 ignore it); None takes the enclosing ``sdpa.precision(...)`` block's. "exact"
+            widens them exactly, computes in float32 and rounds out once. "fast" rounds each
+            unnormalised weight p = exp(s - m) (m the running max of the online softmax) to
+            the inputs' type before p·V, as FlashAttention, PyTorch's CPU flash attention and
+            OpenVINO do, so that the product runs on bfloat16 instructions (AVX512_BF16), and
+            normalises by the float32 sum of those same rounded weights: values all 1 give
+            exactly 1 and the error has no sign. Its error against float64 is at most twice
+            that of the naive algorithm that rounds the same weights (backend="naive" with
+            precision="fast"). lse = m + log of that sum. weights and stats stay exact mode's
+            (asking for them costs an exact pass of their own). ``attention_backward`` with
+            precision="fast" rounds p before dv's product and ds before dq's and dk's.
         softcap, softcap_order, alibi_slopes, sinks: score modifiers, in the fused kernels
             (forward and backward). With x = q·k · scale, query i, key j, query head h::
 
@@ -265,7 +277,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = _empty("out", lead + (v.shape[-1],), q.dtype)
@@ -303,7 +315,7 @@ class Report:
 
 def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None, backend="auto",
             softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-            block_size=128, topk=8, cells=512, max_heads=16, title="sdpa inspect", progress=True):
+            block_size=128, topk=8, cells=512, max_heads=16, title="sdpa inspect", progress=True, precision=None):
     """A report of what attention does on these inputs, per head, as one self-contained HTML page
     (a ``Report``: it renders in Jupyter and ``save(path)`` writes it; ``sdpa inspect`` on the
     command line makes the same page from .npy files).
@@ -326,7 +338,7 @@ def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlen
     dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     topk, cells, max_heads = (_checked_int("topk", topk, 0, 32), _checked_int("cells", cells, 1, 4096),
                               _checked_int("max_heads", max_heads, 0))
     html = _core.inspect_report(*map(_core_view, (q, k, v, mask, seqlens_k)), scale, causal_code, left, right, backend,
@@ -346,7 +358,7 @@ def _backward_arrays(dout, out, lse, q, k, v, dtype):
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                        softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-                       block_size=128, return_dbias=False):
+                       block_size=128, return_dbias=False, precision=None):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, then
     ``dsinks`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
     ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``), then ``dbias`` when
@@ -398,6 +410,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
         backend: "auto"/"flash" (fused FlashAttention-2 backward, O(N) extra memory),
             "reference" (float64, materialises each row's softmax) or "naive" (the
             reference's algorithm in the inputs' precision).
+        precision: as ``attention``'s: "fast" rounds p = exp(s - lse) to the inputs' 16-bit type
+            before dv's product and ds before dq's and dk's (float32 sums); pass the forward's.
 
     Results are bitwise reproducible, whatever the thread count.
 
@@ -411,7 +425,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     dbias = None
@@ -437,7 +451,8 @@ def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      return_lse=False, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
-                     softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None, block_size=128):
+                     softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None, block_size=128,
+                     precision=None):
     """``attention`` on a batch of sequences of different lengths packed end to end, token-major
     (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
 
@@ -474,7 +489,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
     _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
@@ -485,7 +500,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None,
                               window=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                               softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-                              block_size=128):
+                              block_size=128, precision=None):
     """Gradients of ``attention_varlen``: returns ``(dq, dk, dv)`` shaped like the packed q, k, v
     (and dsinks, summed over the sequences, when ``sinks`` is given). dout and out are
     (total_q, Hq, Dv), lse (Hq, total_q), as ``attention_varlen(..., return_lse=True)`` returned
@@ -493,7 +508,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     _core.attention_varlen_backward(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse, dout, dq, dk, dv)), scale,
@@ -527,7 +542,7 @@ def _paged_query(q, pool_dtype, nq_name="q", packed=False):
 
 def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, backend="auto", softcap=0.0, softcap_order="before_bias",
-                    alibi_slopes=None, sinks=None, block_mask=None, block_size=128):
+                    alibi_slopes=None, sinks=None, block_mask=None, block_size=128, precision=None):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
@@ -581,7 +596,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     cu_q = _prepared_indices("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets into q's rows")
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
     lse = _empty("lse", lse_shape, dtype) if return_lse else None
@@ -676,7 +691,7 @@ class KVCache:
         return a.view(_BFLOAT16) if self._dtype == _BFLOAT16 else a
 
     def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto",
-                  softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None):
+                  softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, precision=None):
         """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (one id, or a
         list, tuple or 1-dim array of integer ids; one may appear more than once): row b attends
         to sequence seqs[b]. Options as ``attention``."""
@@ -684,7 +699,7 @@ class KVCache:
         q = _paged_query(q, self._dtype)
         dtype = _compute_dtype(q.dtype)
         causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
-        mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype)
+        mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, precision=precision)
         out = _empty("out", q.shape[:-1] + (self._c.head_dim_v,), q.dtype)
         lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
         self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,

@@ -9,6 +9,8 @@ here says why (a better message, the right exception type, or a value C++ cannot
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 
@@ -299,3 +301,39 @@ def _block_sizes(block_size, low=_INT64_MIN):
     if len(pair) != 2:
         raise TypeError(f"block_size must be an int or a pair of ints (block_q, block_k), got {_describe(block_size)}")
     return tuple(_checked_int("block_size", b, low) for b in pair)
+
+
+# Options::precision: "exact" (the default) or "fast" (16-bit inputs round the weights before
+# p·V; float32 and float64 inputs ignore it). A call's precision=None takes the innermost
+# ``precision(...)`` block's, else "exact".
+_PRECISION_NAMES = ("exact", "fast")
+_PRECISION = contextvars.ContextVar("sdpa_precision", default="exact")
+
+
+def _precision_arg(precision):
+    """A call's precision as _core takes it: the context's for None; a name _core checks."""
+    if precision is None:
+        return _PRECISION.get()
+    if not isinstance(precision, str):
+        raise TypeError(f"precision must be 'exact' or 'fast', got {_describe(precision)}")
+    return precision
+
+
+@contextlib.contextmanager
+def precision(mode):
+    """Sets the precision of every sdpa call in the block that does not name its own (NumPy's
+    ``sdpa.attention`` and the rest, and ``sdpa.torch``'s functions and modules), as
+    ``torch.backends``' flags set PyTorch's; blocks nest, and each thread (and asyncio task)
+    has its own::
+
+        with sdpa.precision("fast"):      # bfloat16 and float16 inputs round the weights
+            y = model(x)                  # before p·V (see sdpa.attention)
+
+    mode: "exact" or "fast"."""
+    if mode not in _PRECISION_NAMES:
+        raise ValueError(f"precision must be 'exact' or 'fast', got {_describe(mode)}")
+    token = _PRECISION.set(mode)
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
