@@ -2,8 +2,10 @@
 // beside make_problem's own). attention() and attention_backward() check every argument in
 // make_problem / make_backward_problem; the calls that cut their tensors into attention()
 // problems (attention_varlen, attention_paged, KVCache) check only their own layout (packing,
-// pages, the cache's shape) with these, then make_problem checks each problem. Each fails
-// (fail below: sdpa::Error naming the argument and its shape) before anything is written.
+// pages, the cache's shape) with these, then make_problem checks each problem. The layer
+// (layer/mha.cc) checks its weights and inputs against its config itself, reporting with fail
+// and checking for data with check_has_data. Each fails (fail below: sdpa::Error naming the
+// argument and its shape) before anything is written.
 #pragma once
 
 #include <string>

@@ -2,7 +2,8 @@
 // make_problem() (problem.cc) checks every argument of an attention() call; the calls that cut
 // their tensors into such problems (varlen.cc, paged.cc, kv_cache.cc) check only their own
 // layouts, with the shared checks of checks.h, and hand each problem to make_problem; the layer
-// (layer/mha.cc) checks its weights and inputs and calls attention(). Kernels trust a Problem.
+// (layer/mha.cc) checks its weights and inputs (reporting through checks.h too) and calls
+// attention(). Kernels trust a Problem.
 #pragma once
 
 #include <algorithm>

@@ -58,10 +58,11 @@ void materialized_backward(const BackwardProblem& bp);
 // One query row of it: dq (Dk entries) of row (b, h, i), its contributions added to dk
 // (Nk × Dk) and dv (Nk × Dv) of the row's kv head, and the row's ∂loss/∂bias (Nk entries),
 // each unless null; prob is Nk scratch. Keys of weight 0 (and the value rows of dropped keys)
-// add nothing. Returns the row's term of dsinks[h] (0 without sinks).
+// add nothing. Returns the row's {lse, D} in Acc (lse recomputed, D = dout · out): what
+// store_sink_gradients reads of it.
 template <typename Acc>
-Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv,
-                 Acc* dbias);
+std::pair<Acc, Acc> backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq,
+                                 Acc* dk, Acc* dv, Acc* dbias);
 
 // dbias and dalibi_slopes (BackwardProblem::dbias and dalibi, the header's formulas), one pass
 // over the score rows that computes each row's ds once for both (bias_grad.cc): each element of
@@ -100,19 +101,20 @@ template <typename T>
 void fast_bias_gradients(const BackwardProblem& bp);
 
 // dsinks (BackwardProblem::dsinks; the header's formula) from each row's lse and D = dout · out,
-// row(b, h, i) giving {lse, D} in float64: dsink_h = -Σ_b Σ_i exp(sink_h - lse) · D in (b, i)
-// order, a row with lse = -inf (no allowed key) adding nothing. The fused backward gives it its
-// rows' lse and D (D in the compute type), sink_gradients those below.
-template <typename Row>
+// row(b, h, i) giving {lse, D} in Acc: dsink_h = -Σ_b Σ_i exp(sink_h - lse) · D in (b, i) order,
+// in Acc, a row with lse = -inf (no allowed key) adding nothing. The fused backward gives it its
+// rows' lse and D (D in the compute type), sink_gradients those below, both in float64; the
+// materialising backward its recomputed rows in its own Acc (kNaive's float32 sums in float32).
+template <typename Acc = double, typename Row>
 void store_sink_gradients(const BackwardProblem& bp, const Row& row) {
   const Problem& p = bp.fwd;
   for (int64_t h = 0; h < p.Hq; ++h) {
-    double sum = 0;
+    Acc sum = 0;
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t i = 0; i < p.Nq; ++i) {
         const auto [lse, D] = row(b, h, i);
-        if (lse == -std::numeric_limits<double>::infinity()) continue;
-        sum -= std::exp(p.sink<double>(h) - lse) * D;
+        if (lse == -std::numeric_limits<Acc>::infinity()) continue;
+        sum -= std::exp(p.sink<Acc>(h) - lse) * D;
       }
     bp.dsinks->store(0, 0, 0, h, sum);
   }

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "reference.h"
@@ -20,8 +21,8 @@
 namespace sdpa::internal {
 
 template <typename Acc>
-Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq, Acc* dk, Acc* dv,
-                 Acc* dbias) {
+std::pair<Acc, Acc> backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq,
+                                 Acc* dk, Acc* dv, Acc* dbias) {
   const Problem& p = bp.fwd;
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
@@ -58,9 +59,7 @@ Acc backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc
       if (dk) dk[j * p.Dk + d] += ds * p.q.load<Acc>(b, h, i, d);
     }
   }
-  // The sink's share of the row, exp(sink - lse), times -D: the row's term of dsink (0 when
-  // the row has no sink).
-  return p.has_sinks() && lse != -std::numeric_limits<Acc>::infinity() ? -std::exp(p.sink<Acc>(h) - lse) * D : Acc(0);
+  return {lse, D};
 }
 
 template <typename Acc>
@@ -68,14 +67,17 @@ void materialized_backward(const BackwardProblem& bp) {
   const Problem& p = bp.fwd;
   std::vector<Acc> dk(static_cast<size_t>(p.Nk * p.Dk)), dv(static_cast<size_t>(p.Nk * p.Dv));
   std::vector<Acc> prob(static_cast<size_t>(p.Nk)), dq(static_cast<size_t>(p.Dk));
-  std::vector<Acc> dsinks(static_cast<size_t>(p.Hq), Acc(0));
+  // Each row's {lse, D}, (B, Hq, Nq) in C order, for dsinks (store_sink_gradients).
+  std::vector<std::pair<Acc, Acc>> rows(bp.dsinks ? static_cast<size_t>(p.B * p.Hq * p.Nq) : 0);
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t kvh = 0; kvh < p.Hkv; ++kvh) {
       std::fill(dk.begin(), dk.end(), Acc(0));
       std::fill(dv.begin(), dv.end(), Acc(0));
       for (int64_t h = kvh * p.group; h < (kvh + 1) * p.group; ++h) {
         for (int64_t i = 0; i < p.Nq; ++i) {
-          dsinks[h] += backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data(), static_cast<Acc*>(nullptr));
+          const auto row =
+              backward_row(bp, b, h, i, prob.data(), dq.data(), dk.data(), dv.data(), static_cast<Acc*>(nullptr));
+          if (bp.dsinks) rows[static_cast<size_t>((b * p.Hq + h) * p.Nq + i)] = row;
           for (int64_t d = 0; d < p.Dk; ++d) bp.dq.store(b, h, i, d, dq[d]);
         }
       }
@@ -86,7 +88,8 @@ void materialized_backward(const BackwardProblem& bp) {
     }
   }
   if (bp.dsinks) {
-    for (int64_t h = 0; h < p.Hq; ++h) bp.dsinks->store(0, 0, 0, h, dsinks[h]);
+    store_sink_gradients<Acc>(
+        bp, [&](int64_t b, int64_t h, int64_t i) { return rows[static_cast<size_t>((b * p.Hq + h) * p.Nq + i)]; });
   }
 }
 
@@ -99,10 +102,10 @@ void sink_gradients(const BackwardProblem& bp) {
   });
 }
 
-template float backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*, float*, float*,
-                                   float*);
-template double backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*, double*, double*,
-                                     double*, double*);
+template std::pair<float, float> backward_row<float>(const BackwardProblem&, int64_t, int64_t, int64_t, float*, float*,
+                                                     float*, float*, float*);
+template std::pair<double, double> backward_row<double>(const BackwardProblem&, int64_t, int64_t, int64_t, double*,
+                                                        double*, double*, double*, double*);
 template void materialized_backward<float>(const BackwardProblem& bp);
 template void materialized_backward<double>(const BackwardProblem& bp);
 

@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <bit>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -166,16 +166,12 @@ GradValues backward_oracle(const Problem& p, const sdpa::Options& o) {
 
 // ---- The tolerance rule ----
 //
-// As matches_reference() in test_util.cc, per gradient: tol = factor · (max error of kNaive
-// against kReference) + floor, on the same (q, k, v, mask, out, lse, dout) and the same
-// dropout_p and seed. float32: factor 2. float64: kNaive and kReference are the same code, so
-// kNaive's error is measured in float32 on the inputs rounded to float32 and scaled by
-// DBL_EPSILON / FLT_EPSILON; factor 3.
+// sdpa_oracle's (oracle/tolerance.h: gradient_tolerance), per gradient, on the same (q, k, v,
+// mask, out, lse, dout) and the same dropout_p and seed: tol = factor · (max error of kNaive
+// against kReference) + eps · (4 max(1, max |ref|) + M) (+ a 16-bit gradient's ulp).
 //
-// Floor, two terms a correct kernel needs where kNaive may be exact by luck:
-//   4 · eps · max(1, max |ref|)   rounding of the result itself, as in test_util.cc;
-// + eps · M   M = the size of the terms that cancel in each gradient, from the two inexact
-//     factors of dS = P (z dP - D):
+// M, computed here: the size of the terms that cancel in each gradient, from the two inexact
+// factors of dS = P (z dP - D):
 //     - z dP and D are only accurate to eps relative to the sums of their terms' sizes,
 //       A_ij = |z_ij| Σ_e |dout_ie v_je| + Σ_e |dout_ie out_ie| (not |z dP| + |D|: with Dv = 256
 //       the terms cancel and the fuzzer found a dq of 1e-15 off by 5.6x the older rule's floor);
@@ -199,12 +195,10 @@ testing::AssertionResult measure_naive(const Problem& p, const sdpa::Options& op
   ref = values(backward(p, o));
   o.backend = Backend::kNaive;
   const GradValues naive = values(backward(p, o));
-  if (auto r = no_nan(ref); !r) return r << " (kReference)";
-  if (auto r = no_nan(naive); !r) return r << " (kNaive)";
   for (int n = 0; n < 3; ++n) {
-    double e = 0;
-    for (size_t x = 0; x < ref.g[n].size(); ++x) e = std::max(e, std::abs(naive.g[n][x] - ref.g[n][x]));
-    err[n] = std::max(err[n], e * scale);
+    const std::string why =
+        sdpa_oracle::naive_error(kGradNames[n], naive.g[n], ref.g[n], scale, err[n], sdpa_oracle::NonFinite::kNever);
+    if (!why.empty()) return testing::AssertionFailure() << why;
   }
   return testing::AssertionSuccess();
 }
@@ -274,23 +268,20 @@ testing::AssertionResult expected(const Problem& p, const sdpa::Options& options
   const DType dt = p.t.q.dtype();
   double err[3] = {0, 0, 0};
   if (auto r = measure_naive(p, options, 1.0, e.ref, err); !r) return r;
-  double factor = 2;
   if (dt == DType::kFloat64) {
     GradValues ref32;
-    if (auto r = measure_naive(p.converted(DType::kFloat32), options, DBL_EPSILON / FLT_EPSILON, ref32, err); !r) {
+    if (auto r = measure_naive(p.converted(DType::kFloat32), options, sdpa_oracle::kFloat64ErrorScale, ref32, err);
+        !r) {
       return r;
     }
-    factor = 3;
   }
   double M[3];
   cancellation_magnitudes(p, options, M);
   const DType grad_dtype[3] = {dt, p.t.k.dtype(), p.t.v.dtype()};
   for (int n = 0; n < 3; ++n) {
-    const double ref_max = max_abs_finite(e.ref.g[n]);
-    // 16-bit gradients: one more unit in their last place, as for out (test_util.cc).
-    const bool half = grad_dtype[n] == DType::kBFloat16 || grad_dtype[n] == DType::kFloat16;
-    e.tol[n] = factor * err[n] + eps(compute_dtype(dt)) * (4 * std::max(1.0, ref_max) + M[n]) +
-               (half ? eps(grad_dtype[n]) * ref_max : 0.0);
+    e.tol[n] = sdpa_oracle::gradient_tolerance(err[n], sdpa_oracle::naive_factor(dt), dt, grad_dtype[n],
+                                               max_abs_finite(e.ref.g[n]), M[n])
+                   .tol;
   }
   return testing::AssertionSuccess();
 }

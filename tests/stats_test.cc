@@ -1,7 +1,7 @@
 // Outputs::stats (attention.h): the fused forward's per-row statistics (its tile, decode and
 // key-chunk paths; every dtype; the AVX2 pass too) against kReference's, which computes them
 // from each row's weights by their definitions, with tolerances from kNaive's error as the
-// tolerance rule derives them (test_util.cc); bit for bit against the call's own weights output;
+// tolerance rule derives them (oracle/tolerance.h); bit for bit against the call's own weights output;
 // the header's edges (ties, fully masked, one-hot, overflowed and NaN rows, sinks); thread
 // invariance; errors that name the argument.
 #include <gtest/gtest.h>
@@ -118,7 +118,7 @@ double max_diff(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 // The statistics of `got` (kFlash or kAuto) against kReference's, the tolerances from kNaive's
-// error (test_util.cc's rule: factor · naive error + floor), and against got's own weights bit
+// error (oracle/tolerance.h's rule: factor · naive error + floor), and against got's own weights bit
 // for bit. Rows have no NaN here.
 void expect_stats_match(const Tensors& t, const sdpa::Options& options, const StatValues& got) {
   sdpa::Options o = options;

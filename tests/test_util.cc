@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cfloat>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -76,34 +75,6 @@ double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j) {
   const double m = t.mask->at(b, h, i, j);
   return sdpa_oracle::mask_bias(t.mask->dtype(), m);
 }
-
-double max_abs_finite(const std::vector<double>& xs) {
-  double m = 0;
-  for (double x : xs) {
-    if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  }
-  return m;
-}
-
-namespace {
-
-// The largest |a - b| where both are finite. Fails where they are not finite at the same
-// places (a NaN, or an infinity the other lacks): then no tolerance can be derived from them.
-testing::AssertionResult max_error(const char* what, const std::vector<double>& a,
-                                   const std::vector<double>& b, double& err) {
-  if (a.size() != b.size()) return testing::AssertionFailure() << what << ": sizes differ";
-  for (size_t n = 0; n < a.size(); ++n) {
-    if (std::isfinite(a[n]) && std::isfinite(b[n])) {
-      err = std::max(err, std::abs(a[n] - b[n]));
-    } else if (!(a[n] == b[n])) {
-      return testing::AssertionFailure() << what << "[" << n << "]: kNaive gives " << a[n]
-                                         << " but kReference " << b[n];
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
-}  // namespace
 
 // ---- GuardedTensor ----
 
@@ -480,22 +451,9 @@ Values oracle(const Tensors& t, const sdpa::Options& options) {
 
 testing::AssertionResult all_close(const char* what, const std::vector<double>& got, const std::vector<double>& want,
                                    double tol) {
-  if (got.size() != want.size()) {
-    return testing::AssertionFailure() << what << ": " << got.size() << " elements, want " << want.size();
-  }
-  size_t bad = 0, first = 0;
-  double worst = 0;
-  for (size_t n = 0; n < got.size(); ++n) {
-    const bool inf = std::isinf(got[n]) || std::isinf(want[n]);
-    const double err = std::abs(got[n] - want[n]);
-    const bool ok = inf ? got[n] == want[n] : err <= tol;  // NaN: both comparisons false
-    if (!ok && bad++ == 0) first = n;
-    if (!inf && std::isfinite(err)) worst = std::max(worst, err);
-  }
-  if (bad == 0) return testing::AssertionSuccess();
-  return testing::AssertionFailure() << what << ": " << bad << " of " << got.size() << " elements off; first ["
-                                     << first << "] got " << got[first] << ", want " << want[first]
-                                     << "; worst finite |diff| " << worst << ", tol " << tol;
+  const sdpa_oracle::Mismatch m = sdpa_oracle::compare(what, got, want, tol);
+  if (m.count == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << m.message;
 }
 
 void expect_sdpa_error(const std::function<void()>& call, const std::vector<std::string>& substrings) {
@@ -528,50 +486,7 @@ testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b) {
   return testing::AssertionSuccess();
 }
 
-// tol = 2 * (max abs error of kNaive against kReference) + floor, per output.
-//
-// kNaive is the materialising algorithm in the inputs' own precision: a kernel at most twice as
-// inaccurate as it is acceptable. kReference computes in float64, so for float32 inputs it is
-// exact to within ~1e-16 and |kNaive - kReference| is kNaive's own error.
-//
-// Float64 inputs: kNaive and kReference are then the same code and agree bit for bit, so the
-// measured error is 0 and says nothing. We estimate the error e of a naive float64 kernel by
-// running kNaive in float32 on the inputs rounded to float32 and scaling its error by
-// DBL_EPSILON / FLT_EPSILON (rounding errors are, to first order, proportional to the unit
-// roundoff; the inputs differ only by that rounding). kReference is then no better than e
-// itself, so a kernel within 2e of the exact result is within 3e of kReference: the factor
-// is 3 for float64.
-//
-// The floor: storing a result in the dtype alone can change it by eps/2 relative, and two
-// correct kernels may each take a few more roundings on other paths. Where kNaive is exact by
-// luck (uniform weights, a single allowed key, ...) 2 * 0 would demand bit-exactness, so allow
-// 4 * eps times the output's magnitude:
-//   out:     |out| <= max|v| (each row is a convex combination of v rows)  -> 4 eps max|v|
-//            With dropout the kept weights are scaled by 1 / (1 - p), so |out| <= max|v| /
-//            (1 - p) and the floor scales with it: 4 eps max|v| / (1 - p) (with p = 0.9 a
-//            float64 out of 12 from v within ±3.3 got 0.4 ulp of floor without it, and a
-//            correct kernel failed by 2 ulp). Weights and lse: dropout does not touch them.
-//   weights: 0 <= w <= 1                                                   -> 4 eps
-//   lse:     m + log(sum), rounded relative to |m| and to log(sum) >= 0    -> 4 eps (1 + max|lse|)
-//
-// 16-bit inputs (bfloat16, float16): kNaive computes in float32 from the same stored inputs and
-// rounds out to the 16-bit type, so its error is the naive implementation's with that storage;
-// weights and lse are float32 (the floors use float32's eps), and out gets one more unit in its
-// last place.
-//
-// The scores' own rounding: a score is only accurate to about eps · S, S = |scale| Σ_d |q_d k_d|
-// + |bias| (score_magnitude), whatever the order of its sum; where the terms cancel this is far
-// above eps · |score|. A score off by δ moves its weight by w·δ and the row's lse by up to δ, so
-// a second correct kernel can differ from kReference by about eps · S in lse and weights and by
-// eps · S · 2 max|out| in out. kNaive carries the same error and its measured error usually
-// covers it, but on a sharp row (a few dominant keys) it can be lucky: the fuzzer found float64
-// scale-30 scores (|s| ~ 500) where a correct kFlash missed the rule by 4.7x. So each floor is at
-// least 2 eps · max S (times max|out| for out):
-//   out: 4 eps max|out| -> eps max|out| max(4, 2 max S); weights: eps max(4, 2 max S);
-//   lse: eps max(4 (1 + max|lse|), 2 max S).
-//
-// The maximum error is a noisy statistic when few elements dominate it (a sharp softmax over
-// a handful of rows): cases meant to stress accuracy need a few hundred rows.
+// The rule is sdpa_oracle's (oracle/tolerance.h), which states it; here the backends run on t.
 testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options, const Outs& got) {
   // Runs kReference and kNaive on `in`; sets `ref` and raises `err` to kNaive's error * scale.
   auto measure = [&](const Tensors& in, double scale, Values& ref, double (&err)[3]) {
@@ -580,38 +495,30 @@ testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options
     ref = values(run(in, o));
     o.backend = sdpa::Backend::kNaive;
     const Values naive = values(run(in, o));
-    double e[3] = {0, 0, 0};
-    if (auto r = max_error("out", naive.out, ref.out, e[0]); !r) return r;
-    if (auto r = max_error("weights", naive.weights, ref.weights, e[1]); !r) return r;
-    if (auto r = max_error("lse", naive.lse, ref.lse, e[2]); !r) return r;
-    for (int n = 0; n < 3; ++n) err[n] = std::max(err[n], e[n] * scale);
-    return testing::AssertionSuccess();
+    std::string why = sdpa_oracle::naive_error("out", naive.out, ref.out, scale, err[0]);
+    if (why.empty()) why = sdpa_oracle::naive_error("weights", naive.weights, ref.weights, scale, err[1]);
+    if (why.empty()) why = sdpa_oracle::naive_error("lse", naive.lse, ref.lse, scale, err[2]);
+    return why.empty() ? testing::AssertionSuccess() : testing::AssertionFailure() << why;
   };
   const DType dtype = t.q.dtype();
   Values ref, ref32;
   double err[3] = {0, 0, 0};
   if (auto r = measure(t, 1.0, ref, err); !r) return r;
-  double factor = 2;
   if (dtype == DType::kFloat64) {
-    if (auto r = measure(t.converted(DType::kFloat32), DBL_EPSILON / FLT_EPSILON, ref32, err); !r) return r;
-    factor = 3;
+    if (auto r = measure(t.converted(DType::kFloat32), sdpa_oracle::kFloat64ErrorScale, ref32, err); !r) return r;
   }
+  const sdpa_oracle::ForwardTolerance tol = sdpa_oracle::forward_tolerance(
+      err, sdpa_oracle::naive_factor(dtype),
+      {.dtype = dtype,
+       .out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p),  // / 1 exactly without dropout
+       .max_score = max_score_magnitude(t, options),
+       .lse_max = max_abs_finite(ref.lse)});
   const Values g = values(got);
-  const double e = eps(compute_dtype(dtype));  // weights and lse are stored in the compute type
-  const double out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p);  // / 1 exactly without dropout
-  const double S2 = 2 * max_score_magnitude(t, options);
-  // 16-bit out: one more unit in its last place (<= eps · max|out|), as the rounding of a float32
-  // result near a tie may go the other way than that of kReference's float64 one.
-  const double out_ulp = dtype == DType::kBFloat16 || dtype == DType::kFloat16 ? eps(dtype) * out_max : 0.0;
-  if (auto r = all_close("out", g.out, ref.out, factor * err[0] + e * out_max * std::max(4.0, S2) + out_ulp); !r) {
-    return r;
-  }
+  if (auto r = all_close("out", g.out, ref.out, tol.out); !r) return r;
   if (got.weights) {
-    if (auto r = all_close("weights", g.weights, ref.weights, factor * err[1] + e * std::max(4.0, S2)); !r) return r;
+    if (auto r = all_close("weights", g.weights, ref.weights, tol.weights); !r) return r;
   }
-  if (got.lse) {
-    return all_close("lse", g.lse, ref.lse, factor * err[2] + e * std::max(4 * (1 + max_abs_finite(ref.lse)), S2));
-  }
+  if (got.lse) return all_close("lse", g.lse, ref.lse, tol.lse);
   return testing::AssertionSuccess();
 }
 

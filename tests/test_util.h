@@ -18,6 +18,7 @@
 
 #include "oracle.h"
 #include "sdpa/attention.h"
+#include "tolerance.h"
 
 namespace sdpa {
 // GoogleTest prints parameters in test names: a backend by its name, not its byte.
@@ -152,7 +153,7 @@ Dims dims_of(const Tensors& t);
 // The additive bias the mask puts on score (b, h, i, j): 0 / -inf for bool, the value for float.
 double mask_bias(const Tensors& t, int64_t b, int64_t h, int64_t i, int64_t j);
 
-double max_abs_finite(const std::vector<double>& xs);  // over the finite entries
+using sdpa_oracle::max_abs_finite;  // over the finite entries
 
 // The size of the terms that make up score (b, h, i, j): |scale| · Σ_d |q_d k_d| + |bias| (0 for
 // a blocked key). A score is only accurate to about eps times this, however it is summed, and
@@ -174,7 +175,8 @@ double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b,
 // independently of src/ (its own indexing, broadcasting, causal and window rules).
 Values oracle(const Tensors& t, const sdpa::Options& options);
 
-// Element-wise |got - want| <= tol; infinities must match exactly; NaN always fails.
+// Element-wise |got - want| <= tol; infinities must match exactly; NaN always fails
+// (sdpa_oracle::compare, whose message a failure carries).
 testing::AssertionResult all_close(const char* what, const std::vector<double>& got,
                                    const std::vector<double>& want, double tol);
 // Runs `call` and expects it to throw sdpa::Error with every one of `substrings` in its message
@@ -185,7 +187,7 @@ testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b);
 
 // The tolerance rule: `got` (computed from t with `options`, any backend) against kReference on
 // the same inputs (and the same dropout_p and seed), per output, with tol = 2 * (max error of
-// kNaive) + floor. See test_util.cc.
+// kNaive) + floor: oracle/tolerance.h states it.
 testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options,
                                            const Outs& got);
 

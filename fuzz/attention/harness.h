@@ -1,7 +1,8 @@
 // attention_fuzz's shared state, case and declarations (see README.md here for the byte format,
 // the checks and how to add a mode). Each .cc here holds one part of the harness; this header
 // declares what more than one of them uses. The oracle's rules that the tests share (the
-// causal / window rule, the 16-bit formats, eps, the guard patterns) are tests/oracle/oracle.h.
+// causal / window rule, the 16-bit formats, eps, the guard patterns) are tests/oracle/oracle.h;
+// the tolerance rule is tests/oracle/tolerance.h.
 #pragma once
 
 #include <fuzzer/FuzzedDataProvider.h>
@@ -34,6 +35,7 @@
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
 #include "tensor.h"
+#include "tolerance.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -405,7 +407,6 @@ void check_kernel_path(const Case& c, sdpa::KernelPath p, const char* call);
 // tolerance.cc: the tolerance rules (forward and backward) and the gradients' buffers
 Vals vals(const Outs& o);
 Case converted(const Case& c, DType dt);
-bool max_error(const std::vector<double>& a, const std::vector<double>& b, double& err);
 void check_tolerance(const Case& c, const Outs& got);
 Grads make_grads(const Case& c, const LayoutSpec& ls, bool ds_fancy = false);
 GradVals gvals(const Grads& g);

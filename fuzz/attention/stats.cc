@@ -160,16 +160,12 @@ void entropy_spread(const Case& c, const Tensor& weights, double& H_max, double&
 }
 
 // kNaive's error against kReference on the weights and the entropy (plain layouts), scaled;
-// false where their non-finite values differ (no tolerance can be derived, as max_error).
+// false where their non-finite values differ (no tolerance can be derived: sdpa_oracle::naive_error).
 bool measure_stats(const Case& c, int64_t k, int64_t G, double scale, StatsTol& t) {
   const StatsRun r = run_stats(c, Backend::kReference, k, G, sdpa::ScoresStage::kFinal, nullptr);
   const StatsRun n = run_stats(c, Backend::kNaive, k, G, sdpa::ScoresStage::kFinal, nullptr);
-  double ew = 0, eh = 0;
-  if (!max_error(n.base.weights->values(), r.base.weights->values(), ew) || !max_error(n.entropy.values(), r.entropy.values(), eh))
-    return false;
-  t.w = std::max(t.w, ew * scale);
-  t.h = std::max(t.h, eh * scale);
-  return true;
+  return sdpa_oracle::naive_error("weights", n.base.weights->values(), r.base.weights->values(), scale, t.w).empty() &&
+         sdpa_oracle::naive_error("entropy", n.entropy.values(), r.entropy.values(), scale, t.h).empty();
 }
 
 void check_stats(Case& c, const Outs& own) {
@@ -438,11 +434,8 @@ void check_stats(Case& c, const Outs& own) {
   if (c.tame) {
     StatsTol t;
     bool ok = measure_stats(c, k, G, 1.0, t);
-    double factor = 2;
-    if (ok && c.dtype == DType::kFloat64) {
-      ok = measure_stats(converted(c, DType::kFloat32), k, G, DBL_EPSILON / FLT_EPSILON, t);
-      factor = 3;
-    }
+    if (ok && c.dtype == DType::kFloat64) ok = measure_stats(converted(c, DType::kFloat32), k, G, sdpa_oracle::kFloat64ErrorScale, t);
+    const double factor = sdpa_oracle::naive_factor(c.dtype);
     if (ok) {
       const double e = sdpa_oracle::eps(c.compute());
       const double S2 = 2 * max_score_magnitude(c);

@@ -3,13 +3,10 @@
 
 namespace sdpa_fuzz {
 
-// ---- The tolerance rule (tests/test_util.cc: matches_reference) ----
+// ---- The tolerance rule: sdpa_oracle's (tests/oracle/tolerance.h), on the fuzzer's cases ----
 
-double max_abs_finite(const std::vector<double>& xs) {
-  double m = 0;
-  for (double x : xs) if (std::isfinite(x)) m = std::max(m, std::abs(x));
-  return m;
-}
+using sdpa_oracle::max_abs_finite;
+
 Vals vals(const Outs& o) { return {o.out.values(), o.weights ? o.weights->values() : std::vector<double>{}, o.lse ? o.lse->values() : std::vector<double>{}}; }
 
 // Case with q, k, v, mask converted to dt (contiguous).
@@ -32,41 +29,9 @@ Vals run_plain(const Case& c, Backend be) {
   return vals(out);
 }
 
-// false when no tolerance can be derived (kNaive and kReference disagree on non-finite values).
-bool max_error(const std::vector<double>& a, const std::vector<double>& b, double& err) {
-  for (size_t n = 0; n < a.size(); ++n) {
-    if (std::isfinite(a[n]) && std::isfinite(b[n])) err = std::max(err, std::abs(a[n] - b[n]));
-    else if (!(a[n] == b[n])) return false;
-  }
-  return true;
-}
-
-// `overflow`: where rounding to the stored dtype gives inf (overflow_at; inf for float32 and
-// float64, whose tame results never get near it). A 16-bit out can: tame values reach 1e3, and
-// dropout's 1 / (1 - p) = 1000 takes a float16 out past 65504. Which side of the threshold a
-// result lands on is rounding, so an inf against a finite value of the same sign within tol of
-// the threshold passes (the finite one is then within tol of a value that rounds to inf).
-std::string all_close(const char* what, const std::vector<double>& got, const std::vector<double>& want, double tol,
-                      double& worst_ratio, double overflow = kInf) {
-  std::string first;
-  for (size_t n = 0; n < got.size(); ++n) {
-    const bool inf = std::isinf(got[n]) || std::isinf(want[n]);
-    bool ok = inf ? got[n] == want[n] : std::abs(got[n] - want[n]) <= tol;
-    if (!ok && inf && overflow < kInf) {
-      const double fin = std::isinf(got[n]) ? want[n] : got[n], infv = std::isinf(got[n]) ? got[n] : want[n];
-      ok = std::isfinite(fin) && std::signbit(fin) == std::signbit(infv) && std::abs(fin) + tol >= overflow;
-    }
-    if (ok) continue;
-    const double ratio = inf || std::isnan(got[n]) ? kInf : std::abs(got[n] - want[n]) / tol;
-    if (ratio > worst_ratio || first.empty()) {
-      worst_ratio = std::max(worst_ratio, ratio);
-      first = std::string(what) + "[" + std::to_string(n) + "] = " + num(got[n]) + ", kReference " + num(want[n]) + ", tol " + num(tol) +
-              " (" + num(ratio) + " x tol)";
-    }
-  }
-  return first;
-}
-
+// A miss is "tolerance_near" within kNearFactor times tol, else "tolerance". Where kNaive and
+// kReference disagree on non-finite values no tolerance can be derived and nothing is checked
+// (sdpa_oracle::naive_error: the tests fail there instead).
 void check_tolerance(const Case& c, const Outs& got) {
   double err[3] = {0, 0, 0};
   Vals ref;
@@ -74,33 +39,38 @@ void check_tolerance(const Case& c, const Outs& got) {
     r = run_plain(in, Backend::kReference);
     const Vals naive = run_plain(in, Backend::kNaive);
     double e[3] = {0, 0, 0};
-    if (!max_error(naive.out, r.out, e[0]) || !max_error(naive.weights, r.weights, e[1]) || !max_error(naive.lse, r.lse, e[2])) return false;
-    for (int n = 0; n < 3; ++n) err[n] = std::max(err[n], e[n] * scale);
+    if (!sdpa_oracle::naive_error("out", naive.out, r.out, scale, e[0]).empty() ||
+        !sdpa_oracle::naive_error("weights", naive.weights, r.weights, scale, e[1]).empty() ||
+        !sdpa_oracle::naive_error("lse", naive.lse, r.lse, scale, e[2]).empty())
+      return false;
+    for (int n = 0; n < 3; ++n) err[n] = std::max(err[n], e[n]);
     return true;
   };
   if (!measure(c, 1.0, ref)) return;
-  double factor = 2;
   if (c.dtype == DType::kFloat64) {
     Vals ref32;
-    if (!measure(converted(c, DType::kFloat32), DBL_EPSILON / FLT_EPSILON, ref32)) return;
-    factor = 3;
+    if (!measure(converted(c, DType::kFloat32), sdpa_oracle::kFloat64ErrorScale, ref32)) return;
   }
+  // The summation term, fuzz-only (tolerance.h): out and l are sums over up to Nk keys (F6 fourth).
+  const sdpa_oracle::ForwardTolerance tol = sdpa_oracle::forward_tolerance(
+      err, sdpa_oracle::naive_factor(c.dtype),
+      {.dtype = c.dtype,
+       .out_max = max_abs_finite(c.v.values()) / (1 - c.opt.dropout_p),
+       .max_score = max_score_magnitude(c),
+       .lse_max = max_abs_finite(ref.lse),
+       .summation = std::sqrt(static_cast<double>(std::max<int64_t>(1, c.d.Nk)))});
   const Vals g = vals(got);
-  const double e = sdpa_oracle::eps(c.compute());  // weights and lse are stored in the compute type (test_util.cc)
-  const double out_max = max_abs_finite(c.v.values()) / (1 - c.opt.dropout_p);
-  const double S2 = 2 * max_score_magnitude(c);  // the scores' own rounding (test_util.cc)
-  // 16-bit out: one more unit in its last place (test_util.cc: a float32 result near a tie may
-  // round the other way than kReference's float64 one).
-  const double out_ulp = is16(c.dtype) ? sdpa_oracle::eps(c.dtype) * out_max : 0.0;
-  // Summation, fuzz-only (as in the backward rule below): out and l are sums over up to Nk keys,
-  // whose roundings grow like sqrt(Nk)·eps relative to Σ p|v| and l (F6 fourth: float64, Nk 2047,
-  // out off by 1.09x a floor without it).
-  const double sum_n = std::sqrt(static_cast<double>(std::max<int64_t>(1, c.d.Nk)));
+  // out only: a 16-bit out may round to inf near the threshold (tolerance.h: compare).
+  const sdpa_oracle::Mismatch m[3] = {
+      sdpa_oracle::compare("out", g.out, ref.out, tol.out, overflow_at(c.dtype)),
+      got.weights ? sdpa_oracle::compare("weights", g.weights, ref.weights, tol.weights) : sdpa_oracle::Mismatch{},
+      got.lse ? sdpa_oracle::compare("lse", g.lse, ref.lse, tol.lse) : sdpa_oracle::Mismatch{}};
+  std::string r;  // the first output's miss, with the worst ratio over all three
   double ratio = 0;
-  std::string r = all_close("out", g.out, ref.out, factor * err[0] + e * out_max * (std::max(4.0, S2) + sum_n) + out_ulp, ratio,
-                            overflow_at(c.dtype));
-  if (got.weights) { const std::string x = all_close("weights", g.weights, ref.weights, factor * err[1] + e * (std::max(4.0, S2) + sum_n), ratio); if (r.empty()) r = x; }
-  if (got.lse) { const std::string x = all_close("lse", g.lse, ref.lse, factor * err[2] + e * (std::max(4 * (1 + max_abs_finite(ref.lse)), S2) + sum_n), ratio); if (r.empty()) r = x; }
+  for (const sdpa_oracle::Mismatch& x : m) {
+    if (r.empty()) r = x.message;
+    ratio = std::max(ratio, x.worst_ratio);
+  }
   check(r.empty(), ratio <= kNearFactor ? "tolerance_near" : "tolerance",
         [&] { return std::string(backend_name(c.opt.backend)) + " vs kReference: " + r + "; worst " + num(ratio) + " x tol"; });
 }
@@ -132,7 +102,10 @@ bool grads_bitwise(const Grads& a, const Grads& b, std::string& why) {
   return true;
 }
 
-// tests/backward_util.cc: expected() and matches(), reimplemented.
+// The backward rule, sdpa_oracle::gradient_tolerance, per gradient (dsinks too); a miss is
+// "bwd_tolerance_near" within kNearFactor, "bwd_nonfinite" for a non-finite gradient, else
+// "bwd_tolerance". M is computed here as tests/backward_util.cc's cancellation_magnitudes (the
+// fuzzer's cases are not the tests' tensors), with dsinks' terms and the summation term.
 void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, const Tensor& dout, const Grads& got) {
   const Dims& d = c.d;
   auto measure = [&](const Case& cc, const Tensor& o, const Tensor& l, const Tensor& dO, double scale, GradVals& ref, double (&err)[4]) {
@@ -145,26 +118,21 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
     run_backward(cc, cc.inputs(), o, l, dO, gn, opt);
     ref = gvals(gr);
     const GradVals naive = gvals(gn);
-    for (int n = 0; n < 4; ++n) {  // n = 3: dsinks (none without)
-      double e = 0;
-      for (size_t x = 0; x < ref.g[n].size(); ++x) {
-        if (!std::isfinite(ref.g[n][x]) || !std::isfinite(naive.g[n][x])) return false;  // no_nan fails: no tolerance
-        e = std::max(e, std::abs(naive.g[n][x] - ref.g[n][x]));
-      }
-      err[n] = std::max(err[n], e * scale);
+    for (int n = 0; n < 4; ++n) {  // n = 3: dsinks (none without); a non-finite gradient: no tolerance
+      if (!sdpa_oracle::naive_error(kGradNames[n], naive.g[n], ref.g[n], scale, err[n], sdpa_oracle::NonFinite::kNever)
+               .empty())
+        return false;
     }
     return true;
   };
   double err[4] = {0, 0, 0, 0};
   GradVals ref;
   if (!measure(c, out, lse, dout, 1.0, ref, err)) return;
-  double factor = 2;
   if (c.dtype == DType::kFloat64) {
     const Case c32 = converted(c, DType::kFloat32);
     GradVals ref32;
     if (!measure(c32, out.converted(DType::kFloat32), lse.converted(DType::kFloat32), dout.converted(DType::kFloat32),
-                 DBL_EPSILON / FLT_EPSILON, ref32, err)) return;
-    factor = 3;
+                 sdpa_oracle::kFloat64ErrorScale, ref32, err)) return;
   }
   // Cancellation magnitudes M (backward_util.cc: cancellation_magnitudes, the same terms).
   const Vals rf = run_plain(c, Backend::kReference);
@@ -226,28 +194,15 @@ void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, co
   const DType grad_dtype[4] = {c.dtype, c.kv, c.kv, got.dsinks ? got.dsinks->dtype() : c.compute()};
   for (int n = 0; n < 4; ++n) {
     if (n == 3 && !got.dsinks) break;
-    // dsinks is stored in its own dtype (float32 under float64 q too): its epsilon where larger.
-    const double e = n == 3 ? std::max(sdpa_oracle::eps(c.compute()), sdpa_oracle::eps(grad_dtype[3])) : sdpa_oracle::eps(c.compute());
-    const double ref_max = max_abs_finite(ref.g[n]);
-    // 16-bit gradients: one more unit in their last place, as for out (backward_util.cc).
-    const double ulp = is16(grad_dtype[n]) ? sdpa_oracle::eps(grad_dtype[n]) * ref_max : 0.0;
-    const double tol = factor * err[n] + e * (4 * std::max(1.0, ref_max) + M[n]) + ulp;
+    const sdpa_oracle::GradientTolerance tol = sdpa_oracle::gradient_tolerance(
+        err[n], sdpa_oracle::naive_factor(c.dtype), c.dtype, grad_dtype[n], max_abs_finite(ref.g[n]), M[n], n == 3);
     // A 16-bit gradient may round to inf where kReference's stays finite near the threshold (as
-    // out in all_close): tame inputs and dropout's z = 1000 reach past float16's 65504.
-    const double overflow = overflow_at(grad_dtype[n]);
-    double worst = 0;
-    size_t at = 0;
-    for (size_t x = 0; x < g.g[n].size(); ++x) {
-      const double a = g.g[n][x], w = ref.g[n][x];
-      const bool rounds_over = std::isinf(a) && std::signbit(a) == std::signbit(w) && std::abs(w) + tol >= overflow;
-      const double ratio = std::isfinite(a) ? std::abs(a - w) / tol : rounds_over ? 0.0 : kInf;
-      if (!(ratio <= worst)) { worst = std::isnan(ratio) ? kInf : ratio; at = x; }
-    }
+    // out): tame inputs and dropout's z = 1000 reach past float16's 65504.
+    const sdpa_oracle::Mismatch m = sdpa_oracle::compare(kGradNames[n], g.g[n], ref.g[n], tol.tol, overflow_at(grad_dtype[n]));
+    const double worst = m.worst_ratio;
     const char* name = worst <= kNearFactor ? "bwd_tolerance_near" : std::isinf(worst) ? "bwd_nonfinite" : "bwd_tolerance";
-    check(worst <= 1, name, [&] {
-      return std::string(backend_name(c.opt.backend)) + " vs kReference: " + kGradNames[n] + "[" + std::to_string(at) + "] = " + num(g.g[n][at]) +
-             ", kReference " + num(ref.g[n][at]) + ", tol " + num(tol) + " (" + num(worst) + " x tol; measured error " +
-             num(err[n]) + " x " + num(factor) + ", eps " + num(e) + " x (4 max(1, " + num(ref_max) + ") + M " + num(M[n]) + "))";
+    check(m.count == 0, name, [&] {
+      return std::string(backend_name(c.opt.backend)) + " vs kReference: " + m.message + " (tol: " + tol.terms + ")";
     });
   }
 }

@@ -10,11 +10,13 @@
 #include <string>
 #include <type_traits>
 
+#include "checks.h"
 #include "layer/matrix.h"
 #include "storage.h"
 
 namespace sdpa {
 namespace {
+using internal::fail;
 using internal::InRows;
 using internal::OutRows;
 
@@ -29,10 +31,10 @@ struct Dims {
 // `input` names the query input as the caller knows it: x_q (forward, backward) or x (step).
 void check_float(const char* fn, const char* name, const TensorView& t, DType dtype, const char* input = "x_q") {
   if (t.dtype != dtype) {
-    throw Error(std::string(fn) + ": " + name + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype) +
-                " (the layer's dtype, " + input + "'s)");
+    fail(std::string(fn) + ": " + name + " is " + dtype_name(t.dtype) + ", expected " + dtype_name(dtype) +
+         " (the layer's dtype, " + input + "'s)");
   }
-  if (t.numel() > 0 && !t.data) throw Error(std::string(fn) + ": " + name + " has no data");
+  internal::check_has_data((std::string(fn) + ": " + name).c_str(), t);
 }
 
 void check_shape(const char* fn, const char* name, const TensorView& t, std::initializer_list<int64_t> want,
@@ -43,7 +45,7 @@ void check_shape(const char* fn, const char* name, const TensorView& t, std::ini
   if (!ok) {
     std::string s = "(";
     for (int64_t w : want) s += (s.size() > 1 ? ", " : "") + num(w);
-    throw Error(std::string(fn) + ": " + name + " has shape " + sh(t) + ", expected " + meaning + " = " + s + ")");
+    fail(std::string(fn) + ": " + name + " has shape " + sh(t) + ", expected " + meaning + " = " + s + ")");
   }
 }
 
@@ -53,20 +55,22 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
            const char* input = "x_q") {
   const TensorView& xq = in.x_q;
   if (xq.dtype != DType::kFloat32 && xq.dtype != DType::kFloat64) {
-    throw Error(std::string(fn) + ": " + input + " is " + dtype_name(xq.dtype) + "; the layer takes float32 or float64");
+    fail(std::string(fn) + ": " + input + " is " + dtype_name(xq.dtype) + "; the layer takes float32 or float64");
   }
   if (xq.rank != 3 || xq.shape[2] != c.d_model) {
-    throw Error(std::string(fn) + ": " + input + " has shape " + sh(xq) + ", expected (B, Nq, d_model = " +
-                num(c.d_model) + ")");
+    fail(std::string(fn) + ": " + input + " has shape " + sh(xq) + ", expected (B, Nq, d_model = " + num(c.d_model) +
+         ")");
   }
   const DType dt = xq.dtype;
   check_float(fn, input, xq, dt, input);
   const TensorView& xk = in.x_k ? *in.x_k : xq;
   const TensorView& xv = in.x_v ? *in.x_v : xk;
-  if (!in.x_k && c.kdim != c.d_model) throw Error(std::string(fn) + ": kdim " + num(c.kdim) + " != d_model " + num(c.d_model) + " needs x_k");
-  if (!in.x_v && !in.x_k && c.vdim != c.d_model) throw Error(std::string(fn) + ": vdim " + num(c.vdim) + " != d_model needs x_v");
-  if (in.x_v && !in.x_k) throw Error(std::string(fn) + ": x_v without x_k (give both for cross-attention)");
-  if (!in.x_v && in.x_k && c.vdim != c.kdim) throw Error(std::string(fn) + ": vdim " + num(c.vdim) + " != kdim needs x_v");
+  if (!in.x_k && c.kdim != c.d_model)
+    fail(std::string(fn) + ": kdim " + num(c.kdim) + " != d_model " + num(c.d_model) + " needs x_k");
+  if (!in.x_v && !in.x_k && c.vdim != c.d_model)
+    fail(std::string(fn) + ": vdim " + num(c.vdim) + " != d_model needs x_v");
+  if (in.x_v && !in.x_k) fail(std::string(fn) + ": x_v without x_k (give both for cross-attention)");
+  if (!in.x_v && in.x_k && c.vdim != c.kdim) fail(std::string(fn) + ": vdim " + num(c.vdim) + " != kdim needs x_v");
   const Dims d{xq.shape[0], xq.shape[1], xk.shape[1], c.d_model, c.kdim, c.vdim,
                c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim_v};
   if (in.x_k) {
@@ -90,7 +94,8 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
   const int64_t widths[4] = {d.Hq * d.Dk, d.Hkv * d.Dk, d.Hkv * d.Dv, d.E};
   for (int i = 0; i < 4; ++i) {
     if (b[i]->has_value() != c.bias) {
-      throw Error(std::string(fn) + ": " + names[i] + (c.bias ? " is missing (config.bias is true)" : " is given but config.bias is false"));
+      fail(std::string(fn) + ": " + names[i] +
+           (c.bias ? " is missing (config.bias is true)" : " is given but config.bias is false"));
     }
     if (*b[i]) {
       check_float(fn, names[i], **b[i], dt, input);
@@ -297,8 +302,8 @@ void check_gradient(const char* name, const std::optional<TensorView>& g, const 
   bool same = g->rank == like.rank;
   for (int i = 0; same && i < like.rank; ++i) same = g->shape[i] == like.shape[i];
   if (!same) {
-    throw Error(std::string("multi_head_attention_backward: ") + name + " has shape " + sh(*g) + ", expected " +
-                sh(like) + " (its parameter's or input's)");
+    fail(std::string("multi_head_attention_backward: ") + name + " has shape " + sh(*g) + ", expected " + sh(like) +
+         " (its parameter's or input's)");
   }
 }
 
@@ -312,15 +317,15 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
       saved.q.size() != static_cast<size_t>(d.B * d.Nq * d.Hq * d.Dk) * sizeof(T) ||
       saved.heads.size() != static_cast<size_t>(d.B * d.Nq * row_stride<T>(d.Hq * d.Dv)) * sizeof(T) ||
       saved.lse.size() != static_cast<size_t>(d.B * d.Hq * d.Nq) * sizeof(T)) {
-    throw Error(std::string(fn) + ": saved is not from a forward of these inputs with this backend (B " +
-                num(saved.batch) + ", Nq " + num(saved.nq) + ", Nk " + num(saved.nk) + ", " + dtype_name(saved.dtype) +
-                "; expected B " + num(d.B) + ", Nq " + num(d.Nq) + ", Nk " + num(d.Nk) + ", " + dtype_name(dt) + ")");
+    fail(std::string(fn) + ": saved is not from a forward of these inputs with this backend (B " + num(saved.batch) +
+         ", Nq " + num(saved.nq) + ", Nk " + num(saved.nk) + ", " + dtype_name(saved.dtype) + "; expected B " +
+         num(d.B) + ", Nq " + num(d.Nq) + ", Nk " + num(d.Nk) + ", " + dtype_name(dt) + ")");
   }
   check_float(fn, "dy", dy, layer);
   check_shape(fn, "dy", dy, {d.B, d.Nq, d.E}, "(B, Nq, d_model)");
   check_gradient("dx_q", g.dx_q, in.x_q, layer);
-  if (g.dx_k && !in.x_k) throw Error(std::string(fn) + ": dx_k is given but the forward had no x_k");
-  if (g.dx_v && !in.x_v) throw Error(std::string(fn) + ": dx_v is given but the forward had no x_v");
+  if (g.dx_k && !in.x_k) fail(std::string(fn) + ": dx_k is given but the forward had no x_k");
+  if (g.dx_v && !in.x_v) fail(std::string(fn) + ": dx_v is given but the forward had no x_v");
   if (g.dx_k) check_gradient("dx_k", g.dx_k, *in.x_k, layer);
   if (g.dx_v) check_gradient("dx_v", g.dx_v, *in.x_v, layer);
   check_gradient("dw_q", g.dw_q, w.w_q, layer);
@@ -331,7 +336,7 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   const std::optional<TensorView>* b[4] = {&w.b_q, &w.b_k, &w.b_v, &w.b_o};
   const char* names[4] = {"db_q", "db_k", "db_v", "db_o"};
   for (int i = 0; i < 4; ++i) {
-    if (*db[i] && !c.bias) throw Error(std::string(fn) + ": " + names[i] + " is given but config.bias is false");
+    if (*db[i] && !c.bias) fail(std::string(fn) + ": " + names[i] + " is given but config.bias is false");
     if (*db[i]) check_gradient(names[i], *db[i], **b[i], layer);
   }
   const Mode m = mode_of(options);
@@ -388,33 +393,36 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
   const char* fn = "multi_head_attention_step";
   MultiHeadInputs in;
   in.x_q = x;
-  if (c.kdim != c.d_model || c.vdim != c.d_model) throw Error(std::string(fn) + ": self-attention only (kdim = vdim = d_model)");
+  if (c.kdim != c.d_model || c.vdim != c.d_model)
+    fail(std::string(fn) + ": self-attention only (kdim = vdim = d_model)");
   const Dims d = check(fn, c, w, in, "x");
   check_float(fn, "y", y, x.dtype, "x");
   check_shape(fn, "y", y, {d.B, d.Nq, d.E}, "(B, n, d_model)");
   if (static_cast<int64_t>(seqs.size()) != d.B) {
-    throw Error(std::string(fn) + ": seqs has " + num(static_cast<int64_t>(seqs.size())) + " sequences, x has B = " + num(d.B));
+    fail(std::string(fn) + ": seqs has " + num(static_cast<int64_t>(seqs.size())) +
+         " sequences, x has B = " + num(d.B));
   }
   if (cache.dtype() != x.dtype || cache.num_kv_heads() != d.Hkv || cache.head_dim_k() != d.Dk ||
       cache.head_dim_v() != d.Dv) {
-    throw Error(std::string(fn) + ": cache holds " + dtype_name(cache.dtype()) + " Hkv " + num(cache.num_kv_heads()) +
-                ", Dk " + num(cache.head_dim_k()) + ", Dv " + num(cache.head_dim_v()) + "; the layer needs " +
-                dtype_name(x.dtype) + " Hkv " + num(d.Hkv) + ", Dk " + num(d.Dk) + ", Dv " + num(d.Dv));
+    fail(std::string(fn) + ": cache holds " + dtype_name(cache.dtype()) + " Hkv " + num(cache.num_kv_heads()) +
+         ", Dk " + num(cache.head_dim_k()) + ", Dv " + num(cache.head_dim_v()) + "; the layer needs " +
+         dtype_name(x.dtype) + " Hkv " + num(d.Hkv) + ", Dk " + num(d.Dk) + ", Dv " + num(d.Dv));
   }
-  if (options.dropout_p != 0.0) throw Error(std::string(fn) + ": no dropout in incremental decoding");
+  if (options.dropout_p != 0.0) fail(std::string(fn) + ": no dropout in incremental decoding");
   // Every sequence exists, appears once, and the pool has the pages: checked before any append.
   // max_pages: the longest block-table row after the append (the paged call's keys / page_size).
   const int64_t ps = cache.page_size();
   int64_t pages = 0, max_pages = 0;
   for (size_t b = 0; b < seqs.size(); ++b) {
     for (size_t a = 0; a < b; ++a)
-      if (seqs[a] == seqs[b]) throw Error(std::string(fn) + ": sequence " + num(seqs[b]) + " appears twice in seqs");
+      if (seqs[a] == seqs[b]) fail(std::string(fn) + ": sequence " + num(seqs[b]) + " appears twice in seqs");
     const int64_t L = cache.length(seqs[b]), after = (L + d.Nq + ps - 1) / ps;
     pages += after - (L + ps - 1) / ps;
     max_pages = std::max(max_pages, after);
   }
   if (pages > cache.free_pages()) {
-    throw Error(std::string(fn) + ": the cache has " + num(cache.free_pages()) + " free pages, these tokens need " + num(pages));
+    fail(std::string(fn) + ": the cache has " + num(cache.free_pages()) + " free pages, these tokens need " +
+         num(pages));
   }
   const DType dt = x.dtype;
   Options o = options;
@@ -466,10 +474,10 @@ bool in_f64(const MultiHeadInputs& in, const Options& o) {
 
 MultiHeadConfig MultiHeadConfig::resolved() const {
   auto positive = [](const char* name, int64_t v) {
-    if (v <= 0) throw Error(std::string("MultiHeadConfig: ") + name + " must be > 0, got " + num(v));
+    if (v <= 0) fail(std::string("MultiHeadConfig: ") + name + " must be > 0, got " + num(v));
   };
   auto defaulted = [](const char* name, int64_t v) {
-    if (v < 0) throw Error(std::string("MultiHeadConfig: ") + name + " must be >= 0 (0: the default), got " + num(v));
+    if (v < 0) fail(std::string("MultiHeadConfig: ") + name + " must be >= 0 (0: the default), got " + num(v));
   };
   MultiHeadConfig c = *this;
   positive("d_model", c.d_model);
@@ -481,21 +489,21 @@ MultiHeadConfig MultiHeadConfig::resolved() const {
   defaulted("vdim", c.vdim);
   if (c.num_kv_heads == 0) c.num_kv_heads = c.num_heads;
   if (c.num_heads % c.num_kv_heads != 0) {
-    throw Error("MultiHeadConfig: num_kv_heads " + num(c.num_kv_heads) + " must divide num_heads " + num(c.num_heads));
+    fail("MultiHeadConfig: num_kv_heads " + num(c.num_kv_heads) + " must divide num_heads " + num(c.num_heads));
   }
   if (c.head_dim == 0) {
     if (c.d_model % c.num_heads != 0) {
-      throw Error("MultiHeadConfig: d_model " + num(c.d_model) + " is not a multiple of num_heads " + num(c.num_heads) +
-                  "; give head_dim");
+      fail("MultiHeadConfig: d_model " + num(c.d_model) + " is not a multiple of num_heads " + num(c.num_heads) +
+           "; give head_dim");
     }
     c.head_dim = c.d_model / c.num_heads;
   }
   if (c.head_dim_v == 0) c.head_dim_v = c.head_dim;
   if (c.kdim == 0) c.kdim = c.d_model;
   if (c.vdim == 0) c.vdim = c.kdim;
-  if (c.rope && c.head_dim % 2 != 0) throw Error("MultiHeadConfig: rope needs an even head_dim, got " + num(c.head_dim));
+  if (c.rope && c.head_dim % 2 != 0) fail("MultiHeadConfig: rope needs an even head_dim, got " + num(c.head_dim));
   if (c.rope && !(std::isfinite(c.rope_base) && c.rope_base > 0)) {
-    throw Error("MultiHeadConfig: rope_base must be finite and > 0, got " + std::to_string(c.rope_base));
+    fail("MultiHeadConfig: rope_base must be finite and > 0, got " + std::to_string(c.rope_base));
   }
   return c;
 }
@@ -531,7 +539,7 @@ void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWei
 MultiHeadAttention::MultiHeadAttention(const MultiHeadConfig& config, DType dtype, uint64_t seed)
     : config_(config.resolved()), dtype_(dtype) {
   if (dtype != DType::kFloat32 && dtype != DType::kFloat64) {
-    throw Error(std::string("MultiHeadAttention: dtype must be float32 or float64, got ") + dtype_name(dtype));
+    fail(std::string("MultiHeadAttention: dtype must be float32 or float64, got ") + dtype_name(dtype));
   }
   const MultiHeadConfig& c = config_;
   const int64_t shapes[8][2] = {{c.d_model, c.num_heads * c.head_dim},    {c.kdim, c.num_kv_heads * c.head_dim},
