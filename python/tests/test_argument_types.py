@@ -246,6 +246,8 @@ ENTRY_POINTS = {
                         reals=["dropout_p"]),
     "set_num_threads": Row(_threads_setup, ints=["n"]),
     "num_threads": Row(_function(sdpa.num_threads, dict)),
+    "precision": Row(_function(sdpa.precision, lambda: dict(mode="fast")),
+                     exempt="mode: a name, 'exact' or 'fast', checked when the block is entered (test_precision.py)"),
     "block_mask_bigbird": Row(_function(sdpa.block_mask_bigbird, lambda: dict(nq=5, nk=7, block_size=2, window=1,
                                                                               random_blocks=1, seed=0)),
                               ints=["nq", "nk", "block_size", "window", "global_blocks", "random_blocks",
