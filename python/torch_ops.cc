@@ -17,9 +17,11 @@
 //
 // Every operator ends with the score modifiers, defaulted: softcap (0 = off), softcap_after_bias
 // (SoftcapOrder::kAfterBias), alibi_slopes? ((Hq,) or (B, Hq)) and sinks? ((Hq,)), float32 or
-// float64; then block_mask? (bool), block_q and block_k
-// (Options::block_mask; default 128); the backward operators return dsinks as a fourth result ((Hq,) in the compute dtype;
-// (0,) without sinks), and the autograd kernels give sinks that gradient. attention_backward
+// float64; then block_mask? (bool), block_q and block_k (Options::block_mask; default 128);
+// then, after the backward operators' own flags (below), precision ("exact", the default, or
+// "fast": Options::precision; the autograd kernels give the backward the forward's). The
+// backward operators return dsinks as a fourth result ((Hq,) in the compute dtype; (0,)
+// without sinks), and the autograd kernels give sinks that gradient. attention_backward
 // ends with mask_grad (default false): true returns the float mask's gradient as a fifth result
 // (shaped like the mask, its dtype; (0,) otherwise), which attention's autograd kernel asks for
 // when the mask requires grad (a learned bias: T5's, Swin's). Both backward operators end with
@@ -97,6 +99,7 @@ struct Mods {
   std::optional<Tensor> alibi_slopes, sinks;
   std::optional<Tensor> block_mask = std::nullopt;  // attention and attention_backward only
   int64_t block_q = 128, block_k = 128;
+  c10::string_view precision = "exact";  // sdpa::front checks the name
 };
 
 // Options for a call (sdpa::front: causal's name is checked there, the values by the library),
@@ -106,6 +109,7 @@ sdpa::Options options(c10::string_view causal, std::optional<double> scale, int6
   sdpa::front::Call c{.scale = scale,
                       .causal = std::string_view(causal.data(), causal.size()),
                       .window = {window_left, window_right},
+                      .precision = std::string_view(mods.precision.data(), mods.precision.size()),
                       .dropout_p = dropout_p,
                       .softcap = mods.softcap,
                       .softcap_order = mods.after_bias ? "after_bias" : "before_bias",
@@ -157,15 +161,18 @@ Tensor empty_dsinks(const Tensor& q, const std::optional<Tensor>& sinks) {
 std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                          const std::optional<Tensor>& mask, c10::string_view causal,
                                          std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                         double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-                                         const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                                         double dropout_p, const std::optional<Tensor>& seed, double softcap,
+                                         bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
+                                         const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask,
+                                         int64_t block_q, int64_t block_k, c10::string_view precision) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   auto [out, lse] = empty_outputs(q, v);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, dropout_p, seed,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention(in, outs, opt); });
   return {out, lse};
 }
@@ -181,8 +188,10 @@ Tensor empty_dalibi(const Tensor& q, const std::optional<Tensor>& alibi_slopes, 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& out_, const Tensor& lse,
     const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad, bool alibi_grad) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad, bool alibi_grad,
+    c10::string_view precision) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
@@ -196,8 +205,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cp
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
   if (mask_grad) grads.dbias = view(dbias, "dbias");
   if (alibi_grad) grads.dalibi_slopes = view(dalibi, "dalibi_slopes");
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, dropout_p, seed,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
   return {dq, dk, dv, dsinks, dbias, dalibi};
 }
@@ -210,7 +220,11 @@ sdpa::VarlenInputs varlen_inputs(const Tensor& q, const Tensor& k, const Tensor&
 std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_,
                                                 const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
                                                 std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                                double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                                                double dropout_p, const std::optional<Tensor>& seed, double softcap,
+                                                bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
+                                                const std::optional<Tensor>& sinks,
+                                                const std::optional<Tensor>& block_mask, int64_t block_q,
+                                                int64_t block_k, c10::string_view precision) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk)");
   auto shape = q.sizes().vec();
@@ -219,8 +233,9 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
   const Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(compute_type(q)));  // (Hq, total_q)
   const sdpa::VarlenInputs in = varlen_inputs(q, k, v, cu_q, cu_k);
   const sdpa::VarlenOutputs outs{view(out, "out"), view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, dropout_p, seed,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention_varlen(in, outs, opt); });
   return {out, lse};
 }
@@ -228,7 +243,10 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu(
     const Tensor& dout_, const Tensor& q_, const Tensor& k_, const Tensor& v_, const Tensor& cu_q, const Tensor& cu_k,
     const Tensor& out_, const Tensor& lse, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool alibi_grad) {
+    int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool alibi_grad,
+    c10::string_view precision) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
@@ -237,17 +255,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> attention_varlen_backward_cpu
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
   if (alibi_grad) grads.dalibi_slopes = view(dalibi, "dalibi_slopes");
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, dropout_p, seed,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, dropout_p, seed,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention_varlen_backward(in, view(out, "out"), view(lse, "lse"), view(dout, "dout"), grads, opt); });
   return {dq, dk, dv, dsinks, dalibi};
 }
 
-std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k_pages, const Tensor& v_pages,
-                                               const Tensor& block_table, const Tensor& seqlens_k,
-                                               const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
-                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                               double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+std::tuple<Tensor, Tensor> attention_paged_cpu(
+    const Tensor& q_, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table, const Tensor& seqlens_k,
+    const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, double softcap, bool softcap_after_bias,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
   const Tensor q = unit_last(q_);
   auto [out, lse] = empty_outputs(q, v_pages);
   if (cu_seqlens_q) {  // packed queries (total_q, Hq, Dk): lse (Hq, total_q)
@@ -258,8 +278,9 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(const Tensor& q_, const Tensor& k
                        view(block_table, "block_table"), view(seqlens_k, "seqlens_k"), std::nullopt};
   if (cu_seqlens_q) in.cu_seqlens_q = view(*cu_seqlens_q, "cu_seqlens_q");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, 0.0, std::nullopt,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention_paged(in, outs, opt); });
   return {out, lse};
 }
@@ -272,7 +293,8 @@ Tensor attention_weights_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v
                              c10::string_view causal, std::optional<double> scale, int64_t window_left,
                              int64_t window_right, double softcap, bool softcap_after_bias,
                              const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-                             const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                             const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
+                             c10::string_view precision) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   TORCH_CHECK_VALUE(q.dim() >= 2 && k.dim() >= 2, "q and k must have at least 2 dims, got ", q.sizes(), " and ",
                     k.sizes());
@@ -283,8 +305,9 @@ Tensor attention_weights_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
   const sdpa::Outputs outs{view(out, "out"), view(weights, "weights"), std::nullopt};
-  const sdpa::Options opt = options(causal, scale, window_left, window_right, 0.0, std::nullopt,
-                                    Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k});
+  const sdpa::Options opt =
+      options(causal, scale, window_left, window_right, 0.0, std::nullopt,
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention(in, outs, opt); });
   return weights;
 }
@@ -297,8 +320,10 @@ c10::OperatorHandle op(const char* name) {
 
 // The saved options of a forward call, for its backward.
 void save_options(AutogradContext* ctx, c10::string_view causal, std::optional<double> scale, int64_t window_left,
-                  int64_t window_right, double dropout_p, double softcap, bool softcap_after_bias) {
+                  int64_t window_right, double dropout_p, double softcap, bool softcap_after_bias,
+                  c10::string_view precision) {
   ctx->saved_data["softcap"] = softcap;
+  ctx->saved_data["precision"] = std::string(precision);  // the backward rounds p and ds as the forward did
   ctx->saved_data["softcap_after_bias"] = softcap_after_bias;
   ctx->saved_data["causal"] = std::string(causal);
   ctx->saved_data["scale"] = scale;
@@ -313,12 +338,13 @@ struct SavedOptions {
   double dropout_p;
   double softcap;
   bool softcap_after_bias;
+  std::string precision;
 };
 SavedOptions saved_options(AutogradContext* ctx) {
   const auto& s = ctx->saved_data;
-  return {s.at("causal").toStringRef(), s.at("scale").toOptional<double>(), s.at("window_left").toInt(),
-          s.at("window_right").toInt(), s.at("dropout_p").toDouble(), s.at("softcap").toDouble(),
-          s.at("softcap_after_bias").toBool()};
+  return {s.at("causal").toStringRef(),        s.at("scale").toOptional<double>(), s.at("window_left").toInt(),
+          s.at("window_right").toInt(),        s.at("dropout_p").toDouble(),       s.at("softcap").toDouble(),
+          s.at("softcap_after_bias").toBool(), s.at("precision").toStringRef()};
 }
 std::optional<Tensor> optional(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 
@@ -326,17 +352,19 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& mask, c10::string_view causal, std::optional<double> scale,
                                int64_t window_left, int64_t window_right, double dropout_p,
-                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
+                               const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
+                               c10::string_view precision) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
     // Saved through autograd, so that an in-place change of an input or of the returned out
     // makes backward raise instead of using stale data.
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
                             alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
-    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias, precision);
     ctx->saved_data["block_q"] = block_q;
     ctx->saved_data["block_k"] = block_k;
     // A float mask that requires grad (a learned bias) gets its gradient (dbias).
@@ -352,16 +380,17 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
     const bool mask_grad = ctx->saved_data["mask_grad"].toBool(), alibi_grad = ctx->saved_data["alibi_grad"].toBool();
-    auto [dq, dk, dv, dsinks, dbias, dalibi] =
-        bwd.call(dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale, o.window_left, o.window_right,
-                 o.dropout_p, optional(s[6]), o.softcap, o.softcap_after_bias, optional(s[7]), optional(s[8]),
-                 optional(s[9]), ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad,
-                 alibi_grad);
+    auto [dq, dk, dv, dsinks, dbias, dalibi] = bwd.call(
+        dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale, o.window_left, o.window_right,
+        o.dropout_p, optional(s[6]), o.softcap, o.softcap_after_bias, optional(s[7]), optional(s[8]), optional(s[9]),
+        ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad, alibi_grad, o.precision);
     // One gradient per forward argument: q, k, v, mask, causal .. softcap_after_bias (8),
-    // alibi_slopes, sinks, block_mask, block_q, block_k.
-    return {dq,       dk,       dv,       mask_grad ? dbias : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), alibi_grad ? dalibi : Tensor(),
-            s[8].defined() ? dsinks : Tensor(), Tensor(), Tensor(), Tensor()};
+    // alibi_slopes, sinks, block_mask, block_q, block_k, precision.
+    const Tensor none;
+    return {dq,   dk,   dv,   mask_grad ? dbias : none,
+            none, none, none, none, none, none, none, none,  // causal .. softcap_after_bias
+            alibi_grad ? dalibi : none, s[8].defined() ? dsinks : none,
+            none, none, none, none};  // block_mask, block_q, block_k, precision
   }
 };
 
@@ -377,33 +406,39 @@ bool records(std::initializer_list<const Tensor*> inputs) {
 std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const std::optional<Tensor>& mask, c10::string_view causal,
                                               std::optional<double> scale, int64_t window_left, int64_t window_right,
-                                              double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-                                              const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                                              double dropout_p, const std::optional<Tensor>& seed, double softcap,
+                                              bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
+                                              const std::optional<Tensor>& sinks,
+                                              const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
+                                              c10::string_view precision) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   }
-  const variable_list r = AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p,
-                                                   seed, softcap, softcap_after_bias, alibi_slopes, sinks, block_mask,
-                                                   block_q, block_k);
+  const variable_list r =
+      AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   return {r[0], r[1]};
 }
 
 struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
-                               std::optional<double> scale, int64_t window_left, int64_t window_right,
-                               double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                               std::optional<double> scale, int64_t window_left, int64_t window_right, double dropout_p,
+                               const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
+                               const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
+                               c10::string_view precision) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
     ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor()), alibi_slopes.value_or(Tensor()),
                             sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
-    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias);
+    save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias, precision);
     ctx->saved_data["block_q"] = block_q;
     ctx->saved_data["block_k"] = block_k;
     ctx->saved_data["alibi_grad"] = alibi_slopes && alibi_slopes->requires_grad();
@@ -416,33 +451,36 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     static const auto bwd = op("sdpa::attention_varlen_backward").typed<decltype(attention_varlen_backward_cpu)>();
     Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[5]);
     const bool alibi_grad = ctx->saved_data["alibi_grad"].toBool();
-    auto [dq, dk, dv, dsinks, dalibi] =
-        bwd.call(dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale, o.window_left, o.window_right,
-                 o.dropout_p, optional(s[7]), o.softcap, o.softcap_after_bias, optional(s[8]), optional(s[9]),
-                 optional(s[10]), ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), alibi_grad);
+    auto [dq, dk, dv, dsinks, dalibi] = bwd.call(
+        dout, s[0], s[1], s[2], s[3], s[4], s[5], s[6], o.causal, o.scale, o.window_left, o.window_right, o.dropout_p,
+        optional(s[7]), o.softcap, o.softcap_after_bias, optional(s[8]), optional(s[9]), optional(s[10]),
+        ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), alibi_grad, o.precision);
     // One gradient per forward argument: q, k, v, cu_seqlens_q, cu_seqlens_k, causal ..
-    // softcap_after_bias (8), alibi_slopes, sinks, block_mask, block_q, block_k.
-    return {dq,       dk,       dv,       Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), alibi_grad ? dalibi : Tensor(), s[9].defined() ? dsinks : Tensor(),
-            Tensor(), Tensor(), Tensor()};
+    // softcap_after_bias (8), alibi_slopes, sinks, block_mask, block_q, block_k, precision.
+    const Tensor none;
+    return {dq,   dk,   dv,   none, none,                    // cu_seqlens_q, cu_seqlens_k
+            none, none, none, none, none, none, none, none,  // causal .. softcap_after_bias
+            alibi_grad ? dalibi : none, s[9].defined() ? dsinks : none,
+            none, none, none, none};  // block_mask, block_q, block_k, precision
   }
 };
 
-std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                     const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
-                                                     std::optional<double> scale, int64_t window_left,
-                                                     int64_t window_right, double dropout_p,
-                                                     const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+std::tuple<Tensor, Tensor> attention_varlen_autograd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
+    std::optional<double> scale, int64_t window_left, int64_t window_right, double dropout_p,
+    const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   }
-  const variable_list r = VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right,
-                                                dropout_p, seed, softcap, softcap_after_bias, alibi_slopes, sinks,
-                                                block_mask, block_q, block_k);
+  const variable_list r =
+      VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
+                            softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   return {r[0], r[1]};
 }
 
@@ -481,15 +519,16 @@ using AttentionBackwardAutograd = OnceDifferentiable<BackwardOp>;
 using VarlenBackwardAutograd = OnceDifferentiable<VarlenBackwardOp>;
 
 // attention_paged: forward only; its outputs are not connected to the inputs' graphs.
-std::tuple<Tensor, Tensor> attention_paged_autograd(const Tensor& q, const Tensor& k_pages, const Tensor& v_pages,
-                                                    const Tensor& block_table, const Tensor& seqlens_k,
-                                                    const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal,
-                                                    std::optional<double> scale, int64_t window_left,
-                                                    int64_t window_right, double softcap, bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+std::tuple<Tensor, Tensor> attention_paged_autograd(
+    const Tensor& q, const Tensor& k_pages, const Tensor& v_pages, const Tensor& block_table, const Tensor& seqlens_k,
+    const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal, std::optional<double> scale,
+    int64_t window_left, int64_t window_right, double softcap, bool softcap_after_bias,
+    const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto fwd = op("sdpa::attention_paged").typed<decltype(attention_paged_cpu)>();
   return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
-                  softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k);
+                  softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
 }
 
 // attention_weights: no gradient either (sdpa.torch.MultiheadAttention's weights are for inspection).
@@ -497,11 +536,12 @@ Tensor attention_weights_autograd(const Tensor& q, const Tensor& k, const Tensor
                                   c10::string_view causal, std::optional<double> scale, int64_t window_left,
                                   int64_t window_right, double softcap, bool softcap_after_bias,
                                   const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-                                  const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k) {
+                                  const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
+                                  c10::string_view precision) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto fwd = op("sdpa::attention_weights").typed<decltype(attention_weights_cpu)>();
   return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, softcap, softcap_after_bias, alibi_slopes,
-                  sinks, block_mask, block_q, block_k);
+                  sinks, block_mask, block_q, block_k, precision);
 }
 
 }  // namespace
@@ -511,23 +551,28 @@ TORCH_LIBRARY(sdpa, m) {
 #define SDPA_MODS ", float softcap=0., bool softcap_after_bias=False, Tensor? alibi_slopes=None, Tensor? sinks=None"
   // Then a block mask (packed sequences read it as Options::block_mask says).
 #define SDPA_BLOCKS ", Tensor? block_mask=None, int block_q=128, int block_k=128"
+  // Options::precision by name ("exact" or "fast") comes last, after the backward operators' own
+  // flags too, so that older callers' positional arguments keep their meaning.
+#define SDPA_PRECISION ", str precision=\"exact\""
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
-        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ") -> (Tensor, Tensor)");
+        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        SDPA_BLOCKS ", bool mask_grad=False, bool alibi_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        SDPA_BLOCKS ", bool mask_grad=False, bool alibi_grad=False" SDPA_PRECISION
+        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        SDPA_BLOCKS ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
   m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
-        "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS
-        ", bool alibi_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ", bool alibi_grad=False" SDPA_PRECISION
+        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
         "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right" SDPA_MODS
-        SDPA_BLOCKS ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
   m.def("attention_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
-        "int window_right" SDPA_MODS SDPA_BLOCKS ") -> Tensor");
+        "int window_right" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION ") -> Tensor");
+#undef SDPA_PRECISION
 #undef SDPA_BLOCKS
 #undef SDPA_MODS
   m.def("torch_version() -> str", [] { return std::string(SDPA_TORCH_VERSION); });

@@ -29,7 +29,8 @@ head-major (contiguous) from the projections by one copy each: the kernel reads 
 - Extra keyword options: ``num_kv_heads`` (GQA/MQA: k_proj_weight and v_proj_weight are
   (num_kv_heads · head_dim, kdim/vdim), and in_proj_bias holds E + 2 · num_kv_heads · head_dim),
   ``rope`` with ``rope_base`` (rotary embedding on q and k as ``sdpa.MultiHeadAttention``'s,
-  positions from ``position_q`` / ``position_k`` given to forward).
+  positions from ``position_q`` / ``position_k`` given to forward); forward's ``precision``
+  (as in ``sdpa.attention``; None takes the enclosing ``sdpa.precision(...)`` block's).
 - ``step(x, cache, seqs)`` decodes incrementally with an ``sdpa.KVCache`` (``new_cache``).
 """
 
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
 from ._arrays import _sequence_ids
-from ._args import _checked_int, _numpy_of_tensor, _real_number
+from ._args import _checked_int, _numpy_of_tensor, _precision_arg, _real_number
 from .torch import _attention, _check_tensors, _options
 
 _attention_weights = torch.ops.sdpa.attention_weights.default
@@ -212,7 +213,7 @@ class MultiheadAttention(torch.nn.Module):
         return h.transpose(1, 2).contiguous()
 
     def forward(self, query, key=None, value=None, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False, *, position_q=0, position_k=0):
+                average_attn_weights=True, is_causal=False, *, position_q=0, position_k=0, precision=None):
         key = query if key is None else key
         value = key if value is None else value
         _check_tensors(("query", "key", "value"), (query, key, value))
@@ -251,7 +252,8 @@ class MultiheadAttention(torch.nn.Module):
             dropout_p, _, seed = _options(dropout_p, None)
         # The operator itself (q, k, v are already (B, H, N, D); GQA is native): it takes a mask
         # and causal together, which scaled_dot_product_attention's torch semantics refuse.
-        out, _ = _attention(q, k, v, mask, "top_left" if causal else "none", None, -1, -1, dropout_p, seed)
+        out, _ = _attention(q, k, v, mask, "top_left" if causal else "none", None, -1, -1, dropout_p, seed,
+                            precision=_precision_arg(precision))
         y = self.out_proj(_MergeHeads.apply(out))
         weights = None
         if need_weights:
@@ -268,7 +270,8 @@ class MultiheadAttention(torch.nn.Module):
 
     def _weights(self, q, k, v, mask, causal):
         """The attention weights (B, H, L, S) from sdpa's kernel (before dropout), in q's dtype,
-        without gradient (the operator's result carries none)."""
+        without gradient (the operator's result carries none); exact mode's whatever the
+        precision (Outputs::weights are)."""
         w = _attention_weights(q, k, v, mask, "top_left" if causal else "none", None, -1, -1)
         return w.to(q.dtype)
 

@@ -38,7 +38,8 @@ PyTorch's semantics, with these limits:
   in PyTorch), passed to sdpa without copies where their strides allow (last dim contiguous;
   a (B, L, H, E) tensor transposed to (B, H, L, E) is not copied). bfloat16 and float16
   compute in float32 and round each result once: the output and the gradients have the
-  inputs' dtype.
+  inputs' dtype. ``precision="fast"`` (every function's keyword; None takes the enclosing
+  ``sdpa.precision(...)`` block's) rounds the softmax weights as ``sdpa.attention`` describes.
 - ``scale`` is a real number or, as in PyTorch, a 0-dim tensor (read as its number; a tensor
   with dims, one that requires grad and a bool one raise TypeError).
 - First derivatives only: the backward is marked ``once_differentiable``, so asking for a
@@ -66,8 +67,8 @@ import numpy as np
 import torch
 
 from ._args import (_block_sizes, _causal_name, _check_real, _compute_dtype, _numpy_of_tensor, _parsed_dropout,
-                    _parsed_softcap, _prepared_indices, _real_array, _scale_value, _tensor_of_numpy, _torch_dtypes,
-                    _window_bounds)
+                    _parsed_softcap, _precision_arg, _prepared_indices, _real_array, _scale_value, _tensor_of_numpy,
+                    _torch_dtypes, _window_bounds)
 
 __all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats",
            "MultiheadAttention"]
@@ -116,14 +117,14 @@ def _dalibi(q, alibi_slopes, alibi_grad):
 
 @torch.library.register_fake("sdpa::attention")
 def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
-      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact"):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
 
 
 @torch.library.register_fake("sdpa::attention_backward")
 def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
       softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
-      mask_grad=False, alibi_grad=False):
+      mask_grad=False, alibi_grad=False, precision="exact"):
     dbias = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias,
             _dalibi(q, alibi_slopes, alibi_grad))
@@ -131,7 +132,8 @@ def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, d
 
 @torch.library.register_fake("sdpa::attention_varlen")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
-      softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
+      softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
+      precision="exact"):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_compute_dtype(q.dtype))
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
@@ -139,21 +141,22 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_ri
 @torch.library.register_fake("sdpa::attention_varlen_backward")
 def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window_left, window_right, dropout_p,
       seed, softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128,
-      block_k=128, alibi_grad=False):
+      block_k=128, alibi_grad=False, precision="exact"):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks),
             _dalibi(q, alibi_slopes, alibi_grad))
 
 
 @torch.library.register_fake("sdpa::attention_paged")
 def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
-      softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
+      softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
+      precision="exact"):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
 
 
 @torch.library.register_fake("sdpa::attention_weights")
 def _(q, k, v, mask, causal, scale, window_left, window_right, softcap=0.0, softcap_after_bias=False,
-      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128):
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact"):
     return q.new_empty(q.shape[:-1] + k.shape[-2:-1], dtype=_compute_dtype(q.dtype))
 
 
@@ -310,7 +313,7 @@ def _direct(query, key, value, attn_mask, enable_gqa):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                                 sinks=None, block_mask=None, block_size=128):
+                                 sinks=None, block_mask=None, block_size=128, precision=None):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
     doc for the limits). A float ``attn_mask`` that requires grad gets its gradient;
     ``dropout_p`` must be in [0, 1).
@@ -323,7 +326,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     query heads and B the product of the batch dims. ``block_mask`` (bool; (QB, KB), (H, QB, KB)
     or (B, H, QB, KB) with QB = ceil(L / bq), KB = ceil(S / bk) for ``block_size`` = bq or
     (bq, bk), default 128) makes it block-sparse as in ``sdpa.attention``: a False block's keys
-    are blocked for its queries, and the kernels skip the tiles it empties."""
+    are blocked for its queries, and the kernels skip the tiles it empties. ``precision`` as in
+    ``sdpa.attention`` ("exact" or "fast"; None takes the enclosing ``sdpa.precision(...)`` block's)."""
     # The checks are written for speed (a decode step of a small model costs a few µs in all):
     # the common case passes them in a few attribute reads, anything else goes to the checks
     # that name the argument.
@@ -342,10 +346,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if block_mask is not None:
         mods = (mods or (0.0, False, None, None)) + _blocks(block_mask, block_size)
     causal = "top_left" if is_causal else "none"
+    precision = _precision_arg(precision)  # the operator checks the name
     if _direct(query, key, value, attn_mask, enable_gqa):
         if attn_mask is not None:
             _checked_mask(attn_mask, query, is_causal, query.shape[:-1] + key.shape[-2:-1])
-        return _attention(query, key, value, attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods)[0]
+        return _attention(query, key, value, attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods,
+                          precision=precision)[0]
     if min(query.dim(), key.dim(), value.dim()) < 2:
         raise _shape_error("query, key and value must have at least 2 dims, (..., L, E)", query, key, value)
     batch, heads, kv_heads, out_shape = _layout(query, key, value, enable_gqa)
@@ -358,7 +364,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # Autograd sees the expand/reshape views around the operator, and sums the gradients of
     # broadcast dims back into the shapes of query, key and value.
     out, _ = _attention(_as_4d(query, batch, heads), _as_4d(key, batch, kv_heads), _as_4d(value, batch, kv_heads),
-                        attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods)
+                        attn_mask, causal, scale, -1, -1, dropout_p, seed, *mods, precision=precision)
     return out.reshape(out_shape)
 
 
@@ -377,7 +383,7 @@ def _index_tensor(name, t, meaning, ndim=1):
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      dropout_p=0.0, softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None,
-                     block_mask=None, block_size=128):
+                     block_mask=None, block_size=128, precision=None):
     """``sdpa.attention_varlen`` on CPU tensors, with autograd (FlashAttention's
     ``flash_attn_varlen_func`` layout): query (total_q, Hq, Dk), key (total_k, Hkv, Dk), value
     (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k (B + 1,) integer tensors (or sequences);
@@ -387,7 +393,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     (``torch.manual_seed`` reproduces it) and reused by the backward. softcap, softcap_order,
     alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (both with a gradient) as in
     ``scaled_dot_product_attention``; block_mask and block_size as in ``sdpa.attention_varlen``
-    (each sequence reads the top-left corner of the longest sequence's blocks)."""
+    (each sequence reads the top-left corner of the longest sequence's blocks); precision as in
+    ``scaled_dot_product_attention``."""
     _check_tensors(("query", "key", "value"), (query, key, value))
     cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
     cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,) offsets")
@@ -397,20 +404,20 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     if block_mask is not None:
         mods += _blocks(block_mask, block_size)
     out, _ = _ops.attention_varlen(query, key, value, cu_q, cu_k, _causal_name(causal), scale, left, right, dropout_p,
-                                   seed, *mods)
+                                   seed, *mods, precision=_precision_arg(precision))
     return out
 
 
 def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                    sinks=None, block_mask=None, block_size=128):
+                    sinks=None, block_mask=None, block_size=128, precision=None):
     """``sdpa.attention_paged`` on CPU tensors (forward only: the result carries no gradient):
     query (B, Hq, Nq, Dk) against a paged KV cache, k_pages (num_pages, page_size, Hkv, Dk) and
     v_pages (num_pages, page_size, Hkv, Dv) (any strides with a contiguous last dim), block_table
     (B, max_pages) and seqlens_k (B,) integer tensors; returns out (B, Hq, Nq, Dv) in the query's
     dtype, and lse (B, Hq, Nq) with return_lse. With cu_seqlens_q ((B + 1,) offsets) the query
     is packed, (total_q, Hq, Dk), out (total_q, Hq, Dv) and lse (Hq, total_q). causal, window,
-    scale, the score modifiers and block_mask as in ``sdpa.attention_paged``."""
+    scale, the score modifiers, block_mask and precision as in ``sdpa.attention_paged``."""
     _check_tensors(("query", "k_pages", "v_pages"), (query, k_pages, v_pages))
     table = _index_tensor("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     lengths = _index_tensor("seqlens_k", seqlens_k, "(B,) key lengths")
@@ -421,7 +428,7 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
     if block_mask is not None:
         mods += _blocks(block_mask, block_size)
     out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
-                                    right, *mods)
+                                    right, *mods, precision=_precision_arg(precision))
     return (out, lse) if return_lse else out
 
 
