@@ -27,17 +27,6 @@ Tensors qkv(GuardedTensor q, GuardedTensor k, GuardedTensor v, std::optional<Gua
   return {std::move(q), std::move(k), std::move(v), std::move(mask)};
 }
 
-// q, k, v of the given shapes with normal values.
-Tensors random_qkv(DType dtype, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v,
-                   uint32_t seed) {
-  std::mt19937 rng(seed);
-  Tensors t = qkv(GuardedTensor(dtype, q), GuardedTensor(dtype, k), GuardedTensor(dtype, v));
-  fill_normal(t.q, rng);
-  fill_normal(t.k, rng);
-  fill_normal(t.v, rng);
-  return t;
-}
-
 GuardedTensor random_mask(DType dtype, std::vector<int64_t> shape, uint32_t seed, double density = 0.6) {
   std::mt19937 rng(seed);
   GuardedTensor m(dtype, std::move(shape));
@@ -55,15 +44,6 @@ testing::AssertionResult near(const Outs& got, const Values& want, double magnit
     if (auto r = all_close("weights", g.weights, want.weights, tol); !r) return r;
   }
   if (got.lse) return all_close("lse", g.lse, want.lse, tol);
-  return testing::AssertionSuccess();
-}
-
-testing::AssertionResult no_nan(const Values& v) {
-  for (const auto* xs : {&v.out, &v.weights, &v.lse}) {
-    for (double x : *xs) {
-      if (std::isnan(x)) return testing::AssertionFailure() << "NaN in the outputs";
-    }
-  }
   return testing::AssertionSuccess();
 }
 

@@ -372,16 +372,6 @@ INSTANTIATE_TEST_SUITE_P(Backends, BackwardSemantics,
                          testing::Values(Backend::kAuto, Backend::kFlash, Backend::kNaive, Backend::kReference),
                          [](const testing::TestParamInfo<Backend>& info) { return backend_name(info.param); });
 
-Tensors random_qkv(DType dt, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, uint32_t seed) {
-  std::mt19937 rng(seed);
-  Tensors t{GuardedTensor(dt, std::move(q)), GuardedTensor(dt, std::move(k)), GuardedTensor(dt, std::move(v)),
-            std::nullopt};
-  fill_normal(t.q, rng);
-  fill_normal(t.k, rng);
-  fill_normal(t.v, rng);
-  return t;
-}
-
 TEST_P(BackwardSemantics, HandComputedExample) {
   // One query, two keys, Dk = Dv = 1, scale 1: s = (0, 1) for q = 1, k = (0, 1); v = (2, 5);
   // dout = 1. With a = e / (1 + e): P = (1 - a, a), out = 2 + 3a, dv = P, dP = (2, 5),

@@ -26,26 +26,6 @@ using sdpa::Precision;
 
 constexpr DType kHalves[] = {kBF16, kF16};
 
-// q, k, v of the given shapes with normal values (as attention_test.cc's).
-Tensors random_qkv(DType dtype, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v, uint32_t seed) {
-  std::mt19937 rng(seed);
-  Tensors t{GuardedTensor(dtype, std::move(q)), GuardedTensor(dtype, std::move(k)), GuardedTensor(dtype, std::move(v)),
-            std::nullopt};
-  fill_normal(t.q, rng);
-  fill_normal(t.k, rng);
-  fill_normal(t.v, rng);
-  return t;
-}
-
-testing::AssertionResult no_nan(const Values& v) {
-  for (const auto* xs : {&v.out, &v.weights, &v.lse}) {
-    for (double x : *xs) {
-      if (std::isnan(x)) return testing::AssertionFailure() << "NaN in the outputs";
-    }
-  }
-  return testing::AssertionSuccess();
-}
-
 sdpa::Options fast(sdpa::Options o = {}) {
   o.precision = Precision::kFast;
   return o;

@@ -348,6 +348,26 @@ Values values(const Outs& outs) {
   return v;
 }
 
+testing::AssertionResult no_nan(const Values& v) {
+  for (const auto* xs : {&v.out, &v.weights, &v.lse}) {
+    for (double x : *xs) {
+      if (std::isnan(x)) return testing::AssertionFailure() << "NaN in the outputs";
+    }
+  }
+  return testing::AssertionSuccess();
+}
+
+Tensors random_qkv(DType dtype, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v,
+                   uint32_t seed) {
+  std::mt19937 rng(seed);
+  Tensors t{GuardedTensor(dtype, std::move(q)), GuardedTensor(dtype, std::move(k)), GuardedTensor(dtype, std::move(v)),
+            std::nullopt};
+  fill_normal(t.q, rng);
+  fill_normal(t.k, rng);
+  fill_normal(t.v, rng);
+  return t;
+}
+
 // ---- The oracle ----
 
 bool key_allowed(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t i, int64_t j) {

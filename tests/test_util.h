@@ -113,6 +113,10 @@ struct Tensors {
   Tensors converted(DType dtype) const;  // q, k, v and a float mask in another dtype
 };
 
+// q, k, v of the given shapes with normal values (fill_normal, seeded).
+Tensors random_qkv(DType dtype, std::vector<int64_t> q, std::vector<int64_t> k, std::vector<int64_t> v,
+                   uint32_t seed);
+
 struct Outs {
   GuardedTensor out;
   std::optional<GuardedTensor> weights, lse;
@@ -130,6 +134,8 @@ struct Values {
   std::vector<double> out, weights, lse;
 };
 Values values(const Outs& outs);
+// Failure at the first NaN in any output present.
+testing::AssertionResult no_nan(const Values& v);
 
 // The oracle's rules (tests/oracle/oracle.h, shared with the fuzzers): whether causal and window
 // let query i see key j, the dtypes' eps and rounding, the compute type.

@@ -59,12 +59,46 @@ inline int64_t padded_width(int64_t width, size_t n) {
   return std::max<int64_t>(1, (width + lanes - 1) / lanes) * lanes;
 }
 
+// acc[e·mq + lane] += Σ_{r < n} w[r·mq + lane] · row_r[e] for e < width, w holding bfloat16
+// values in float32 and the rows as PackBf16ValuePairs made them: Bf16DotAccumulate with alpha
+// 1 (only where kBf16DotTarget and T is float; BackwardScratch::grad_pairs is false elsewhere).
+template <typename T>
+HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint32_t* row_pairs, int64_t width,
+                               uint32_t* scratch, T* acc) {
+  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
+    alignas(64) float ones[64];
+    std::fill(ones, ones + 64, 1.0f);
+    Bf16DotAccumulate(w, mq, 0, n, row_pairs, width, ones, scratch, acc);
+  } else {
+    (void)w, (void)mq, (void)n, (void)row_pairs, (void)width, (void)scratch, (void)acc;
+    HWY_ASSERT(false);
+  }
+}
+
+// Bf16DsKeys where it exists (kBf16DotTarget, T float; BackwardScratch::grad_pairs is false
+// elsewhere).
+template <typename T>
+HWY_INLINE void Bf16DsKeysOf(const T* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride,
+                             int64_t dk, int64_t width, uint32_t* kp, uint32_t* wp, T* acc) {
+  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
+    Bf16DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+  } else {
+    (void)w, (void)mq, (void)n, (void)nk, (void)k, (void)k_stride, (void)dk, (void)width, (void)kp, (void)wp,
+        (void)acc;
+    HWY_ASSERT(false);
+  }
+}
+
 // Per-thread tiles of the backward pass.
 template <typename T>
 struct BackwardScratch {
-  BackwardScratch(const Problem& p, size_t mq, KernelPath dot)
+  BackwardScratch(const Problem& p, size_t mq, KernelPath dot, bool grad_pairs = false)
       : bf16_dot(dot != KernelPath::kSimd),
         amx(dot == KernelPath::kAmxBf16),
+        grad_pairs(grad_pairs),
+        rp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * std::max<int64_t>({1, p.Dk, p.Dv}) : 1)),
+        wp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * mq : 1)),
+        kq(hwy::AllocateAligned<uint32_t>(grad_pairs ? mq / 2 * padded_width(p.Dk, hn::Lanes(hn::ScalableTag<T>())) : 1)),
         xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
         yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
         xt(hwy::AllocateAligned<T>(std::max<int64_t>(1, p.Dk) * mq)),
@@ -94,6 +128,11 @@ struct BackwardScratch {
   // Bfloat16 inputs with the AVX512_BF16 path: xt and yt's operands also in bfloat16 pairs
   // (bf16_dot.h), for the score and dout · vᵀ products; blocks that must not use them widen.
   bool bf16_dot, amx;  // amx: their products with AmxDotScores
+  // Options::precision kFast, bfloat16, no dropout: dv's, dk's and the dq pass's products with
+  // vdpbf16ps (bf16_dot.h's Bf16DotAccumulate) from the rounded p~ and ds~, where the rows they
+  // meet are in its range; rp holds those rows in pairs, wp the weights in pairs.
+  bool grad_pairs;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> rp, wp, kq;  // kq: the one-pass dq's key pairs (Bf16DsKeys)
   hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
@@ -339,11 +378,28 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         q_bad = rs.q_bad.data() + rs.index(b, h, first);
         dout_bad = rs.dout_bad.data() + rs.index(b, h, first);
       }
-      AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
-      AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
+      // dv += Σ_r p~_r · dout_r and dk += Σ_r ds~_r · q_r: vdpbf16ps on kFast's bfloat16 values
+      // where the rows are in its range (which leaves out NaN and inf), else float32 products.
+      if (s.grad_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
+        PackBf16ValuePairs(bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], n, p.Dv, s.rp.get());
+        Bf16Accumulate(pt, mq, n, s.rp.get(), p.Dv, s.wp.get(), s.gv.get());
+      } else {
+        AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
+      }
+      if (s.grad_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
+        PackBf16ValuePairs(p.q.at<uint16_t>(b, h, first), p.q.strides[2], n, p.Dk, s.rp.get());
+        Bf16Accumulate(dpt, mq, n, s.rp.get(), p.Dk, s.wp.get(), s.gk.get());
+      } else {
+        AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
+      }
       if (dq_rows != nullptr) {
         T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;
-        AccumulateDsKeys(d, dpt, n, mq, nread, s.kpad.get(), dq_width, k_bad, acc);
+        if (s.grad_pairs && k_pairs) {  // kFast: ds~ · k with vdpbf16ps (k_pairs: the keys in its range)
+          Bf16DsKeysOf(dpt, mq, n, nread, p.k.at<uint16_t>(b, kvh, j0), p.k.strides[2], p.Dk, dq_width, s.kq.get(),
+                       s.wp.get(), acc);
+        } else {
+          AccumulateDsKeys(d, dpt, n, mq, nread, s.kpad.get(), dq_width, k_bad, acc);
+        }
       }
     }
   }
@@ -430,7 +486,12 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     if (std::is_same_v<T, float> && p.round_p) RoundTo16InPlace(d, p, dpt, n * static_cast<int64_t>(mq));  // kFast: dq's ds~, as the key pass rounds it
     // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
     const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
-    AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
+    if (s.grad_pairs && Bf16RowsInDotRange(d, p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], n, p.Dk)) {
+      PackBf16ValuePairs(p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], n, p.Dk, s.rp.get());
+      Bf16Accumulate(dpt, mq, n, s.rp.get(), p.Dk, s.wp.get(), s.gk.get());
+    } else {
+      AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
+    }
   }
   T* dq = s.grad_row.data();
   for (int64_t l = 0; l < blk.rows; ++l) {
@@ -513,6 +574,10 @@ void FlashBackward(const BackwardProblem& bp) {
   const KernelPath dot = bf16_dot_scale_ok(p.scale) ? Bf16DotPath<T>({p.q.dtype, p.k.dtype, p.v.dtype, bp.dout.dtype})
                                                     : KernelPath::kSimd;
   const bool bf16_dot = dot != KernelPath::kSimd;
+  // kFast's bfloat16 gradient products (BackwardScratch::grad_pairs): AVX512_BF16 present and
+  // allowed (bf16_dot), weights exact in bfloat16 (no dropout factor in them).
+  const bool grad_pairs = kBf16DotTarget && std::is_same_v<T, float> && bf16_dot && p.round_p &&
+                          p.dtype == DType::kBFloat16 && !p.dropout.enabled() && cpu_has_avx512_bf16();
   note_kernel_path(dot);
 
   if (bf16_dot) {
@@ -535,7 +600,7 @@ void FlashBackward(const BackwardProblem& bp) {
       rs.any_bad_rows = any_bad_rows != 0;
       rs.any_bad_keys = any_bad_keys != 0;
     }  // (its barrier publishes them)
-    BackwardScratch<T> s(p, static_cast<size_t>(mq), dot);
+    BackwardScratch<T> s(p, static_cast<size_t>(mq), dot, grad_pairs);
     if (chunks == 0) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {

@@ -145,7 +145,74 @@ __attribute__((target("avx512f,avx512bf16"))) void PackPairs(const uint16_t* v, 
   }
 }
 
+// NR rows × NV vectors of 16 columns of acc += Σ_{l2 < pairs} wp[r·half + l2] (a pair of
+// weights, broadcast) times kp[l2·width + c] (a pair of key values per column).
+template <int NR, int NV>
+__attribute__((target("avx512f,avx512bf16"))) inline void DsKeysPairsBlock(const uint32_t* wp, int64_t half,
+                                                                           int64_t pairs, const uint32_t* kp,
+                                                                           int64_t width, float* acc) {
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = _mm512_load_ps(acc + r * width + v * 16);
+  for (int64_t l2 = 0; l2 < pairs; ++l2) {
+    __m512bh k[NV];
+    for (int v = 0; v < NV; ++v) k[v] = (__m512bh)_mm512_load_si512(kp + l2 * width + v * 16);
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[r * half + l2]));
+      for (int v = 0; v < NV; ++v) a[r][v] = _mm512_dpbf16_ps(a[r][v], x, k[v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + r * width + v * 16, a[r][v]);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t mq, int64_t n, int64_t nk,
+                                                           const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
+                                                           uint32_t* kp, uint32_t* wp, float* acc) {
+  const int64_t pairs = (nk + 1) / 2, half = static_cast<int64_t>(mq) / 2;
+  for (int64_t l2 = 0; l2 < pairs; ++l2) {  // key pairs per column, 0 past dk and past nk
+    const uint16_t* ra = k + 2 * l2 * ks;
+    const uint16_t* rb = 2 * l2 + 1 < nk ? ra + ks : nullptr;
+    uint32_t* out = kp + l2 * width;
+    for (int64_t c = 0; c < width; ++c) {
+      out[c] = c < dk ? (ra[c] | (rb ? static_cast<uint32_t>(rb[c]) << 16 : 0u)) : 0u;
+    }
+  }
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t r = 0; r < n; ++r) {  // weight pairs per row: lanes 2·l2 (low half) and 2·l2 + 1
+    for (int64_t l = 0; l < static_cast<int64_t>(mq); l += 32) {
+      const __m512i a = _mm512_loadu_si512(w + r * static_cast<int64_t>(mq) + l);
+      const __m512i b = _mm512_loadu_si512(w + r * static_cast<int64_t>(mq) + l + 16);
+      // Lanes (2i, 2i + 1) of a then b: the even lanes' top halves low, the odd lanes' high.
+      const __m512i idx_even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+      const __m512i idx_odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+      const __m512i even = _mm512_permutex2var_epi32(a, idx_even, b), odd = _mm512_permutex2var_epi32(a, idx_odd, b);
+      _mm512_storeu_si512(wp + r * half + l / 2,
+                          _mm512_or_si512(_mm512_maskz_srli_epi32(kAll, even, 16), _mm512_and_si512(odd, high)));
+    }
+  }
+  constexpr int NR = 6, NV = 4;
+  for (int64_t c = 0; c < width;) {
+    const bool whole = c + NV * 16 <= width;
+    int64_t r = 0;
+    for (; r + NR <= n; r += NR) {
+      whole ? DsKeysPairsBlock<NR, NV>(wp + r * half, half, pairs, kp + c, width, acc + r * width + c)
+            : DsKeysPairsBlock<NR, 1>(wp + r * half, half, pairs, kp + c, width, acc + r * width + c);
+    }
+    for (; r < n; ++r) {
+      whole ? DsKeysPairsBlock<1, NV>(wp + r * half, half, pairs, kp + c, width, acc + r * width + c)
+            : DsKeysPairsBlock<1, 1>(wp + r * half, half, pairs, kp + c, width, acc + r * width + c);
+    }
+    c += whole ? NV * 16 : 16;
+  }
+}
+
 }  // namespace
+
+void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+                int64_t width, uint32_t* kp, uint32_t* wp, float* acc) {
+  DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+}
 
 void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp) {
   PackPairs(v, v_stride, n, dv, vp);
@@ -179,6 +246,8 @@ void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
 bool cpu_has_avx512_bf16() { return false; }
 void Bf16DotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
 void PackBf16ValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
+void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*,
+                uint32_t*, float*) {}
 void Bf16DotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
                        float*) {}
 

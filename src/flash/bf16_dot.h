@@ -82,6 +82,15 @@ void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t 
 void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
                        const float* alpha, uint32_t* pp, float* ot);
 
+// The backward's one-pass dq += ds · k in kFast, with the ds tile as KeyBlockGrads holds it:
+// acc[r·width + c] += Σ_{l < nk} w[r·mq + l] · k_l[c] for rows r < n and c < dk (acc rows
+// `width` apart, width a multiple of 16, 64-byte aligned), w holding bfloat16 values in
+// float32 (0 past nk), k's rows bfloat16 at k + l·k_stride, in bf16_dot_range_ok's range (the
+// caller checks). kp: ((nk + 1) / 2) · width words, wp: n · (mq / 2) words of scratch, 64-byte
+// aligned. Only after cpu_has_avx512_bf16() returned true.
+void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+                int64_t width, uint32_t* kp, uint32_t* wp, float* acc);
+
 // AMX (amx_dot.cc): whether this CPU has AMX-TILE and AMX-BF16, the OS saves the tile state and
 // grants it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once, here).
 bool cpu_has_amx_bf16();

@@ -217,7 +217,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
         constexpr Round16 kRound = decltype(round_const)::value;
         for (int64_t j = 0; j < n_vec; j += N) {
           const V s = hn::Load(d, row + j);
-          const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax>(d, s, vmsafe));
+          const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax, kRound != Round16::kNone>(d, s, vmsafe));
           sum = hn::Add(sum, pj);
           if constexpr (decltype(stats_const)::value) tsum = AddTTerm<kInfMax>(d, pj, s, vmsafe, tsum);
           hn::Store(pj, d, row + j);

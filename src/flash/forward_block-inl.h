@@ -229,7 +229,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       for (size_t q = 0; q < QV; ++q) {
         T* row = st + j * mq + q * N;
         const V s = hn::Load(d, row);
-        const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax>(d, s, msafe[q]));
+        const V pj = RoundWeights<kRound>(d, ShiftedExp<kInfMax, kRound != Round16::kNone>(d, s, msafe[q]));
         sum[q] = hn::Add(sum[q], pj);
         if constexpr (decltype(stats_const)::value) tsum[q] = AddTTerm<kInfMax>(d, pj, s, msafe[q], tsum[q]);
         hn::Store(pj, d, row);
