@@ -532,7 +532,9 @@ testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options
       {.dtype = dtype,
        .out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p),  // / 1 exactly without dropout
        .max_score = max_score_magnitude(t, options),
-       .lse_max = max_abs_finite(ref.lse)});
+       .lse_max = max_abs_finite(ref.lse),
+       .rounds_weights = options.precision == sdpa::Precision::kFast && (dtype == DType::kBFloat16 ||
+                                                                         dtype == DType::kFloat16)});
   const Values g = values(got);
   if (auto r = all_close("out", g.out, ref.out, tol.out); !r) return r;
   if (got.weights) {
