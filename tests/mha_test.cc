@@ -7,6 +7,9 @@
 //     result (eps · its largest magnitude): self- and cross-attention, GQA and MQA, RoPE,
 //     causal, masks with empty rows, dropout, odd sizes, float32 and float64, padded and
 //     negative-stride inputs;
+//   - the bfloat16 and float16 layers in both precisions against the reference layer, with the
+//     tolerance of their own naive layer (Fast16BitMatches, whose comment states the bound), and
+//     rounding where sdpa/mha.h says, with the precision passed to the kernel (bit for bit);
 //   - bitwise equal results on 1 and 2 threads;
 //   - step() with a KVCache token by token and in chunks against the full causal forward;
 //   - errors that name the argument.
@@ -16,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -299,7 +303,44 @@ std::vector<double> tolerances(const Parts& naive32, const Parts& ref32, const P
   return tol;
 }
 
+// A 16-bit layer (bfloat16, float16) against the float64 reference layer on the same inputs.
+// The bound: the fast layer and the naive one (kNaive, the same precision) round the same
+// intermediates to dt where sdpa/mha.h says (q, k, v, the heads; dheads, dq, dk, dv), each
+// within eps(dt)/2 relative, which dominates their error against the reference (which rounds
+// only its results): their float32 sums add about K · eps(float32) relative, 2^-24 · K, far
+// below 2^-9 at these K. The fast layer's float32 sums, summed in another order, can land on
+// the other side of a rounding of dt, so its error has the naive one's size, not its value:
+//   tol_p = 4 · max|naive_p - ref_p| + eps(dt) · max|ref_p|
+// 4 as for the float32 layer (tolerances() above: the kernel's 2 times 2 for the products on
+// either side of it), and one unit of dt in the last place of the largest result for the
+// final rounding of y or a gradient (a float32 sum near a tie of dt rounds either way).
+void expect_16bit_fast_matches_reference(const LayerCase& c) {
+  for (DType dt : {kBF16, kF16}) {
+    for (sdpa::Precision precision : {sdpa::Precision::kExact, sdpa::Precision::kFast}) {
+      for (Layout layout : {Layout::kContiguous, Layout::kPadded}) {
+        SCOPED_TRACE(std::string(dtype_name(dt)) + (precision == sdpa::Precision::kFast ? " kFast" : " kExact") +
+                     (layout == Layout::kPadded ? " padded" : " contiguous"));
+        const Layer L = make_layer(c, dt, layout, 23);
+        const GuardedTensor dy = make_dy(L, 24);
+        sdpa::Options o = options_of(c, Backend::kAuto);
+        o.precision = precision;
+        const Parts fast = run(L, o, dy, layout);
+        o.backend = Backend::kNaive;
+        const Parts naive = run(L, o, dy);
+        o.backend = Backend::kReference;
+        const Parts ref = run(L, o, dy);
+        ASSERT_EQ(fast.names, ref.names);
+        for (size_t p = 0; p < ref.values.size(); ++p) {
+          const double tol = 4 * max_diff(naive.values[p], ref.values[p]) + eps(dt) * max_abs(ref.values[p]);
+          EXPECT_TRUE(all_close(ref.names[p].c_str(), fast.values[p], ref.values[p], tol));
+        }
+      }
+    }
+  }
+}
+
 void expect_fast_matches_reference(const LayerCase& c) {
+  expect_16bit_fast_matches_reference(c);
   const Layer L32 = make_layer(c, kF32, Layout::kContiguous, 21);
   const GuardedTensor dy32 = make_dy(L32, 22);
   const Parts naive32 = run(L32, options_of(c, Backend::kNaive), dy32);
@@ -331,17 +372,24 @@ TEST_P(LayerTest, FastMatchesReferenceOnAvx2) {
   expect_fast_matches_reference(GetParam());
 }
 
-// The fast layer's forward and backward on 1 and 2 threads: the same bits.
+// The fast layer's forward and backward on 1 and 2 threads: the same bits (float32; bfloat16
+// in both precisions).
 void expect_bitwise_for_any_thread_count(const LayerCase& c, uint32_t seed) {
-  const Layer L = make_layer(c, kF32, Layout::kContiguous, seed);
-  const GuardedTensor dy = make_dy(L, seed + 1);
-  sdpa::set_num_threads(1);
-  const Parts one = run(L, options_of(c, Backend::kAuto), dy);
-  sdpa::set_num_threads(2);
-  const Parts two = run(L, options_of(c, Backend::kAuto), dy);
-  sdpa::set_num_threads(0);
-  for (size_t p = 0; p < one.values.size(); ++p) {
-    EXPECT_TRUE(all_close(one.names[p].c_str(), two.values[p], one.values[p], 0.0));
+  for (auto [dt, precision] : {std::pair{kF32, sdpa::Precision::kExact}, std::pair{kBF16, sdpa::Precision::kExact},
+                               std::pair{kBF16, sdpa::Precision::kFast}}) {
+    SCOPED_TRACE(std::string(dtype_name(dt)) + (precision == sdpa::Precision::kFast ? " kFast" : ""));
+    const Layer L = make_layer(c, dt, Layout::kContiguous, seed);
+    const GuardedTensor dy = make_dy(L, seed + 1);
+    sdpa::Options o = options_of(c, Backend::kAuto);
+    o.precision = precision;
+    sdpa::set_num_threads(1);
+    const Parts one = run(L, o, dy);
+    sdpa::set_num_threads(2);
+    const Parts two = run(L, o, dy);
+    sdpa::set_num_threads(0);
+    for (size_t p = 0; p < one.values.size(); ++p) {
+      EXPECT_TRUE(all_close(one.names[p].c_str(), two.values[p], one.values[p], 0.0));
+    }
   }
 }
 
@@ -419,7 +467,7 @@ TEST(Layer, NegativeStrideInputs) {
 // step(): two sequences decoded together, in chunks of 1, 4, 1 and 7 tokens, against the
 // full causal forward of the reference layer on the whole 13 tokens.
 TEST(Layer, StepMatchesFullForward) {
-  for (DType dt : {kF32, kF64}) {
+  for (DType dt : {kF32, kF64, kBF16, kF16}) {
     SCOPED_TRACE(dtype_name(dt));
     const LayerCase c{"step", 2, 13, 13, 32, 4, 2, 8, 8, 32, 32, 0, true, true, Causal::kBottomRight, 0, 0.0};
     Layer L = make_layer(c, dt, Layout::kContiguous, 51);
@@ -447,8 +495,95 @@ TEST(Layer, StepMatchesFullForward) {
       at += n;
     }
     EXPECT_EQ(cache.length(seqs[0]), 13);
-    const double tol = tolerances({{"y"}, {naive32.values()}}, {{"y"}, {ref32.values()}}, {{"y"}, {ref.values()}}, dt)[0];
+    double tol = tolerances({{"y"}, {naive32.values()}}, {{"y"}, {ref32.values()}}, {{"y"}, {ref.values()}}, dt)[0];
+    if (dt == kBF16 || dt == kF16) {  // the 16-bit layer's rule (expect_16bit_fast_matches_reference)
+      GuardedTensor naive(dt, L.xq.shape());
+      sdpa::multi_head_attention(L.cfg, L.weights(), L.inputs(), {naive.view()}, options_of(c, Backend::kNaive));
+      tol = 4 * max_diff(naive.values(), ref.values()) + eps(dt) * max_abs(ref.values());
+    }
     EXPECT_TRUE(all_close("y", got, ref.values(), tol));
+  }
+}
+
+// The values of n elements of dtype dt stored in `bytes` (a MultiHeadSaved buffer), in order.
+std::vector<double> saved_values(const std::vector<std::byte>& bytes, DType dt, int64_t n) {
+  GuardedTensor t(dt, {n});
+  EXPECT_EQ(bytes.size(), static_cast<size_t>(n * sdpa::dtype_size(dt)));
+  std::memcpy(t.view().data, bytes.data(), bytes.size());
+  return t.values();
+}
+
+// A 16-bit layer rounds where sdpa/mha.h says, bit for bit: its q, k and v are the float32
+// layer's on the same values (computed by the same products) rounded once after RoPE, not
+// before it; its heads are the kernel's output on them with the precision given (kExact and
+// kFast differ); its backward passes the precision to the kernel too.
+TEST(Layer, SixteenBitLayerRoundsOnceAfterRopeAndPassesThePrecision) {
+  const LayerCase& c = kCases[1];  // causal, RoPE from position 3, GQA; Hq·Dv = 32: unpadded rows
+  for (DType dt : {kBF16, kF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Layer L = make_layer(c, dt, Layout::kContiguous, 71);
+    Layer L32 = make_layer(c, kF32, Layout::kContiguous, 71);  // then L's values, exactly
+    for (size_t p = 0; p < L.w.size(); ++p) L32.w[p].set_values(L.w[p].values());
+    L32.xq.set_values(L.xq.values());
+    sdpa::MultiHeadSaved s32;
+    GuardedTensor y32(kF32, L.xq.shape());
+    sdpa::multi_head_attention(L32.cfg, L32.weights(), L32.inputs(), {y32.view()}, options_of(c, Backend::kAuto), &s32);
+    const int64_t nq = c.B * c.Hq * c.Nq * c.Dk, nk = c.B * c.Hkv * c.Nk * c.Dk, nv = c.B * c.Hkv * c.Nk * c.Dv;
+    std::vector<double> heads[2];
+    for (sdpa::Precision precision : {sdpa::Precision::kExact, sdpa::Precision::kFast}) {
+      const bool fast = precision == sdpa::Precision::kFast;
+      SCOPED_TRACE(fast ? "kFast" : "kExact");
+      sdpa::Options o = options_of(c, Backend::kAuto);
+      o.precision = precision;
+      sdpa::MultiHeadSaved s;
+      GuardedTensor y(dt, L.xq.shape());
+      sdpa::multi_head_attention(L.cfg, L.weights(), L.inputs(), {y.view()}, o, &s);
+      ASSERT_EQ(s.dtype, dt);
+      const std::vector<std::byte>* mine[3] = {&s.q, &s.k, &s.v};
+      const std::vector<std::byte>* f32[3] = {&s32.q, &s32.k, &s32.v};
+      const int64_t n[3] = {nq, nk, nv};
+      const char* names[3] = {"q", "k", "v"};
+      std::vector<GuardedTensor> stored;  // q, k, v head-major in dt
+      const std::vector<int64_t> shapes[3] = {{c.B, c.Hq, c.Nq, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dv}};
+      for (int i = 0; i < 3; ++i) {
+        GuardedTensor rounded(dt, {n[i]});
+        rounded.set_values(saved_values(*f32[i], kF32, n[i]));  // set() rounds to dt once (a float32 value)
+        const std::vector<double> got = saved_values(*mine[i], dt, n[i]);
+        EXPECT_TRUE(all_close(names[i], got, rounded.values(), 0.0));
+        stored.emplace_back(dt, shapes[i]);
+        stored.back().set_values(got);
+      }
+      // The kernel on those q, k, v: its out (B, Hq, Nq, Dv) is the saved heads (B·Nq rows of Hq·Dv).
+      GuardedTensor out(dt, {c.B, c.Hq, c.Nq, c.Dv});
+      sdpa::Options ko;
+      ko.causal = c.causal;
+      ko.precision = precision;
+      sdpa::attention({stored[0].view(), stored[1].view(), stored[2].view()}, {out.view()}, ko);
+      const std::vector<double> h = saved_values(s.heads, dt, c.B * c.Nq * c.Hq * c.Dv);
+      std::vector<double> want(h.size());
+      for (int64_t b = 0; b < c.B; ++b)
+        for (int64_t hh = 0; hh < c.Hq; ++hh)
+          for (int64_t i = 0; i < c.Nq; ++i)
+            for (int64_t e = 0; e < c.Dv; ++e)
+              want[((b * c.Nq + i) * c.Hq + hh) * c.Dv + e] = out.get(((b * c.Hq + hh) * c.Nq + i) * c.Dv + e);
+      EXPECT_TRUE(all_close("heads", h, want, 0.0));
+      heads[fast] = h;
+    }
+    EXPECT_FALSE(all_close("heads of kExact and kFast", heads[1], heads[0], 0.0)) << "the precision reached no kernel";
+    // The backward of one kExact forward, in either precision: different gradients.
+    sdpa::MultiHeadSaved s;
+    GuardedTensor y(dt, L.xq.shape());
+    sdpa::multi_head_attention(L.cfg, L.weights(), L.inputs(), {y.view()}, options_of(c, Backend::kAuto), &s);
+    const GuardedTensor dy = make_dy(L, 72);
+    std::vector<double> dx[2];
+    for (sdpa::Precision precision : {sdpa::Precision::kExact, sdpa::Precision::kFast}) {
+      sdpa::Options o = options_of(c, Backend::kAuto);
+      o.precision = precision;
+      GuardedTensor g(dt, L.xq.shape());
+      sdpa::multi_head_attention_backward(L.cfg, L.weights(), L.inputs(), s, dy.view(), {g.view()}, o);
+      dx[precision == sdpa::Precision::kFast] = g.values();
+    }
+    EXPECT_FALSE(all_close("dx_q of kExact and kFast", dx[1], dx[0], 0.0)) << "the backward's precision reached no kernel";
   }
 }
 
@@ -479,6 +614,19 @@ TEST(Layer, OwningLayerInitialisesAsTorch) {
   layer.step(x.view(), cache, {cache.new_sequence()}, y.view());
   const double tol = tolerances({{"y"}, {naive.values()}}, {{"y"}, {ref.values()}}, {{"y"}, {ref.values()}}, kF32)[0];
   EXPECT_TRUE(all_close("y", y.values(), ref.values(), tol));
+  // A bfloat16 layer: its parameters are bfloat16 (W_Q within the same bound), its forward takes
+  // bfloat16 x and its cache is bfloat16.
+  sdpa::MultiHeadAttention half(cfg, kBF16, 3);
+  const sdpa::MultiHeadWeights hw = half.weights();
+  EXPECT_EQ(hw.w_q.dtype, kBF16);
+  EXPECT_EQ(hw.b_o->dtype, kBF16);
+  GuardedTensor xh = x.converted(kBF16, Layout::kContiguous), yh(kBF16, {1, 3, 64}), sh(kBF16, {1, 3, 64});
+  half.forward({xh.view()}, {yh.view()}, o);  // o: kNaive, causal
+  sdpa::KVCache half_cache = half.make_cache(4, 16);
+  EXPECT_EQ(half_cache.dtype(), kBF16);
+  half.step(xh.view(), half_cache, {half_cache.new_sequence()}, sh.view());
+  EXPECT_TRUE(yh.guards_intact());
+  EXPECT_GT(max_abs(sh.values()), 0.0);
 }
 
 TEST(Layer, Errors) {
@@ -503,6 +651,13 @@ TEST(Layer, Errors) {
   in = L.inputs();
   in.x_q = x64.view();
   expect_sdpa_error(fwd(L.cfg, L.weights(), in), {"x_k", "float32", "float64"});
+  const GuardedTensor xh = L.xq.converted(kBF16, Layout::kContiguous);
+  const GuardedTensor xkh = L.xk->converted(kBF16, Layout::kContiguous), xvh = L.xv->converted(kBF16, Layout::kContiguous);
+  in.x_q = xh.view(), in.x_k = xkh.view(), in.x_v = xvh.view();  // bfloat16 inputs, float32 weights
+  expect_sdpa_error(fwd(L.cfg, L.weights(), in), {"w_q", "float32", "expected bfloat16"});
+  GuardedTensor xi(DType::kInt32, L.xq.shape());
+  in.x_q = xi.view();
+  expect_sdpa_error(fwd(L.cfg, L.weights(), in), {"x_q is int32", "float32, float64, bfloat16 or float16"});
   in = L.inputs();
   GuardedTensor bad_mask(DType::kBool, {3, 13});
   in.mask = bad_mask.view();

@@ -26,8 +26,23 @@
 //                                                    x_{d+Dk/2} cos θ_d + x_d sin θ_d)
 // Query row i has position position_q + i, key row j position_k + j.
 //
-// Dtypes: x, every weight and bias, y and the gradients share float32 or float64; the layer
-// computes in it (the reference layer in float64).
+// Dtypes: x, every weight and bias, y, dy and the gradients share one dtype, the layer's:
+// float32, float64, bfloat16 or float16. A float32 or float64 layer computes in it (the
+// reference layer in float64). A bfloat16 or float16 layer computes in float32, as the kernel
+// computes 16-bit attention: inputs and weights are widened exactly, the products are float32
+// GEMMs (sgemm: Debian 12's OpenBLAS 0.3.21 has no bfloat16 GEMM, see layer/blas.h), and it
+// rounds once to its dtype where it stores a value, as PyTorch's 16-bit layer does:
+//   forward   q, k and v after the projection, the bias and RoPE (the kernel's inputs); the
+//             heads' output (the kernel's, rounded once there); y.
+//   backward  the heads' gradient dy W_Oᵀ (the kernel's dout); dq, dk, dv (the kernel's); then
+//             the inverse RoPE and the products in float32 again, and each gradient of x, a
+//             weight or a bias is rounded once from its float32 sum (dx_q's parts from q, k and
+//             v of a shared input are summed in float32 first).
+// Options::precision reaches the kernel as given (kExact by default; kFast rounds the weights
+// as attention.h says); it changes nothing for a float32 or float64 layer. weights and stats
+// are the kernel's, in the compute type (float32 for a 16-bit layer). kReference computes a
+// 16-bit layer in float64 too, rounding only y and the gradients (the tests' oracle); kNaive in
+// float32 with the fast layer's roundings (its yardstick).
 // Deterministic: bitwise the same results for any thread count (the kernel's promise; the
 // BLAS products split their output, not their sums, across threads; tests/mha_test.cc checks).
 // Throws Error, naming the argument and its shape, before writing anything.
@@ -59,8 +74,7 @@ struct MultiHeadConfig {
   MultiHeadConfig resolved() const;
 };
 
-// The layer's parameters, as views (float32 or float64, all one dtype; any strides with a unit
-// last one). Biases are given exactly when config.bias.
+// The layer's parameters, as views (all of the layer's dtype; any strides with a unit last one). Biases are given exactly when config.bias.
 struct MultiHeadWeights {
   TensorView w_q = {}, w_k = {}, w_v = {}, w_o = {};
   std::optional<TensorView> b_q = std::nullopt, b_k = std::nullopt, b_v = std::nullopt, b_o = std::nullopt;
@@ -81,8 +95,9 @@ struct MultiHeadOutputs {
   Stats stats = {};                                  // as Outputs::stats
 };
 
-// What the backward reads, written by the forward: q and k after RoPE, v, the heads'
-// concatenated outputs and the log-sum-exps, in the layer's dtype. O(B · N · Hq · D) memory.
+// What the backward reads, written by the forward: q and k after RoPE, v and the heads'
+// concatenated outputs in `dtype` (the layer's; float64 for the reference layer), the
+// log-sum-exps in its compute type (float32 for a 16-bit layer). O(B · N · Hq · D) memory.
 struct MultiHeadSaved {
   DType dtype = DType::kFloat32;
   int64_t batch = 0, nq = 0, nk = 0;
@@ -113,7 +128,7 @@ void multi_head_attention_backward(const MultiHeadConfig& config, const MultiHea
                                    const MultiHeadGradients& grads, const Options& options = {});
 
 // Incremental decoding: x (B, n, E) are the next n tokens of sequences seqs[b] of `cache`
-// (Hkv, Dk, Dv and dtype as the layer's). Projects them, applies RoPE at positions
+// (Hkv, Dk, Dv and dtype as the layer's: a 16-bit layer appends its rounded k and v). Projects them, applies RoPE at positions
 // cache.length(seqs[b]) + i, appends their k and v to the cache, and attends with causal
 // bottom-right (token i sees the cache up to itself), writing y (B, n, E). Equal to the
 // forward on the whole sequence with causal, row for row (tests/mha_test.cc). Self-attention
@@ -123,7 +138,7 @@ void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWei
                                KVCache& cache, const std::vector<int64_t>& seqs, const TensorView& y,
                                const Options& options = {});
 
-// A layer that owns its parameters (float32 or float64), initialised as
+// A layer that owns its parameters (float32, float64, bfloat16 or float16), initialised as
 // torch.nn.MultiheadAttention does: W_Q, W_K, W_V Xavier-uniform (as one (3E × E) matrix when
 // all three are E × E, as torch's in_proj_weight), W_O uniform ±1/sqrt(Hq·Dv), biases 0; from a
 // seeded generator (give each layer of a model its own seed).

@@ -9,6 +9,12 @@
 // the user set it, loads the library, and restores the environment.
 //   SDPA_BLAS   path or name of the library to load instead of libopenblas.so.0 (any CBLAS
 //               with OpenBLAS's openblas_set_num_threads, or without it: one thread count)
+//
+// Only float32 and float64 products: a bfloat16 or float16 layer widens its operands to float32
+// (exactly) and calls sgemm. OpenBLAS has a bfloat16 GEMM (cblas_sbgemm, from 0.3.10 on builds
+// made with BUILD_BFLOAT16=1), but Debian 12's libopenblas.so.0 (0.3.21) exports no sbgemm
+// symbol (nm -D), so a path through it could not be built or tested against the library this
+// project loads; the layer does not look for one.
 #pragma once
 
 #include <cstdint>

@@ -50,20 +50,60 @@ void for_each_element(const TensorView& t, F f) {
                       (a * strides[0] + b * strides[1] + c * strides[2] + e * strides[3]) * sz);
 }
 
+// n elements of the floating-point dtype s at src, widened to T (exact), one dtype test per
+// call: the loops of the 16-bit layer's conversions.
+template <typename T>
+void widen(DType s, const void* src, int64_t n, T* dst) {
+  const uint16_t* h = static_cast<const uint16_t*>(src);
+  switch (s) {
+    case DType::kBFloat16: for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(bf16_to_f32(h[i])); return;
+    case DType::kFloat16: for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(f16_to_f32(h[i])); return;
+    default: for (int64_t i = 0; i < n; ++i) dst[i] = load_as<T>(s, static_cast<const char*>(src) + i * storage_bytes(s));
+  }
+}
+
+// n values of T rounded once (to nearest even) to the floating-point dtype s at dst.
+template <typename T>
+void round_to(DType s, const T* src, int64_t n, void* dst) {
+  uint16_t* h = static_cast<uint16_t*>(dst);
+  switch (s) {
+    case DType::kBFloat16: for (int64_t i = 0; i < n; ++i) h[i] = f32_to_bf16(static_cast<float>(src[i])); return;
+    case DType::kFloat16: for (int64_t i = 0; i < n; ++i) h[i] = f32_to_f16(static_cast<float>(src[i])); return;
+    default: for (int64_t i = 0; i < n; ++i) store_as<T>(s, static_cast<char*>(dst) + i * storage_bytes(s), src[i]);
+  }
+}
+
 template <typename T>
 InRows<T> in_rows(const TensorView& t) {
   InRows<T> m;
   int64_t ld;
-  if (t.dtype == dtype_of<T>() && evenly_spaced(t, &ld)) {
+  const bool even = evenly_spaced(t, &ld);
+  if (t.dtype == dtype_of<T>() && even) {
     m.data = static_cast<const T*>(t.data);
     m.ld = ld;
     return m;
   }
+  const int64_t W = width(t), R = W ? t.numel() / W : 0;
   m.copy.resize(static_cast<size_t>(t.numel()));
-  for_each_element(t, [&](int64_t i, const void* p) { m.copy[i] = load_as<T>(t.dtype, p); });
+  if (even) {  // another dtype (a 16-bit layer's): widened row by row
+    for (int64_t r = 0; r < R; ++r)
+      widen<T>(t.dtype, static_cast<const char*>(t.data) + r * ld * storage_bytes(t.dtype), W, m.copy.data() + r * W);
+  } else {
+    for_each_element(t, [&](int64_t i, const void* p) { m.copy[i] = load_as<T>(t.dtype, p); });
+  }
   m.data = m.copy.data();
-  m.ld = width(t);
+  m.ld = W;
   return m;
+}
+
+// R rows of W elements of dtype s at data (row r at data + r · ld elements) as T: in place when
+// s is T's dtype, else widened into a contiguous copy (ld W). The layer's intermediates, which
+// a 16-bit layer stores in its dtype.
+template <typename T>
+InRows<T> rows_as(const void* data, DType s, int64_t R, int64_t W, int64_t ld) {
+  TensorView t = TensorView::contiguous(const_cast<void*>(data), s, {R, W});
+  t.strides[0] = ld;
+  return in_rows<T>(t);
 }
 
 // An output view written as a row-major matrix: in place when possible, else into a
@@ -86,8 +126,17 @@ struct OutRows {
       ld = width(t);
     }
   }
+  // Rounds the buffer once to the view's dtype (a 16-bit layer's results), row by row where the
+  // view's rows are evenly spaced.
   void finish() {
     if (buffer.empty()) return;
+    int64_t s;
+    const int64_t W = width(view), R = W ? view.numel() / W : 0;
+    if (evenly_spaced(view, &s)) {
+      for (int64_t r = 0; r < R; ++r)
+        round_to<T>(view.dtype, buffer.data() + r * W, W, static_cast<char*>(view.data) + r * s * storage_bytes(view.dtype));
+      return;
+    }
     for_each_element(view, [&](int64_t i, void* p) { store_as<T>(view.dtype, p, buffer[i]); });
   }
 };

@@ -54,8 +54,9 @@ void check_shape(const char* fn, const char* name, const TensorView& t, std::ini
 Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHeadInputs& in,
            const char* input = "x_q") {
   const TensorView& xq = in.x_q;
-  if (xq.dtype != DType::kFloat32 && xq.dtype != DType::kFloat64) {
-    fail(std::string(fn) + ": " + input + " is " + dtype_name(xq.dtype) + "; the layer takes float32 or float64");
+  if (!internal::is_float_dtype(xq.dtype)) {
+    fail(std::string(fn) + ": " + input + " is " + dtype_name(xq.dtype) + "; the layer takes " +
+         internal::storage_dtype_list());
   }
   if (xq.rank != 3 || xq.shape[2] != c.d_model) {
     fail(std::string(fn) + ": " + input + " has shape " + sh(xq) + ", expected (B, Nq, d_model = " + num(c.d_model) +
@@ -113,9 +114,9 @@ Dims check(const char* fn, const MultiHeadConfig& c, const MultiHeadWeights& w, 
 //                line when H·D is a multiple of 8 lines, so that rows do not map to the same
 //                few L1 sets (rows 2 KiB apart did: the kernel read them ~15 % slower than
 //                contiguous ones; docs/PERFORMANCE.md).
-template <typename T>
-int64_t row_stride(int64_t width) {
-  const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+// `bytes`: the size of an element.
+int64_t row_stride(int64_t width, int64_t bytes) {
+  const int64_t line = 64 / bytes;
   return width % (8 * line) == 0 ? width + line : width;
 }
 TensorView head_major_view(void* data, DType dt, int64_t B, int64_t N, int64_t H, int64_t D) {
@@ -140,6 +141,40 @@ template <typename T>
 T* as(const std::vector<std::byte>& b) {
   return reinterpret_cast<T*>(const_cast<std::byte*>(b.data()));
 }
+
+// Where a 16-bit layer (bfloat16, float16: computed in float32, as the kernel computes them)
+// rounds: it stores its intermediates in its own dtype, each rounded once from float32 where it
+// is stored, as PyTorch's 16-bit layer stores them: q, k and v after the projection, the bias
+// and RoPE (the kernel's inputs), the heads' output (the kernel's output), and in the backward
+// the heads' gradient (the kernel's dout) and dq, dk, dv (the kernel's gradients). y and the
+// gradients of x, the weights and the biases are float32 sums rounded once when written. Every
+// other layer (float32, float64, the float64 reference) stores them in its compute type T:
+// nothing is rounded.
+template <typename T>
+DType stored_dtype(DType layer) {
+  const bool low = layer == DType::kBFloat16 || layer == DType::kFloat16;
+  return std::is_same_v<T, float> && low ? layer : internal::dtype_of<T>();
+}
+
+// n intermediates stored in dtype `st`, computed in T: compute() is where they are computed
+// (the stored bytes themselves when st is T's dtype, else a T scratch that store() rounds
+// into them once).
+template <typename T>
+struct Stored {
+  DType dtype;
+  std::vector<std::byte> bytes;
+  std::vector<T> scratch;
+  Stored(int64_t n, DType st) : dtype(st), bytes(static_cast<size_t>(n * internal::storage_bytes(st))) {
+    if (st != internal::dtype_of<T>()) scratch.resize(static_cast<size_t>(n));
+  }
+  void* data() { return bytes.data(); }
+  T* compute() { return dtype == internal::dtype_of<T>() ? reinterpret_cast<T*>(bytes.data()) : scratch.data(); }
+  void store() {
+    if (dtype == internal::dtype_of<T>()) return;
+    internal::round_to<T>(dtype, scratch.data(), static_cast<int64_t>(scratch.size()), bytes.data());
+    scratch = {};
+  }
+};
 
 // An optional output of the compute type computed by a T layer into a float64 shadow when the
 // layer's dtype is float32 and T is double (the reference layer), copied back by finish().
@@ -223,10 +258,24 @@ void apply_rope(const MultiHeadConfig& c, const Dims& d, const MultiHeadInputs& 
   }
 }
 
-// The kernel's inputs: head-major q, k, v.
-Inputs attention_inputs(const Dims& d, DType dt, void* q, void* k, void* v, const MultiHeadInputs& in) {
+// The kernel's inputs: head-major q, k, v of dtype dt, and the mask, which the float64
+// reference of a 16-bit layer reads widened to float32 (exactly): a float mask is float32 or
+// q's dtype (attention.h), and that layer's q is float64. `widened` holds the copy.
+Inputs attention_inputs(const Dims& d, DType dt, void* q, void* k, void* v, const MultiHeadInputs& in,
+                        std::vector<float>& widened) {
+  std::optional<TensorView> mask = in.mask;
+  if (mask && mask->data && dt == DType::kFloat64 && (mask->dtype == DType::kBFloat16 || mask->dtype == DType::kFloat16)) {
+    widened.resize(static_cast<size_t>(mask->numel()));
+    internal::for_each_element(*mask, [&](int64_t i, const void* p) { widened[i] = internal::load_as<float>(mask->dtype, p); });
+    TensorView t = *mask;  // the same shape, contiguous (broadcast dims stay size 1)
+    t.data = widened.data();
+    t.dtype = DType::kFloat32;
+    int64_t stride = 1;
+    for (int r = t.rank - 1; r >= 0; --r) t.strides[r] = stride, stride *= t.shape[r];
+    mask = t;
+  }
   return Inputs{head_major_view(q, dt, d.B, d.Nq, d.Hq, d.Dk), head_major_view(k, dt, d.B, d.Nk, d.Hkv, d.Dk),
-                head_major_view(v, dt, d.B, d.Nk, d.Hkv, d.Dv), in.mask, in.seqlens_k};
+                head_major_view(v, dt, d.B, d.Nk, d.Hkv, d.Dv), mask, in.seqlens_k};
 }
 
 template <typename T>
@@ -237,29 +286,35 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
   check_float(fn, "y", out.y, in.x_q.dtype);
   check_shape(fn, "y", out.y, {d.B, d.Nq, d.E}, "(B, Nq, d_model)");
   const Mode m = mode_of(options);
-  const DType dt = internal::dtype_of<T>();
+  const DType dt = internal::dtype_of<T>(), st = stored_dtype<T>(in.x_q.dtype);
   const LayerInputs<T> x(in);
 
-  Buf<T> q(d.B * d.Nq * d.Hq * d.Dk), k(d.B * d.Nk * d.Hkv * d.Dk), v(d.B * d.Nk * d.Hkv * d.Dv);
-  const Inputs ai = attention_inputs(d, dt, q.data(), k.data(), v.data(), in);
-  Options ao_options = options;
+  Stored<T> q(d.B * d.Nq * d.Hq * d.Dk, st), k(d.B * d.Nk * d.Hkv * d.Dk, st), v(d.B * d.Nk * d.Hkv * d.Dv, st);
+  std::vector<float> mask32;
+  const Inputs ai = attention_inputs(d, st, q.data(), k.data(), v.data(), in, mask32);
+  Options ao_options = options;  // precision included: the kernel's, for a 16-bit layer
   ao_options.backend = m.attention;
   validate(ai, ao_options);  // the mask and options, before anything is computed
-  project_heads<T>(m.blas, x.xq, d.B, d.Nq, d.E, w.w_q, w.b_q, d.Hq, d.Dk, q.data());
-  project_heads<T>(m.blas, x.xk, d.B, d.Nk, d.kdim, w.w_k, w.b_k, d.Hkv, d.Dk, k.data());
-  project_heads<T>(m.blas, x.xv, d.B, d.Nk, d.vdim, w.w_v, w.b_v, d.Hkv, d.Dv, v.data());
-  apply_rope<T>(c, d, in, q.data(), k.data(), 1, true);
+  project_heads<T>(m.blas, x.xq, d.B, d.Nq, d.E, w.w_q, w.b_q, d.Hq, d.Dk, q.compute());
+  project_heads<T>(m.blas, x.xk, d.B, d.Nk, d.kdim, w.w_k, w.b_k, d.Hkv, d.Dk, k.compute());
+  project_heads<T>(m.blas, x.xv, d.B, d.Nk, d.vdim, w.w_v, w.b_v, d.Hkv, d.Dv, v.compute());
+  apply_rope<T>(c, d, in, q.compute(), k.compute(), 1, true);
+  q.store(), k.store(), v.store();
 
-  const int64_t ldo = row_stride<T>(d.Hq * d.Dv);
-  Buf<T> heads(d.B * d.Nq * ldo), lse(saved ? d.B * d.Hq * d.Nq : 0);
-  const bool widen = !std::is_same_v<T, float> && in.x_q.dtype == DType::kFloat32;
+  // The heads' output in st, token-major; lse in the compute type (Outputs::lse's).
+  const int64_t ldo = row_stride(d.Hq * d.Dv, internal::storage_bytes(st));
+  std::vector<std::byte> heads(static_cast<size_t>(d.B * d.Nq * ldo * internal::storage_bytes(st)));
+  Buf<T> lse(saved ? d.B * d.Hq * d.Nq : 0);
+  // The reference layer of a float32 or 16-bit layer: weights and stats in float32 (the compute
+  // type of the layer's dtype), computed in float64.
+  const bool widen = !std::is_same_v<T, float> && in.x_q.dtype != DType::kFloat64;
   Shadow weights(out.weights, widen);
   Shadow stats[8] = {{out.stats.allowed, false},           {out.stats.entropy, widen},
                      {out.stats.entropy_normalized, widen}, {out.stats.max_weight, widen},
                      {out.stats.argmax, false},             {out.stats.topk_weights, widen},
                      {out.stats.topk_indices, false},       {out.stats.pooled_weights, widen}};
   Outputs ao;
-  ao.out = token_major_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv, ldo);
+  ao.out = token_major_view(heads.data(), st, d.B, d.Nq, d.Hq, d.Dv, ldo);
   if (saved) ao.lse = TensorView::contiguous(lse.data(), dt, {d.B, d.Hq, d.Nq});
   ao.weights = weights.view;
   ao.stats = {stats[0].view, stats[1].view, stats[2].view, stats[3].view,
@@ -267,13 +322,14 @@ void forward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHea
   attention(ai, ao, ao_options);
 
   OutRows<T> y(out.y);
-  project<T>(m.blas, InRows<T>{heads.data(), ldo, {}}, d.B * d.Nq, d.Hq * d.Dv, w.w_o, w.b_o, d.E, y.data, y.ld);
+  project<T>(m.blas, internal::rows_as<T>(heads.data(), st, d.B * d.Nq, d.Hq * d.Dv, ldo), d.B * d.Nq, d.Hq * d.Dv,
+             w.w_o, w.b_o, d.E, y.data, y.ld);
   y.finish();
   weights.finish();
   for (Shadow& s : stats) s.finish();
   if (saved) {
-    *saved = MultiHeadSaved{dt, d.B, d.Nq, d.Nk, std::move(q.bytes), std::move(k.bytes), std::move(v.bytes),
-                            std::move(heads.bytes), std::move(lse.bytes)};
+    *saved = MultiHeadSaved{st, d.B, d.Nq, d.Nk, std::move(q.bytes), std::move(k.bytes), std::move(v.bytes),
+                            std::move(heads), std::move(lse.bytes)};
   }
 }
 
@@ -312,14 +368,15 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
               const MultiHeadSaved& saved, const TensorView& dy, const MultiHeadGradients& g, const Options& options) {
   const char* fn = "multi_head_attention_backward";
   const Dims d = check(fn, c, w, in);
-  const DType dt = internal::dtype_of<T>(), layer = in.x_q.dtype;
-  if (saved.dtype != dt || saved.batch != d.B || saved.nq != d.Nq || saved.nk != d.Nk ||
-      saved.q.size() != static_cast<size_t>(d.B * d.Nq * d.Hq * d.Dk) * sizeof(T) ||
-      saved.heads.size() != static_cast<size_t>(d.B * d.Nq * row_stride<T>(d.Hq * d.Dv)) * sizeof(T) ||
+  const DType dt = internal::dtype_of<T>(), layer = in.x_q.dtype, st = stored_dtype<T>(layer);
+  const int64_t sb = internal::storage_bytes(st);
+  if (saved.dtype != st || saved.batch != d.B || saved.nq != d.Nq || saved.nk != d.Nk ||
+      saved.q.size() != static_cast<size_t>(d.B * d.Nq * d.Hq * d.Dk * sb) ||
+      saved.heads.size() != static_cast<size_t>(d.B * d.Nq * row_stride(d.Hq * d.Dv, sb) * sb) ||
       saved.lse.size() != static_cast<size_t>(d.B * d.Hq * d.Nq) * sizeof(T)) {
     fail(std::string(fn) + ": saved is not from a forward of these inputs with this backend (B " + num(saved.batch) +
          ", Nq " + num(saved.nq) + ", Nk " + num(saved.nk) + ", " + dtype_name(saved.dtype) + "; expected B " +
-         num(d.B) + ", Nq " + num(d.Nq) + ", Nk " + num(d.Nk) + ", " + dtype_name(dt) + ")");
+         num(d.B) + ", Nq " + num(d.Nq) + ", Nk " + num(d.Nk) + ", " + dtype_name(st) + ")");
   }
   check_float(fn, "dy", dy, layer);
   check_shape(fn, "dy", dy, {d.B, d.Nq, d.E}, "(B, Nq, d_model)");
@@ -344,32 +401,42 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   const InRows<T> dY = internal::in_rows<T>(dy);
   const int64_t Rq = d.B * d.Nq, Rk = d.B * d.Nk;
 
-  // Output projection: dheads = dY W_Oᵀ (head-major: the kernel's dout); dW_O and db_O are
-  // written after the attention's backward, which may still throw (lse = +inf).
-  T* heads = as<T>(saved.heads);
-  const int64_t ldo = row_stride<T>(d.Hq * d.Dv);
-  Buf<T> dheads(Rq * d.Hq * d.Dv);
+  // Output projection: dheads = dY W_Oᵀ (head-major: the kernel's dout, in st); dW_O and db_O
+  // are written after the attention's backward, which may still throw (lse = +inf).
+  void* heads = as<std::byte>(saved.heads);
+  const int64_t ldo = row_stride(d.Hq * d.Dv, sb);
+  Stored<T> dheads(Rq * d.Hq * d.Dv, st);
   {
     const InRows<T> W = internal::in_rows<T>(w.w_o);
     internal::matmul_heads<T>(m.blas, false, true, d.B, d.Nq, d.Hq, d.Dv, d.E, dY.data, dY.ld, W.data, W.ld,
-                              dheads.data());
+                              dheads.compute());
+    dheads.store();
   }
 
-  // Attention: dq, dk, dv token-major, as the projections' GEMMs read them.
-  const int64_t ldq = row_stride<T>(d.Hq * d.Dk), ldk = row_stride<T>(d.Hkv * d.Dk), ldv = row_stride<T>(d.Hkv * d.Dv);
-  Buf<T> dq(Rq * ldq), dk(Rk * ldk), dv(Rk * ldv);
-  const Inputs ai = attention_inputs(d, dt, as<T>(saved.q), as<T>(saved.k), as<T>(saved.v), in);
-  Options ao_options = options;
+  // Attention: dq, dk, dv token-major in st, then as T (widened for a 16-bit layer), as the
+  // projections' GEMMs read them.
+  const int64_t ldq = row_stride(d.Hq * d.Dk, sb), ldk = row_stride(d.Hkv * d.Dk, sb),
+                ldv = row_stride(d.Hkv * d.Dv, sb);
+  std::vector<std::byte> dq(static_cast<size_t>(Rq * ldq * sb)), dk(static_cast<size_t>(Rk * ldk * sb)),
+      dv(static_cast<size_t>(Rk * ldv * sb));
+  std::vector<float> mask32;
+  const Inputs ai =
+      attention_inputs(d, st, as<std::byte>(saved.q), as<std::byte>(saved.k), as<std::byte>(saved.v), in, mask32);
+  Options ao_options = options;  // precision included: the kernel's, for a 16-bit layer
   ao_options.backend = m.attention;
-  Gradients ag{token_major_view(dq.data(), dt, d.B, d.Nq, d.Hq, d.Dk, ldq),
-               token_major_view(dk.data(), dt, d.B, d.Nk, d.Hkv, d.Dk, ldk),
-               token_major_view(dv.data(), dt, d.B, d.Nk, d.Hkv, d.Dv, ldv)};
-  attention_backward(ai, token_major_view(heads, dt, d.B, d.Nq, d.Hq, d.Dv, ldo),
+  Gradients ag{token_major_view(dq.data(), st, d.B, d.Nq, d.Hq, d.Dk, ldq),
+               token_major_view(dk.data(), st, d.B, d.Nk, d.Hkv, d.Dk, ldk),
+               token_major_view(dv.data(), st, d.B, d.Nk, d.Hkv, d.Dv, ldv)};
+  attention_backward(ai, token_major_view(heads, st, d.B, d.Nq, d.Hq, d.Dv, ldo),
                      TensorView::contiguous(as<T>(saved.lse), dt, {d.B, d.Hq, d.Nq}),
-                     head_major_view(dheads.data(), dt, d.B, d.Nq, d.Hq, d.Dv), ag, ao_options);
-  apply_rope<T>(c, d, in, dq.data(), dk.data(), -1, false, ldq, ldk);
-  project_backward<T>(m.blas, InRows<T>{heads, ldo, {}}, Rq, d.Hq * d.Dv, w.w_o, dY.data, d.E, dY.ld, g.dw_o, g.db_o,
-                      nullptr, false);
+                     head_major_view(dheads.data(), st, d.B, d.Nq, d.Hq, d.Dv), ag, ao_options);
+  const InRows<T> dQ = internal::rows_as<T>(dq.data(), st, Rq, d.Hq * d.Dk, ldq),
+                  dK = internal::rows_as<T>(dk.data(), st, Rk, d.Hkv * d.Dk, ldk),
+                  dV = internal::rows_as<T>(dv.data(), st, Rk, d.Hkv * d.Dv, ldv);
+  // RoPE's inverse in place: dQ and dK are this function's own (dq, dk or their widened copies).
+  apply_rope<T>(c, d, in, const_cast<T*>(dQ.data), const_cast<T*>(dK.data), -1, false, dQ.ld, dK.ld);
+  project_backward<T>(m.blas, internal::rows_as<T>(heads, st, Rq, d.Hq * d.Dv, ldo), Rq, d.Hq * d.Dv, w.w_o, dY.data,
+                      d.E, dY.ld, g.dw_o, g.db_o, nullptr, false);
 
   // Input projections; a shared input gathers its three parts in order q, k, v.
   OutRows<T> dxq(g.dx_q);
@@ -379,9 +446,9 @@ void backward(const MultiHeadConfig& c, const MultiHeadWeights& w, const MultiHe
   OutRows<T>* to_k = in.x_k ? (dxk ? &*dxk : nullptr) : &dxq;
   OutRows<T>* to_v = in.x_v ? (dxv ? &*dxv : nullptr) : to_k;
   const bool k_adds = !in.x_k, v_adds = !in.x_v;
-  project_backward<T>(m.blas, x.xq, Rq, d.E, w.w_q, dq.data(), d.Hq * d.Dk, ldq, g.dw_q, g.db_q, &dxq, false);
-  project_backward<T>(m.blas, x.xk, Rk, d.kdim, w.w_k, dk.data(), d.Hkv * d.Dk, ldk, g.dw_k, g.db_k, to_k, k_adds);
-  project_backward<T>(m.blas, x.xv, Rk, d.vdim, w.w_v, dv.data(), d.Hkv * d.Dv, ldv, g.dw_v, g.db_v, to_v, v_adds);
+  project_backward<T>(m.blas, x.xq, Rq, d.E, w.w_q, dQ.data, d.Hq * d.Dk, dQ.ld, g.dw_q, g.db_q, &dxq, false);
+  project_backward<T>(m.blas, x.xk, Rk, d.kdim, w.w_k, dK.data, d.Hkv * d.Dk, dK.ld, g.dw_k, g.db_k, to_k, k_adds);
+  project_backward<T>(m.blas, x.xv, Rk, d.vdim, w.w_v, dV.data, d.Hkv * d.Dv, dV.ld, g.dw_v, g.db_v, to_v, v_adds);
   dxq.finish();
   if (dxk) dxk->finish();
   if (dxv) dxv->finish();
@@ -440,29 +507,32 @@ void step(const MultiHeadConfig& c, const MultiHeadWeights& w, const TensorView&
                     stand_in(d.Hkv, max_pages * ps, d.Dv)},
              o);
   }
+  // q, k, v token-major, stored (rounded, for a 16-bit layer) as the forward's after RoPE.
+  const DType st = stored_dtype<T>(dt);
+  const int64_t sb = internal::storage_bytes(st);
   const InRows<T> xr = internal::in_rows<T>(x);
   const int64_t R = d.B * d.Nq;
-  std::vector<T> q(R * d.Hq * d.Dk), k(R * d.Hkv * d.Dk), v(R * d.Hkv * d.Dv);
-  project<T>(true, xr, R, d.E, w.w_q, w.b_q, d.Hq * d.Dk, q.data(), d.Hq * d.Dk);
-  project<T>(true, xr, R, d.E, w.w_k, w.b_k, d.Hkv * d.Dk, k.data(), d.Hkv * d.Dk);
-  project<T>(true, xr, R, d.E, w.w_v, w.b_v, d.Hkv * d.Dv, v.data(), d.Hkv * d.Dv);
-  for (int64_t b = 0; b < d.B; ++b) {
+  Stored<T> q(R * d.Hq * d.Dk, st), k(R * d.Hkv * d.Dk, st), v(R * d.Hkv * d.Dv, st);
+  project<T>(true, xr, R, d.E, w.w_q, w.b_q, d.Hq * d.Dk, q.compute(), d.Hq * d.Dk);
+  project<T>(true, xr, R, d.E, w.w_k, w.b_k, d.Hkv * d.Dk, k.compute(), d.Hkv * d.Dk);
+  project<T>(true, xr, R, d.E, w.w_v, w.b_v, d.Hkv * d.Dv, v.compute(), d.Hkv * d.Dv);
+  for (int64_t b = 0; b < d.B && c.rope; ++b) {
     const int64_t pos = cache.length(seqs[b]);
-    T* qb = q.data() + b * d.Nq * d.Hq * d.Dk;
-    T* kb = k.data() + b * d.Nq * d.Hkv * d.Dk;
-    if (c.rope) {
-      internal::rope<T>(qb, d.Hq * d.Dk, d.Nq, d.Hq, d.Dk, pos, c.rope_base, 1);
-      internal::rope<T>(kb, d.Hkv * d.Dk, d.Nq, d.Hkv, d.Dk, pos, c.rope_base, 1);
-    }
-    cache.append(seqs[b], TensorView::contiguous(kb, dt, {d.Nq, d.Hkv, d.Dk}),
-                 TensorView::contiguous(v.data() + b * d.Nq * d.Hkv * d.Dv, dt, {d.Nq, d.Hkv, d.Dv}));
+    internal::rope<T>(q.compute() + b * d.Nq * d.Hq * d.Dk, d.Hq * d.Dk, d.Nq, d.Hq, d.Dk, pos, c.rope_base, 1);
+    internal::rope<T>(k.compute() + b * d.Nq * d.Hkv * d.Dk, d.Hkv * d.Dk, d.Nq, d.Hkv, d.Dk, pos, c.rope_base, 1);
   }
-  std::vector<T> heads(R * d.Hq * d.Dv);
+  q.store(), k.store(), v.store();
+  for (int64_t b = 0; b < d.B; ++b) {
+    cache.append(seqs[b], TensorView::contiguous(as<std::byte>(k.bytes) + b * d.Nq * d.Hkv * d.Dk * sb, st, {d.Nq, d.Hkv, d.Dk}),
+                 TensorView::contiguous(as<std::byte>(v.bytes) + b * d.Nq * d.Hkv * d.Dv * sb, st, {d.Nq, d.Hkv, d.Dv}));
+  }
+  std::vector<std::byte> heads(static_cast<size_t>(R * d.Hq * d.Dv * sb));
   Outputs ao;
-  ao.out = token_major_view(heads.data(), dt, d.B, d.Nq, d.Hq, d.Dv, d.Hq * d.Dv);
-  cache.attention(token_major_view(q.data(), dt, d.B, d.Nq, d.Hq, d.Dk, d.Hq * d.Dk), seqs, ao, o);
+  ao.out = token_major_view(heads.data(), st, d.B, d.Nq, d.Hq, d.Dv, d.Hq * d.Dv);
+  cache.attention(token_major_view(q.data(), st, d.B, d.Nq, d.Hq, d.Dk, d.Hq * d.Dk), seqs, ao, o);
   OutRows<T> yr(y);
-  project<T>(true, InRows<T>{heads.data(), d.Hq * d.Dv, {}}, R, d.Hq * d.Dv, w.w_o, w.b_o, d.E, yr.data, yr.ld);
+  project<T>(true, internal::rows_as<T>(heads.data(), st, R, d.Hq * d.Dv, d.Hq * d.Dv), R, d.Hq * d.Dv, w.w_o, w.b_o,
+             d.E, yr.data, yr.ld);
   yr.finish();
 }
 
@@ -538,8 +608,9 @@ void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWei
 
 MultiHeadAttention::MultiHeadAttention(const MultiHeadConfig& config, DType dtype, uint64_t seed)
     : config_(config.resolved()), dtype_(dtype) {
-  if (dtype != DType::kFloat32 && dtype != DType::kFloat64) {
-    fail(std::string("MultiHeadAttention: dtype must be float32 or float64, got ") + dtype_name(dtype));
+  if (!internal::is_float_dtype(dtype)) {
+    fail(std::string("MultiHeadAttention: dtype must be ") + internal::storage_dtype_list() + ", got " +
+         dtype_name(dtype));
   }
   const MultiHeadConfig& c = config_;
   const int64_t shapes[8][2] = {{c.d_model, c.num_heads * c.head_dim},    {c.kdim, c.num_kv_heads * c.head_dim},
