@@ -274,12 +274,14 @@ void mha_forward(const LayerConfig& config, const OptArrays& params, const Const
                  const std::optional<ConstArray>& mask, int64_t position_q, int64_t position_k, const Array& y,
                  const std::optional<Array>& weights, sdpa::MultiHeadSaved* saved, std::optional<double> scale,
                  const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
-                 double dropout_p, std::optional<uint64_t> seed) {
+                 double dropout_p, std::optional<uint64_t> seed, const std::string& precision) {
   const sdpa::MultiHeadInputs in = layer_inputs(x_q, x_k, x_v, mask, position_q, position_k);
   sdpa::MultiHeadOutputs out{to_view(y, "y")};
   if (weights) out.weights = to_view(*weights, "weights");
   const sdpa::MultiHeadWeights w = layer_weights(params);
-  const sdpa::Options opt = sdpa::front::options(call(scale, causal, window_left, window_right, backend, dropout_p, seed));
+  sdpa::front::Call c = call(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  c.precision = precision;
+  const sdpa::Options opt = sdpa::front::options(c);
   nb::gil_scoped_release release;
   sdpa::multi_head_attention(layer_config(config), w, in, out, opt, saved);
 }
@@ -290,7 +292,8 @@ void mha_backward(const LayerConfig& config, const OptArrays& params, const Cons
                   const std::optional<ConstArray>& mask, int64_t position_q, int64_t position_k,
                   const sdpa::MultiHeadSaved& saved, const ConstArray& dy, const std::vector<std::optional<Array>>& grads,
                   std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
-                  const std::string& backend, double dropout_p, std::optional<uint64_t> seed) {
+                  const std::string& backend, double dropout_p, std::optional<uint64_t> seed,
+                  const std::string& precision) {
   if (grads.size() != 11 || !grads[0]) throw nb::value_error("grads must hold dx_q and 10 arrays or None");
   const char* names[11] = {"dx_q", "dx_k", "dx_v", "dw_q", "dw_k", "dw_v", "dw_o", "db_q", "db_k", "db_v", "db_o"};
   std::optional<sdpa::TensorView> g[11];
@@ -300,17 +303,22 @@ void mha_backward(const LayerConfig& config, const OptArrays& params, const Cons
   const sdpa::MultiHeadInputs in = layer_inputs(x_q, x_k, x_v, mask, position_q, position_k);
   const sdpa::MultiHeadWeights w = layer_weights(params);
   const sdpa::TensorView dyv = to_view(dy, "dy");
-  const sdpa::Options opt = sdpa::front::options(call(scale, causal, window_left, window_right, backend, dropout_p, seed));
+  sdpa::front::Call c = call(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  c.precision = precision;
+  const sdpa::Options opt = sdpa::front::options(c);
   nb::gil_scoped_release release;
   sdpa::multi_head_attention_backward(layer_config(config), w, in, saved, dyv, mg, opt);
 }
 
 void mha_step(const LayerConfig& config, const OptArrays& params, const ConstArray& x, sdpa::KVCache& cache,
               const std::vector<int64_t>& seqs, const Array& y, std::optional<double> scale, int64_t window_left,
-              int64_t window_right, const std::string& backend) {
+              int64_t window_right, const std::string& backend, const std::string& precision) {
   const sdpa::MultiHeadWeights w = layer_weights(params);
   const sdpa::TensorView xv = to_view(x, "x"), yv = to_view(y, "y");
-  const sdpa::Options opt = sdpa::front::options(call(scale, "bottom_right", window_left, window_right, backend));
+  const std::string causal = "bottom_right";  // outlives c, which holds views of its names
+  sdpa::front::Call c = call(scale, causal, window_left, window_right, backend);
+  c.precision = precision;
+  const sdpa::Options opt = sdpa::front::options(c);
   nb::gil_scoped_release release;
   sdpa::multi_head_attention_step(layer_config(config), w, xv, cache, seqs, yv, opt);
 }
@@ -407,14 +415,15 @@ NB_MODULE(_core, m) {
         nb::arg("x_v").none(), nb::arg("mask").none(), nb::arg("position_q"), nb::arg("position_k"), nb::arg("y"),
         nb::arg("weights").none(), nb::arg("saved").none(), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
-        nb::arg("seed").none());
+        nb::arg("seed").none(), nb::arg("precision") = "exact");
   m.def("mha_backward", &mha_backward, nb::arg("config"), nb::arg("params"), nb::arg("x_q"), nb::arg("x_k").none(),
         nb::arg("x_v").none(), nb::arg("mask").none(), nb::arg("position_q"), nb::arg("position_k"),
         nb::arg("saved"), nb::arg("dy"), nb::arg("grads"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
-        nb::arg("seed").none());
+        nb::arg("seed").none(), nb::arg("precision") = "exact");
   m.def("mha_step", &mha_step, nb::arg("config"), nb::arg("params"), nb::arg("x"), nb::arg("cache"), nb::arg("seqs"),
-        nb::arg("y"), nb::arg("scale").none(), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"));
+        nb::arg("y"), nb::arg("scale").none(), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
+        nb::arg("precision") = "exact");
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));

@@ -32,6 +32,13 @@ head-major (contiguous) from the projections by one copy each: the kernel reads 
   positions from ``position_q`` / ``position_k`` given to forward); forward's ``precision``
   (as in ``sdpa.attention``; None takes the enclosing ``sdpa.precision(...)`` block's).
 - ``step(x, cache, seqs)`` decodes incrementally with an ``sdpa.KVCache`` (``new_cache``).
+
+In bfloat16 or float16 (``dtype=``, or ``.to(torch.bfloat16)``): parameters, activations and
+gradients in that dtype; the projections are torch's ``F.linear`` in it (float32 sums, rounded
+once), RoPE is computed in float32 and rounded once (q and k are rounded after the projection and
+again after RoPE), the attention is sdpa's kernel on the 16-bit q, k, v with ``precision``
+("exact" by default, or "fast"), the output projection torch's again. The C++ layer
+(``sdpa.MultiHeadAttention``, ``step``) rounds q and k once, after RoPE.
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from ._arrays import _sequence_ids
-from ._args import _checked_int, _numpy_of_tensor, _precision_arg, _real_number
+from ._arrays import _core_view, _sequence_ids
+from ._args import _checked_int, _numpy_of_tensor, _precision_arg, _real_number, _tensor_of_numpy
 from .torch import _attention, _check_tensors, _options
 
 _attention_weights = torch.ops.sdpa.attention_weights.default
@@ -54,16 +61,20 @@ __all__ = ["MultiheadAttention"]
 
 def _rope(x, position, base):
     """RoPE on x (B, N, H, D) (rotate-half: element d pairs with d + D/2), row i at position + i.
-    The angles are computed in float64 and rounded to x's dtype once."""
+    The angles are computed in float64 and rounded to the compute dtype once: x's, or float32 for
+    a 16-bit x, whose result is rounded once to its dtype (as the C++ layer's)."""
     N, D = x.shape[1], x.shape[3]
     half = D // 2
+    dtype = x.dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        x = x.float()
     pos = torch.arange(position, position + N, dtype=torch.float64)
     freq = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / D)
     theta = pos[:, None] * freq[None, :]  # (N, D/2)
     c = torch.cos(theta).to(x.dtype)[None, :, None, :]
     s = torch.sin(theta).to(x.dtype)[None, :, None, :]
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
 
 
 def _merged_mask(attn_mask, key_padding_mask, B, H, L, S, dtype):
@@ -276,21 +287,25 @@ class MultiheadAttention(torch.nn.Module):
         return w.to(q.dtype)
 
     def new_cache(self, num_pages, page_size):
-        """An empty sdpa.KVCache (float32) for ``step``."""
+        """An empty sdpa.KVCache of the parameters' dtype for ``step``."""
         from . import KVCache
-        return KVCache(num_pages, page_size, self.num_kv_heads, self.head_dim, self.head_dim, np.float32)
+        dtype = _numpy_of_tensor("out_proj.weight", self.out_proj.weight[:0]).dtype
+        return KVCache(num_pages, page_size, self.num_kv_heads, self.head_dim, self.head_dim, dtype)
 
     @torch.no_grad()
-    def step(self, x, cache, seqs):
-        """Incremental decoding (float32, no autograd): x (B, n, embed_dim) (batch first, whatever
-        batch_first says) are the next n tokens of cache sequences seqs[b]. Projects them, applies
-        RoPE at their positions (the sequences' lengths so far), appends their keys and values to
-        the cache and attends causally: y (B, n, embed_dim), equal to the causal forward's rows.
-        seqs: one id, or a list, tuple, 1-dim array or integer tensor of ids (a float such as 1.0,
-        or a bool, is a TypeError, never truncated), as ``sdpa.MultiHeadAttention.step`` takes them."""
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
-            raise TypeError(f"x must be a float32 tensor (step takes float32), got "
-                            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    def step(self, x, cache, seqs, *, precision=None):
+        """Incremental decoding (no autograd) by the C++ layer, in the parameters' dtype: x (B, n,
+        embed_dim) (batch first, whatever batch_first says) of that dtype are the next n tokens of
+        cache sequences seqs[b]. Projects them, applies RoPE at their positions (the sequences'
+        lengths so far), appends their keys and values to the cache and attends causally: y (B,
+        n, embed_dim), equal to the causal forward's rows (a 16-bit layer's within rounding: the C++
+        layer rounds q and k after RoPE only). seqs: one id, or a list, tuple, 1-dim array or
+        integer tensor of ids (a float such as 1.0, or a bool, is a TypeError, never truncated), as
+        ``sdpa.MultiHeadAttention.step`` takes them. precision as forward's."""
+        dtype = self.out_proj.weight.dtype
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+            raise TypeError(f"x must be a {str(dtype).removeprefix('torch.')} tensor (step takes the parameters' "
+                            f"dtype), got {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
         # Sequence ids by sdpa's rule (sdpa.MultiHeadAttention.step's): integers, never a float
         # or bool truncated to a sequence; an integer tensor as its NumPy array.
         seqs = _sequence_ids(seqs.detach().cpu().numpy() if isinstance(seqs, torch.Tensor) else seqs, "x")
@@ -304,6 +319,7 @@ class MultiheadAttention(torch.nn.Module):
         config = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim, self.embed_dim,
                   self.embed_dim, self.in_proj_bias is not None, self.rope, self.rope_base)
         xs = _numpy_of_tensor("x", x.contiguous())
-        y = np.empty(xs.shape[:2] + (self.embed_dim,), np.float32)
-        _core.mha_step(config, params, xs, cache._c, seqs, y, None, -1, -1, "auto")
-        return torch.from_numpy(y)
+        y = np.empty(xs.shape[:2] + (self.embed_dim,), xs.dtype)
+        _core.mha_step(config, [None if p is None else _core_view(p) for p in params], _core_view(xs), cache._c, seqs,
+                       _core_view(y), None, -1, -1, "auto", _precision_arg(precision))
+        return _tensor_of_numpy(y)

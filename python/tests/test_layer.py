@@ -1,7 +1,8 @@
 """sdpa.MultiHeadAttention (NumPy): the float64 forward against a NumPy oracle written here from
 the docstring's formulas, its gradients against central differences of the oracle, the fast
-float32 layer against the reference layer (tolerance from the naive layer's error), step()
-against the causal forward, dropout's keep decisions shared by forward and backward, errors."""
+float32, bfloat16 and float16 layers against the reference layer (tolerance from the naive
+layer's error), precision passed through, step() against the causal forward, dropout's keep
+decisions shared by forward and backward, errors."""
 
 import ml_dtypes
 import numpy as np
@@ -127,30 +128,73 @@ def test_gradients_match_finite_differences_of_the_oracle(case):
             assert abs(grad[i] - (up - down) / (2 * h)) < 1e-6 * (1 + abs(up)), (name, i)
 
 
+LAYER_DTYPES = [(np.float32, "exact"), (ml_dtypes.bfloat16, "exact"), (ml_dtypes.bfloat16, "fast"),
+                (np.float16, "exact"), (np.float16, "fast")]
+
+
+@pytest.mark.parametrize("dtype, precision", LAYER_DTYPES, ids=[f"{np.dtype(d).name}-{p}" for d, p in LAYER_DTYPES])
 @pytest.mark.parametrize("case", CASES)
-def test_fast_float32_matches_reference(case):
-    layer, x_q, kw = make(case, np.float32)
-    dy = np.random.default_rng(2).normal(size=(x_q.shape[0], x_q.shape[1], layer.d_model)).astype(np.float32)
+def test_fast_layer_matches_reference(case, dtype, precision):
+    layer, x_q, kw = make(case, dtype)
+    dy = np.random.default_rng(2).normal(size=(x_q.shape[0], x_q.shape[1], layer.d_model)).astype(dtype)
     results = {}
     for backend in ("auto", "reference", "naive"):
-        y = layer(x_q, **kw, backend=backend)
+        y = layer(x_q, **kw, backend=backend, precision=precision)
         results[backend] = [y, *[a for a in layer.backward(dy) if a is not None]]
     for fast, ref, naive in zip(results["auto"], results["reference"], results["naive"]):
-        # tests/mha_test.cc's rule: 4 · (the naive float32 layer's error) + one rounding.
-        tol = 4 * np.abs(naive - ref).max() + np.finfo(np.float32).eps * np.abs(ref).max()
+        assert fast.dtype == ref.dtype == np.dtype(dtype)  # outputs and gradients in the layer's dtype
+        fast, ref, naive = (a.astype(np.float64) for a in (fast, ref, naive))
+        # tests/mha_test.cc's rule: 4 · (the naive layer's error) + one rounding. The naive 16-bit
+        # layer rounds the same intermediates as the fast one (sdpa/mha.h), in the same precision.
+        tol = 4 * np.abs(naive - ref).max() + ml_dtypes.finfo(dtype).eps * np.abs(ref).max()
         np.testing.assert_allclose(fast, ref, rtol=0, atol=tol)
 
 
-def test_step_matches_causal_forward():
-    layer, x, _ = make("causal_rope_gqa", np.float32)
-    ref = layer(x, causal=True, backend="reference")
-    naive = layer(x, causal=True, backend="naive")
+def test_precision_reaches_the_kernel_in_forward_backward_and_step():
+    """A bfloat16 layer: precision="fast" changes y and the gradients; the sdpa.precision block
+    gives a call's precision=None its mode; backward uses its forward's precision, whatever block
+    it runs in; step takes it too. The parameters, y and the gradients are bfloat16, the weights
+    float32."""
+    bf16 = ml_dtypes.bfloat16
+    layer, x, kw = make("causal_rope_gqa", bf16)
+    assert all(a.dtype == bf16 for a in layer.parameters().values())
+    dy = np.random.default_rng(4).normal(size=x.shape).astype(bf16)
+    y_exact, w = layer(x, **kw, need_weights=True)
+    assert y_exact.dtype == bf16 and w.dtype == np.float32
+    g_exact = layer.backward(dy)
+    y_fast = layer(x, **kw, precision="fast")
+    g_fast = layer.backward(dy)
+    assert not np.array_equal(y_fast, y_exact)
+    assert not np.array_equal(g_fast.x_q, g_exact.x_q)
+    with sdpa.precision("fast"):
+        y_block = layer(x, **kw)
+    g_block = layer.backward(dy)  # after the block: the forward's "fast"
+    assert np.array_equal(y_block, y_fast)
+    for a, b in zip(g_block, g_fast):
+        assert (a is None and b is None) or np.array_equal(a, b)
+    with sdpa.precision("fast"):
+        assert np.array_equal(layer(x, **kw, precision="exact"), y_exact)  # a call's own wins
+    steps = {}
+    for precision in ("exact", "fast"):
+        cache = layer.new_cache(num_pages=8, page_size=4)
+        seqs = [cache.new_sequence() for _ in range(x.shape[0])]
+        steps[precision] = layer.step(x, cache, seqs, precision=precision)
+        assert steps[precision].dtype == bf16
+    assert not np.array_equal(steps["fast"], steps["exact"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float16])
+def test_step_matches_causal_forward(dtype):
+    layer, x, _ = make("causal_rope_gqa", dtype)
+    ref = layer(x, causal=True, backend="reference").astype(np.float64)
+    naive = layer(x, causal=True, backend="naive").astype(np.float64)
     cache = layer.new_cache(num_pages=8, page_size=4)
     seqs = [cache.new_sequence() for _ in range(x.shape[0])]
     got = np.concatenate([layer.step(x[:, a:b], cache, seqs) for a, b in ((0, 1), (1, 5), (5, 6), (6, 9))], axis=1)
     assert [cache.length(s) for s in seqs] == [9, 9]
-    tol = 4 * np.abs(naive - ref).max() + np.finfo(np.float32).eps * np.abs(ref).max()
-    np.testing.assert_allclose(got, ref, rtol=0, atol=tol)
+    assert got.dtype == np.dtype(dtype)
+    tol = 4 * np.abs(naive - ref).max() + ml_dtypes.finfo(dtype).eps * np.abs(ref).max()
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=0, atol=tol)
 
 
 def test_dropout_backward_uses_the_forwards_keep_decisions():
@@ -210,8 +254,8 @@ def test_errors_name_the_argument():
         sdpa.MultiHeadAttention(16, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="rope needs an even head_dim"):
         sdpa.MultiHeadAttention(15, 5, rope=True)
-    with pytest.raises(TypeError, match="float32 or float64"):
-        sdpa.MultiHeadAttention(16, 4, dtype=np.float16)
+    with pytest.raises(TypeError, match="float32, float64, float16 or ml_dtypes.bfloat16"):
+        sdpa.MultiHeadAttention(16, 4, dtype=np.int32)
     with pytest.raises(ValueError, match="seed must be given|dropout_p must be in"):
         layer(x, dropout_p=1.5)
     y = layer(x)

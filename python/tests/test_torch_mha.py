@@ -1,10 +1,14 @@
 """sdpa.torch.MultiheadAttention against torch.nn.MultiheadAttention with the same state_dict:
 outputs, attention weights and the gradients of the inputs and of every parameter; its GQA and
-RoPE options against sdpa.MultiHeadAttention (the C++ layer); dropout's keep decisions shared
-by forward and backward; step() against the causal forward. Without torch the module is
+RoPE options against sdpa.MultiHeadAttention (the C++ layer); in bfloat16 and float16 (both
+precisions) against torch's 16-bit and float32 modules; dropout's keep decisions shared by
+forward and backward; step() against the causal forward. Without torch the module is
 skipped, except under CI (as test_torch.py)."""
 
 
+import copy
+
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -93,6 +97,104 @@ def test_matches_torch_module(case):
         tol = 4 * (want32[name] - want[name]).abs().max().item() + 1.2e-7 * want[name].abs().max().item()
         err = (got[name] - want[name]).abs().max().item()
         assert err <= tol, (name, err, tol)
+
+
+HALVES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", HALVES, ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_16bit_module_matches_torchs(case, dtype, precision):
+    """Parameters, inputs and masks of the 16-bit dtype for both modules; the tolerance is
+    test_matches_torch_module's with torch's 16-bit module as the yardstick: it rounds where
+    sdpa's does (its F.linear's outputs, the attention's output; its autograd rounds every
+    gradient), so 4 · (its error against float64 on the same values) + one rounding of the
+    largest value. float32's torch module on those values is within its own error of float64."""
+    _, E, H, kdim, vdim, bias, batch_first, L, S, masks, need_weights, average = case
+    torch.manual_seed(0)
+    ref = torch.nn.MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first)
+    with torch.no_grad():
+        for p in ref.parameters():  # values of dtype, and biases that matter
+            p.copy_((p + (0.1 * torch.randn_like(p) if p.dim() == 1 else 0)).to(dtype))
+    ours = MultiheadAttention(E, H, bias=bias, kdim=kdim, vdim=vdim, batch_first=batch_first, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    assert all(p.dtype == dtype for p in ours.parameters())
+    gen = torch.Generator().manual_seed(1)
+    B = 2
+    shape = (lambda n, d: (B, n, d)) if batch_first else (lambda n, d: (n, B, d))
+    q = torch.randn(shape(L, E), generator=gen).to(dtype)
+    if kdim is None:
+        kv = q if L == S else torch.randn(shape(S, E), generator=gen).to(dtype)
+        inputs = [q, kv, kv]
+    else:
+        inputs = [q, *(torch.randn(shape(S, d), generator=gen).to(dtype) for d in (kdim, vdim))]
+    kwargs = {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v)
+              for k, v in mask_kwargs(masks, B, H, L, S, gen).items()}
+    kwargs.update(need_weights=need_weights, average_attn_weights=average)
+
+    def as_dtype(kw, dt):
+        return {k: (v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
+
+    got = run(ours, inputs, dict(kwargs, precision=precision), dtype)
+    want16 = run(copy.deepcopy(ref).to(dtype), inputs, kwargs, dtype)
+    want32 = run(copy.deepcopy(ref).float(), inputs, as_dtype(kwargs, torch.float32), torch.float32)
+    want = run(copy.deepcopy(ref).double(), inputs, as_dtype(kwargs, torch.float64), torch.float64)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    eps = torch.finfo(dtype).eps
+    for name in want:
+        tol = 4 * (want16[name] - want[name]).abs().max().item() + eps * want[name].abs().max().item()
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= tol, (name, err, tol)
+        err32 = (want32[name] - want[name]).abs().max().item()
+        assert (got[name] - want32[name]).abs().max().item() <= tol + err32, name
+
+
+def test_16bit_rope_rounds_once_and_step_takes_the_dtype():
+    """A bfloat16 module with RoPE and GQA: its output against the float64 module on the same
+    values, with the tolerance of the C++ layer's naive bfloat16 twin (it rounds q and k once,
+    after RoPE; the module also rounds F.linear's output before it, one more rounding of eps/2:
+    factor 4 as above covers it); step decodes with a bfloat16 cache in the same bound."""
+    torch.manual_seed(0)
+    E, H, Hkv = 32, 8, 2
+    mod = MultiheadAttention(E, H, num_kv_heads=Hkv, rope=True, batch_first=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mod.in_proj_bias.normal_()
+    mod64 = copy.deepcopy(mod).double()
+    layer = sdpa.MultiHeadAttention(E, H, num_kv_heads=Hkv, rope=True, dtype=ml_dtypes.bfloat16)
+    D = E // H
+    b = mod.in_proj_bias.detach().float().numpy()
+    layer.w_q, layer.w_k, layer.w_v = (w.detach().float().numpy().T.astype(ml_dtypes.bfloat16) for w in
+                                       (mod.q_proj_weight, mod.k_proj_weight, mod.v_proj_weight))
+    layer.b_q, layer.b_k, layer.b_v = (a.astype(ml_dtypes.bfloat16) for a in (b[:E], b[E:E + Hkv * D], b[E + Hkv * D:]))
+    layer.w_o = mod.out_proj.weight.detach().float().numpy().T.astype(ml_dtypes.bfloat16)
+    layer.b_o = mod.out_proj.bias.detach().float().numpy().astype(ml_dtypes.bfloat16)
+    x = torch.randn(2, 11, E).bfloat16()
+    with torch.no_grad():
+        y, _ = mod(x, x, x, need_weights=False, is_causal=True, position_q=5, position_k=5)
+        y64, _ = mod64(x.double(), x.double(), x.double(), need_weights=False, is_causal=True, position_q=5,
+                       position_k=5)
+    naive = layer(sdpa_np(x), causal=True, position_q=5, position_k=5, backend="naive").astype(np.float64)
+    ref = layer(sdpa_np(x), causal=True, position_q=5, position_k=5, backend="reference").astype(np.float64)
+    assert np.abs(ref - y64.numpy()).max() <= 2 ** -8 * np.abs(ref).max()  # the same layer: y rounded once
+    tol = 4 * np.abs(naive - ref).max() + 2 ** -7 * np.abs(ref).max()
+    assert (y.double() - y64).abs().max().item() <= tol
+    cache = mod.new_cache(num_pages=8, page_size=4)
+    assert cache.dtype == ml_dtypes.bfloat16
+    seqs = [cache.new_sequence(), cache.new_sequence()]
+    with torch.no_grad():
+        full, _ = mod(x, x, x, need_weights=False, is_causal=True)
+        full64, _ = mod64(x.double(), x.double(), x.double(), need_weights=False, is_causal=True)
+    got = torch.cat([mod.step(x[:, a:b], cache, seqs) for a, b in ((0, 1), (1, 5), (5, 11))], dim=1)
+    assert got.dtype == torch.bfloat16
+    assert (got.double() - full64).abs().max().item() <= tol
+    with pytest.raises(TypeError, match="x must be a bfloat16 tensor"):
+        mod.step(x.float(), cache, seqs)
+
+
+def sdpa_np(t):
+    """A bfloat16 tensor as an ml_dtypes.bfloat16 array."""
+    return t.float().numpy().astype(ml_dtypes.bfloat16)
 
 
 def test_gqa_and_rope_match_the_cpp_layer():
