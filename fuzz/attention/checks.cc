@@ -27,7 +27,7 @@ void check_outs_written(const Outs& o) {
 }
 
 // (a)-(c): per row, from the classified scores.
-void check_edge_semantics(const Case& c, const Outs& o) {
+void check_edge_semantics(const Case& c, const Outs& o, std::vector<uint8_t>* finite_rows) {
   const Dims& d = c.d;
   const bool f32 = c.compute() == DType::kFloat32 && c.opt.backend != Backend::kReference;
   // Results are stored in the inputs' dtype: kReference's float64 values are rounded to it.
@@ -36,7 +36,14 @@ void check_edge_semantics(const Case& c, const Outs& o) {
   const long double out_eps = sdpa_oracle::eps(c.dtype), w_eps = sdpa_oracle::eps(c.compute());
   const long double out_store_max = max_of(c.dtype), out_min_normal = min_normal_of(c.dtype);
   const long double TMAX = f32 ? FLT_MAX : DBL_MAX;
-  const long double zero_below = f32 ? -110 : -760, nonzero_above = f32 ? -80 : -700;
+  const long double zero_below = f32 ? -110 : -760;
+  // kFast rounds each weight's exp(s - m) (m <= lse: the running max) to q's 16-bit type, where
+  // one below its smallest normal may round (or, converted on AVX512_BF16, flush) to 0: surely
+  // nonzero only above it (float16: t > -8.7; bfloat16's -86.3 is below float32's -80). Rounding
+  // at most doubles a weight, so zero_below holds as it is.
+  const long double nonzero_above =
+      !f32 ? -700 : rounds_weights(c) ? std::max(-80.0L, std::log(static_cast<long double>(min_normal_of(c.dtype))) + 1) : -80;
+  if (finite_rows) finite_rows->assign(static_cast<size_t>(d.B * d.Hq * d.Nq), 0);
   const std::vector<uint8_t> keep = keep_mask(c);
   const double keep_scale = c.opt.dropout_p > 0 ? 1.0 / (1.0 - c.opt.dropout_p) : 1.0;
   std::vector<Score> sc(static_cast<size_t>(d.Nk));
@@ -135,6 +142,7 @@ void check_edge_semantics(const Case& c, const Outs& o) {
           }
           continue;
         }
+        if (finite_rows) (*finite_rows)[static_cast<size_t>(row)] = 1;
         // Finite scores (some maybe -inf): -inf keys weight 0; lse finite; out per (c).
         // lse is a smooth max: off by at most the largest error of any score (not only the top
         // one's: a key whose score cancels from huge products may be the max in the kernels).

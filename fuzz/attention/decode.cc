@@ -370,7 +370,7 @@ void decode_block_mask(Case& c) {
   c.blocks = bl;
 }
 
-// A call's first byte: dtypes, backward, threads, tame; the caps from the ext prefix. Returns
+// A call's first byte: dtypes, backward, threads, tame; the caps and the precision from the ext prefix. Returns
 // the `fancy` bit (layouts and masks beyond the plain ones). Shared by decode and run_varlen.
 bool decode_flags(FuzzedDataProvider& f, Case& c) {
   const uint8_t flags = f.ConsumeIntegral<uint8_t>();
@@ -382,6 +382,7 @@ bool decode_flags(FuzzedDataProvider& f, Case& c) {
   } else {
     c.dtype = c.kv = flags & 1 ? DType::kFloat64 : DType::kFloat32;
   }
+  c.opt.precision = g_precision;
   c.backward = flags & 2;
   c.threads = flags & 4 ? 2 : 1;
   c.avx2 = g_avx2;

@@ -297,7 +297,9 @@ void run_case(FuzzedDataProvider& f) {
     run_forward(c, c.inputs(), full, c.opt);
     std::string why;
     check(o.bitwise_equal(full, why), "weights_invariant", [&] { return "the same call with weights and lse requested differs: " + why; });
-    check_edge_semantics(c, full);
+    std::vector<uint8_t> finite_rows;
+    check_edge_semantics(c, full, &finite_rows);
+    check_fast_forward(c, full, finite_rows);  // kFast only
     // seqlens_k: the same call with garbage in the keys past each length (and, under ASan,
     // those bytes unaddressable) gives the same bits.
     if (!c.seqlens.empty()) {
@@ -469,6 +471,7 @@ void run_case(FuzzedDataProvider& f) {
     std::string why;
     check(grads_bitwise(g, g2, why), "repeatable", [&] { return "two identical backward calls (threads 1 and 2) differ: " + why; });
   }
+  check_fast_backward(c, o.out, lse, dout, g);  // kFast only
   if (c.blocks) {  // block_equiv: the gradients of the equivalent element mask, bit for bit (NaN = NaN)
     const Tensor em = expanded_mask(c);
     sdpa::Inputs in = c.inputs();

@@ -10,6 +10,7 @@ bool g_verbose = false;
 bool g_avx2 = false;
 sdpa::KernelPath g_path_cap = sdpa::KernelPath::kAmxBf16;
 int g_storage = 0;
+sdpa::Precision g_precision = sdpa::Precision::kExact;
 bool g_seqlens = false;
 uint8_t g_sk = 0, g_sk_seed = 0;
 bool g_varlen = false;
@@ -96,6 +97,12 @@ std::string dtype_long(DType t) {
   return t == DType::kFloat32 ? "float32" : t == DType::kFloat64 ? "float64" : t == DType::kBFloat16 ? "bfloat16" : t == DType::kFloat16 ? "float16" : "bool";
 }
 
+uint64_t input_seed() {
+  uint64_t seed = 1469598103934665603ull;
+  for (size_t n = 0; n < g_size; ++n) seed = (seed ^ g_data[n]) * 1099511628211ull;
+  return seed;
+}
+
 std::string describe(const Case& c) {
   std::ostringstream s;
   s << "dtype " << (c.kv == c.dtype ? dtype_long(c.dtype) : dtype_long(c.dtype) + " q over " + dtype_long(c.kv) + " k, v") << ", rank " << c.rank << ", B=" << c.d.B
@@ -104,7 +111,8 @@ std::string describe(const Case& c) {
   s << "options: scale=" << (c.opt.scale ? num(*c.opt.scale) : std::string("default")) << " causal="
     << (c.opt.causal == Causal::kNone ? "kNone" : c.opt.causal == Causal::kBottomRight ? "kBottomRight" : c.opt.causal == Causal::kTopLeft ? "kTopLeft" : "invalid")
     << " window={" << c.opt.window.left << ", " << c.opt.window.right << "} backend=" << backend_name(c.opt.backend)
-    << " dropout_p=" << num(c.opt.dropout_p) << " seed=" << (c.opt.seed ? std::to_string(*c.opt.seed) : "none") << "\n";
+    << " dropout_p=" << num(c.opt.dropout_p) << " seed=" << (c.opt.seed ? std::to_string(*c.opt.seed) : "none")
+    << " precision=" << (c.opt.precision == sdpa::Precision::kFast ? "kFast" : "kExact") << "\n";
   s << "weights " << (c.want_weights ? "yes" : "no") << ", lse " << (c.want_lse ? "yes" : "no") << ", threads "
     << c.threads << ", SIMD " << (c.avx2 ? "capped at AVX2" : "all targets") << ", kernel path cap " << path_name(c.path_cap) << ", " << (c.backward ? "forward+backward" : "forward")
     << ", " << (c.tame ? "tame" : "not tame") << (c.huge ? ", huge-empty" : "") << "\n";

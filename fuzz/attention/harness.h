@@ -62,6 +62,11 @@ extern bool g_avx2;  // this input caps Highway's dispatch at AVX2
 extern sdpa::KernelPath g_path_cap;  // this input's set_max_kernel_path (kAmxBf16: no cap)
 extern int g_storage;  // ext bits 0-1: 0 float32 / float64, 1 all 16-bit, 2 float32 q over 16-bit k, v, 3 as 1, float32 mask
 constexpr unsigned char kExtMagic[2] = {0xb6, 0x16};  // an input starting with these has an `ext` byte next
+// The same prefix with the magic's second byte 0x17: every call of the input gets
+// Options::precision = kFast (the rest decodes as after kExtMagic; fast.cc adds kFast's own
+// checks). No committed seed or finding started with b6 17 before.
+constexpr unsigned char kExtMagicFast[2] = {0xb6, 0x17};
+extern sdpa::Precision g_precision;  // kFast after kExtMagicFast, else kExact
 // ext bit 4 (kExtSeqlens): Inputs::seqlens_k; two more prefix bytes follow ext: `sk` (bits 0-2
 // how lengths are drawn, bit 3 int32, bits 4-5 stride, bits 6-7 and sk_seed's top bits: an
 // invalid seqlens_k) and `sk_seed` (the lengths' and the garbage's PRNG seed).
@@ -373,6 +378,7 @@ const char* backend_name(Backend b);
 const char* path_name(sdpa::KernelPath p);
 std::string dtype_long(DType t);
 std::string describe(const Case& c);
+uint64_t input_seed();  // an FNV-1a hash of the whole input: draws that read no input byte
 
 // decode.cc: decoding the input into a case
 LayoutSpec decode_layout(FuzzedDataProvider& f, bool fancy);
@@ -401,7 +407,9 @@ std::vector<uint8_t> keep_mask(const Case& c);
 Outs make_outs(const Case& c, bool weights, bool lse, bool fancy_layout);
 void run_forward(const Case&, const sdpa::Inputs& in, const Outs& o, const sdpa::Options& opt);
 void check_outs_written(const Outs& o);
-void check_edge_semantics(const Case& c, const Outs& o);
+// `finite_rows` (if given): per row (b, h, i), 1 where every allowed score is finite or -inf, one
+// at least finite, none ambiguous (the rows fast_stochastic judges).
+void check_edge_semantics(const Case& c, const Outs& o, std::vector<uint8_t>* finite_rows = nullptr);
 void check_kernel_path(const Case& c, sdpa::KernelPath p, const char* call);
 
 // tolerance.cc: the tolerance rules (forward and backward) and the gradients' buffers
@@ -414,6 +422,12 @@ void run_backward(const Case&, const sdpa::Inputs& in, const Tensor& out, const 
                   const Grads& g, const sdpa::Options& opt);
 bool grads_bitwise(const Grads& a, const Grads& b, std::string& why);
 void check_bwd_tolerance(const Case& c, const Tensor& out, const Tensor& lse, const Tensor& dout, const Grads& got);
+
+// fast.cc: Options::precision kFast's own checks (kExtMagicFast)
+bool rounds_weights(const Case& c);
+bool precision_ignored(const Case& c);
+void check_fast_forward(const Case& c, const Outs& full, const std::vector<uint8_t>& finite_rows);
+void check_fast_backward(const Case& c, const Tensor& out, const Tensor& lse, const Tensor& dout, const Grads& got);
 
 // stats.cc: stats mode (Outputs::stats and Outputs::scores)
 void check_stats(Case& c, const Outs& own);

@@ -30,6 +30,7 @@ void run_huge(FuzzedDataProvider& f) {
     c.path_cap = g_path_cap = sdpa::KernelPath::kSimd;
     sdpa::set_max_kernel_path(g_path_cap);
   }
+  c.opt.precision = g_precision;
   c.opt.causal = static_cast<Causal>(of % 3);
   static const int64_t kWin[] = {-1, 0, 3, 100, int64_t{1} << 41, INT64_MAX};
   if (of & 4) c.opt.window = {pick(f, kWin), pick(f, kWin)};

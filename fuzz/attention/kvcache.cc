@@ -25,7 +25,8 @@ void run_kvcache(FuzzedDataProvider& f) {
   std::ostringstream log;
   log << "KVCache(num_pages " << num_pages << ", page_size " << ps << ", Hkv " << Hkv << ", Dk " << Dk << ", Dv " << Dv << ", "
       << dtype_long(base.kv) << "), q " << dtype_long(base.dtype) << " Hq " << Hq << ", threads " << base.threads << ", "
-      << (base.tame ? "tame" : "not tame") << ", kernel path cap " << path_name(base.path_cap) << (base.avx2 ? ", SIMD capped at AVX2" : "") << "\nscript:";
+      << (base.tame ? "tame" : "not tame") << ", kernel path cap " << path_name(base.path_cap) << (base.avx2 ? ", SIMD capped at AVX2" : "")
+      << (base.opt.precision == sdpa::Precision::kFast ? ", precision kFast" : "") << "\nscript:";
   g_case = log.str();
   // Constructor arguments the header forbids.
   const uint8_t kf = f.ConsumeIntegral<uint8_t>();
@@ -161,6 +162,7 @@ void run_kvcache(FuzzedDataProvider& f) {
         dc.threads = base.threads;
         dc.avx2 = base.avx2;
         dc.path_cap = base.path_cap;
+        dc.opt.precision = base.opt.precision;
         Dims& d = dc.d;
         d.Hq = Hq;
         d.Hkv = Hkv;

@@ -121,9 +121,13 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   g_data = data;
   g_size = size;
-  // The ext prefix (README.md here): 16-bit storage, the kernel-path cap and the mode.
+  // The ext prefix (README.md here): 16-bit storage, the kernel-path cap and the mode; after
+  // kExtMagicFast every call in kFast.
   uint8_t ext = 0;
-  if (size >= 3 && std::memcmp(data, kExtMagic, 2) == 0) {
+  g_precision = sdpa::Precision::kExact;
+  const bool fast = size >= 3 && std::memcmp(data, kExtMagicFast, 2) == 0;
+  if (size >= 3 && (fast || std::memcmp(data, kExtMagic, 2) == 0)) {
+    if (fast) g_precision = sdpa::Precision::kFast;
     ext = data[2];
     data += 3;
     size -= 3;
