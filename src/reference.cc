@@ -26,15 +26,15 @@ void score_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* s, Scores
   const bool masked = stage == ScoresStage::kBiased || stage == ScoresStage::kFinal;
   const KeyRange range = masked ? p.key_range(b, i) : KeyRange{0, p.keys_of(b)};
   const auto in_range = [&p](Acc x) { return p.in_compute_range(x); };
+  std::vector<Acc> q_scaled(static_cast<size_t>(p.Dk));  // q · scale, the same for every key
+  for (int64_t d = 0; d < p.Dk; ++d) q_scaled[static_cast<size_t>(d)] = in_range(p.q.load<Acc>(b, h, i, d) * scale);
   for (int64_t j = 0; j < p.Nk; ++j) {
     s[j] = neg_inf;
     // A key the block mask blocks is not read (the kernels' overflow fallback, finish_block,
     // calls this, and the header promises blocked tiles untouched: fuzz finding F18).
     if (j < range.begin || j >= range.end || (masked && !p.block_allows(b, h, i, j))) continue;
     Acc dot = 0;
-    for (int64_t d = 0; d < p.Dk; ++d) {
-      dot += in_range(in_range(p.q.load<Acc>(b, h, i, d) * scale) * p.k.load<Acc>(b, kvh, j, d));
-    }
+    for (int64_t d = 0; d < p.Dk; ++d) dot += in_range(q_scaled[static_cast<size_t>(d)] * p.k.load<Acc>(b, kvh, j, d));
     if (stage == ScoresStage::kFinal) {
       s[j] = in_range(p.score(dot, b, h, i, j));  // softcap, ALiBi and the mask's bias
     } else if (stage == ScoresStage::kBiased) {

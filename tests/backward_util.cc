@@ -217,39 +217,48 @@ void cancellation_magnitudes(const Problem& p, const sdpa::Options& options, dou
   const double zk = 1.0 / (1.0 - o.dropout_p);
   const std::vector<double> lse = p.lse.values();  // (B, Hq, Nq)
   const double scale = std::abs(o.scale.value_or(d.Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(d.Dk)) : 1.0));
-  auto abs_max = [](const auto& x, int64_t b, int64_t h, int64_t i, int64_t n) {
+  // Every (i, j) pair reads its rows: each tensor is widened once (ScoreMagnitudes does q and k).
+  const ScoreMagnitudes score_magnitude(t, o);
+  const std::vector<double> v = widened(t.v, d.B, d.Hkv, d.Nk, d.Dv), dout = widened(p.dout, d.B, d.Hq, d.Nq, d.Dv),
+                            out = widened(p.out, d.B, d.Hq, d.Nq, d.Dv), q = widened(t.q, d.B, d.Hq, d.Nq, d.Dk),
+                            k = widened(t.k, d.B, d.Hkv, d.Nk, d.Dk);
+  auto abs_max = [](const std::vector<double>& x, int64_t row, int64_t n) {
     double m = 0;
-    for (int64_t c = 0; c < n; ++c) m = std::max(m, std::abs(x.at(b, h, i, c)));
+    for (int64_t c = 0; c < n; ++c) m = std::max(m, std::abs(x[static_cast<size_t>(row * n + c)]));
     return m;
   };
   double row_max = 0;
-  std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), col_v(col.size(), 0.0);
+  std::vector<double> col(static_cast<size_t>(d.B * d.Hkv * d.Nk), 0.0), col_v(col.size(), 0.0), k_max(col.size());
+  for (size_t key = 0; key < k_max.size(); ++key) k_max[key] = abs_max(k, static_cast<int64_t>(key), d.Dk);
   for (int64_t b = 0; b < d.B; ++b) {
     for (int64_t h = 0; h < d.Hq; ++h) {
       const int64_t kvh = h / d.group;
       for (int64_t i = 0; i < d.Nq; ++i) {
         const int64_t row = (b * d.Hq + h) * d.Nq + i;
         const double lse_i = std::isfinite(lse[row]) ? std::abs(lse[row]) : 0.0;
-        const double qmax = abs_max(t.q, b, h, i, d.Dk), dout_max = abs_max(p.dout, b, h, i, d.Dv);
+        const double qmax = abs_max(q, row, d.Dk), dout_max = abs_max(dout, row, d.Dv);
+        const double* dout_i = dout.data() + row * d.Dv;
+        const double* out_i = out.data() + row * d.Dv;
         double D = 0, D_size = 0;
         for (int64_t e = 0; e < d.Dv; ++e) {
-          D += p.dout.at(b, h, i, e) * p.out.at(b, h, i, e);
-          D_size += std::abs(p.dout.at(b, h, i, e) * p.out.at(b, h, i, e));
+          D += dout_i[e] * out_i[e];
+          D_size += std::abs(dout_i[e] * out_i[e]);
         }
         double sum = 0;
         for (int64_t j = 0; j < d.Nk; ++j) {
           const double pij = w[static_cast<size_t>(row * d.Nk + j)];
           if (pij == 0) continue;
           const double z = keep.empty() ? 1.0 : keep[static_cast<size_t>(row * d.Nk + j)] * zk;
+          const size_t key = static_cast<size_t>((b * d.Hkv + kvh) * d.Nk + j);
+          const double* v_j = v.data() + key * d.Dv;
           double dp = 0, dp_size = 0;
           for (int64_t e = 0; e < d.Dv; ++e) {
-            dp += p.dout.at(b, h, i, e) * t.v.at(b, kvh, j, e);
-            dp_size += std::abs(p.dout.at(b, h, i, e) * t.v.at(b, kvh, j, e));
+            dp += dout_i[e] * v_j[e];
+            dp_size += std::abs(dout_i[e] * v_j[e]);
           }
-          const double s_err = 2 * (score_magnitude(t, o, b, h, i, j) + lse_i);
+          const double s_err = 2 * (score_magnitude(b, h, i, j) + lse_i);
           const double mag = pij * (std::abs(z) * dp_size + D_size + std::abs(z * dp - D) * s_err);
-          const size_t key = static_cast<size_t>((b * d.Hkv + kvh) * d.Nk + j);
-          sum += mag * abs_max(t.k, b, kvh, j, d.Dk);
+          sum += mag * k_max[key];
           col[key] += mag * qmax;
           col_v[key] += pij * std::abs(z) * s_err * dout_max;
         }

@@ -168,6 +168,7 @@ std::vector<double> ds_magnitudes(const Problem& p, const sdpa::Options& o) {
   const std::vector<double> keep = o.dropout_p > 0 ? keep_mask(t, o.dropout_p, *o.seed) : std::vector<double>{};
   const double zk = 1 / (1 - o.dropout_p);
   std::vector<double> mag(static_cast<size_t>(d.B * d.Hq * d.Nq * d.Nk), 0.0);
+  const ScoreMagnitudes score_magnitude(t, o);
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h)
       for (int64_t i = 0; i < d.Nq; ++i) {
@@ -186,7 +187,7 @@ std::vector<double> ds_magnitudes(const Problem& p, const sdpa::Options& o) {
             dp += p.dout.at(b, h, i, e) * t.v.at(b, h / d.group, j, e);
             dp_size += std::abs(p.dout.at(b, h, i, e) * t.v.at(b, h / d.group, j, e));
           }
-          const double s_err = 2 * (score_magnitude(t, o, b, h, i, j) + std::abs(w.lse[static_cast<size_t>(row)]));
+          const double s_err = 2 * (score_magnitude(b, h, i, j) + std::abs(w.lse[static_cast<size_t>(row)]));
           mag[static_cast<size_t>(row * d.Nk + j)] = pij * (std::abs(z) * dp_size + D_size + std::abs(z * dp - D) * s_err);
         }
       }

@@ -41,39 +41,50 @@ std::vector<Case> half_sweep_cases() {
   return cases;
 }
 
-void check_fast_case(const Case& c) {
-  const Tensors t = make_inputs(c);
-  const sdpa::Options o = fast(options(c, Backend::kAuto));
+// Runs f on every path the machine has: the best, the widening one, AVX2.
+template <typename F>
+void on_every_path(const F& f) {
+  {
+    SCOPED_TRACE("best path");
+    f();
+  }
+  {
+    SCOPED_TRACE("capped at kSimd");
+    const KernelPathCap cap(sdpa::KernelPath::kSimd);
+    f();
+  }
+  if (avx2_pass_skip_reason().empty()) {
+    SCOPED_TRACE("AVX2");
+    const Avx2Only avx2;
+    f();
+    EXPECT_EQ(dispatched_target(), "AVX2");  // the calls really ran on AVX2
+  }
+}
+
+// One path's kFast result against the case's reference and tolerances.
+void check_fast_path(const Case& c, const Tensors& t, const sdpa::Options& o, const ForwardExpected& e) {
   const Outs got = run(t, o, c.layout);
   EXPECT_TRUE(got.guards_intact());
   EXPECT_TRUE(no_nan(values(got)));
   EXPECT_TRUE(blocked_are_exact(t, o, got));
-  EXPECT_TRUE(matches_reference(t, o, got));
+  EXPECT_TRUE(matches(e, got));
+}
+
+// Every path this machine has (on_every_path), against one reference computed once: it is
+// most of a case's time.
+void check_fast_case(const Case& c) {
+  const Tensors t = make_inputs(c);
+  const sdpa::Options o = fast(options(c, Backend::kAuto));
+  ForwardExpected e;
+  ASSERT_TRUE(expected_forward(t, o, e));
+  on_every_path([&] { check_fast_path(c, t, o, e); });
 }
 
 const auto kCaseName = [](const testing::TestParamInfo<Case>& info) { return info.param.name; };
 
 class SweepFast : public testing::TestWithParam<Case> {};
-TEST_P(SweepFast, MatchesReference) { check_fast_case(GetParam()); }
+TEST_P(SweepFast, EveryPathMatchesReference) { check_fast_case(GetParam()); }
 INSTANTIATE_TEST_SUITE_P(Table, SweepFast, testing::ValuesIn(half_sweep_cases()), kCaseName);
-
-// The rounding without the bfloat16 instructions (set_max_kernel_path(kSimd)): the path of a
-// CPU without AVX512_BF16.
-class SweepFastWidened : public testing::TestWithParam<Case> {};
-TEST_P(SweepFastWidened, MatchesReference) {
-  const KernelPathCap cap(sdpa::KernelPath::kSimd);
-  check_fast_case(GetParam());
-}
-INSTANTIATE_TEST_SUITE_P(Table, SweepFastWidened, testing::ValuesIn(bf16_sweep_cases()), kCaseName);
-
-class SweepFastAvx2 : public testing::TestWithParam<Case> {};
-TEST_P(SweepFastAvx2, MatchesReference) {
-  if (const std::string why = avx2_pass_skip_reason(); !why.empty()) GTEST_SKIP() << why;
-  const Avx2Only avx2;
-  check_fast_case(GetParam());
-  EXPECT_EQ(dispatched_target(), "AVX2");
-}
-INSTANTIATE_TEST_SUITE_P(Table, SweepFastAvx2, testing::ValuesIn(half_sweep_cases()), kCaseName);
 
 // The backward in kFast: p rounded before dv's product, ds before dq's and dk's, against the
 // naive backward that rounds the same (the tolerance rule's yardstick), from a kFast forward.
@@ -94,25 +105,6 @@ TEST_P(BackwardSweepFast, MatchesReference) { check_fast_backward_case(GetParam(
 INSTANTIATE_TEST_SUITE_P(Table, BackwardSweepFast, testing::ValuesIn(half_sweep_cases()), kCaseName);
 
 // ---- Semantics ----
-
-// Runs f on every path the machine has: the best, the widening one, AVX2.
-template <typename F>
-void on_every_path(const F& f) {
-  {
-    SCOPED_TRACE("best path");
-    f();
-  }
-  {
-    SCOPED_TRACE("capped at kSimd");
-    const KernelPathCap cap(sdpa::KernelPath::kSimd);
-    f();
-  }
-  if (avx2_pass_skip_reason().empty()) {
-    SCOPED_TRACE("AVX2");
-    const Avx2Only avx2;
-    f();
-  }
-}
 
 // Values all equal to c give exactly c: the normaliser is the sum of the weights the numerator
 // uses (FlashAttention sums the unrounded ones and falls short of c). Long rows (sums of

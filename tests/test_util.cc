@@ -402,25 +402,61 @@ double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b,
   return x;
 }
 
-double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j) {
-  const Dims d = dims_of(t);
+namespace {
+
+// score_magnitude of (b, h, i, j) given q's row i and k's row j as doubles (Dk each).
+double score_magnitude_of_rows(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i,
+                               int64_t j, const double* q_row, const double* k_row, int64_t Dk) {
   const double bias = mask_bias(t, b, h, i, j);
   if (!key_allowed(t, options, b, i, j) || !std::isfinite(bias)) return 0.0;
-  const double scale = sdpa_oracle::scale_of(options, d.Dk);
+  const double scale = sdpa_oracle::scale_of(options, Dk);
   double sum = 0;
-  for (int64_t x = 0; x < d.Dk; ++x) sum += std::abs(t.q.at(b, h, i, x) * t.k.at(b, h / d.group, j, x));
+  for (int64_t x = 0; x < Dk; ++x) sum += std::abs(q_row[x] * k_row[x]);
   // ALiBi's bias is a term of the score too (its distance exact, its product rounded once).
   return sdpa_oracle::score_magnitude(scale, sum, bias, alibi_bias(t, options, b, h, i, j));
 }
 
+}  // namespace
+
+std::vector<double> widened(const GuardedTensor& x, int64_t B, int64_t H, int64_t N, int64_t D) {
+  std::vector<double> out;
+  out.reserve(static_cast<size_t>(B * H * N * D));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < D; ++c) out.push_back(x.at(b, h, n, c));
+  return out;
+}
+
+ScoreMagnitudes::ScoreMagnitudes(const Tensors& t, const sdpa::Options& options) : t_(t), options_(options) {
+  const Dims d = dims_of(t);
+  Hq_ = d.Hq, Hkv_ = d.Hkv, Nq_ = d.Nq, Nk_ = d.Nk, Dk_ = d.Dk, group_ = d.group;
+  q_ = widened(t.q, d.B, d.Hq, d.Nq, d.Dk);
+  k_ = widened(t.k, d.B, d.Hkv, d.Nk, d.Dk);
+}
+
+double ScoreMagnitudes::operator()(int64_t b, int64_t h, int64_t i, int64_t j) const {
+  const size_t q_row = static_cast<size_t>(((b * Hq_ + h) * Nq_ + i) * Dk_);
+  const size_t k_row = static_cast<size_t>(((b * Hkv_ + h / group_) * Nk_ + j) * Dk_);
+  return score_magnitude_of_rows(t_, options_, b, h, i, j, q_.data() + q_row, k_.data() + k_row, Dk_);
+}
+
+double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j) {
+  const Dims d = dims_of(t);
+  std::vector<double> qr(static_cast<size_t>(d.Dk)), kr(static_cast<size_t>(d.Dk));
+  for (int64_t x = 0; x < d.Dk; ++x) qr[x] = t.q.at(b, h, i, x), kr[x] = t.k.at(b, h / d.group, j, x);
+  return score_magnitude_of_rows(t, options, b, h, i, j, qr.data(), kr.data(), d.Dk);
+}
+
 double max_score_magnitude(const Tensors& t, const sdpa::Options& options) {
   const Dims d = dims_of(t);
+  const ScoreMagnitudes magnitude(t, options);
   double m = 0;
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.Hq; ++h)
       for (int64_t i = 0; i < d.Nq; ++i)
         for (int64_t j = 0; j < d.Nk; ++j) {
-          const double s = score_magnitude(t, options, b, h, i, j);
+          const double s = magnitude(b, h, i, j);
           if (std::isfinite(s)) m = std::max(m, s);
         }
   return m;
@@ -507,7 +543,7 @@ testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b) {
 }
 
 // The rule is sdpa_oracle's (oracle/tolerance.h), which states it; here the backends run on t.
-testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options, const Outs& got) {
+testing::AssertionResult expected_forward(const Tensors& t, const sdpa::Options& options, ForwardExpected& e) {
   // Runs kReference and kNaive on `in`; sets `ref` and raises `err` to kNaive's error * scale.
   auto measure = [&](const Tensors& in, double scale, Values& ref, double (&err)[3]) {
     sdpa::Options o = options;
@@ -521,13 +557,14 @@ testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options
     return why.empty() ? testing::AssertionSuccess() : testing::AssertionFailure() << why;
   };
   const DType dtype = t.q.dtype();
-  Values ref, ref32;
+  Values& ref = e.ref;
+  Values ref32;
   double err[3] = {0, 0, 0};
   if (auto r = measure(t, 1.0, ref, err); !r) return r;
   if (dtype == DType::kFloat64) {
     if (auto r = measure(t.converted(DType::kFloat32), sdpa_oracle::kFloat64ErrorScale, ref32, err); !r) return r;
   }
-  const sdpa_oracle::ForwardTolerance tol = sdpa_oracle::forward_tolerance(
+  e.tol = sdpa_oracle::forward_tolerance(
       err, sdpa_oracle::naive_factor(dtype),
       {.dtype = dtype,
        .out_max = max_abs_finite(t.v.values()) / (1 - options.dropout_p),  // / 1 exactly without dropout
@@ -535,13 +572,23 @@ testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options
        .lse_max = max_abs_finite(ref.lse),
        .rounds_weights = options.precision == sdpa::Precision::kFast && (dtype == DType::kBFloat16 ||
                                                                          dtype == DType::kFloat16)});
-  const Values g = values(got);
-  if (auto r = all_close("out", g.out, ref.out, tol.out); !r) return r;
-  if (got.weights) {
-    if (auto r = all_close("weights", g.weights, ref.weights, tol.weights); !r) return r;
-  }
-  if (got.lse) return all_close("lse", g.lse, ref.lse, tol.lse);
   return testing::AssertionSuccess();
+}
+
+testing::AssertionResult matches(const ForwardExpected& e, const Outs& got) {
+  const Values g = values(got);
+  if (auto r = all_close("out", g.out, e.ref.out, e.tol.out); !r) return r;
+  if (got.weights) {
+    if (auto r = all_close("weights", g.weights, e.ref.weights, e.tol.weights); !r) return r;
+  }
+  if (got.lse) return all_close("lse", g.lse, e.ref.lse, e.tol.lse);
+  return testing::AssertionSuccess();
+}
+
+testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options, const Outs& got) {
+  ForwardExpected e;
+  if (auto r = expected_forward(t, options, e); !r) return r;
+  return matches(e, got);
 }
 
 testing::AssertionResult blocked_are_exact(const Tensors& t, const sdpa::Options& options, const Outs& got) {

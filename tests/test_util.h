@@ -164,6 +164,24 @@ using sdpa_oracle::max_abs_finite;  // over the finite entries
 // The size of the terms that make up score (b, h, i, j): |scale| · Σ_d |q_d k_d| + |bias| (0 for
 // a blocked key). A score is only accurate to about eps times this, however it is summed, and
 // so are the weights and lse computed from it: the tolerance rules' score-rounding term.
+// x's elements (b, h, n, 0 .. D - 1) for b < B, h < H, n < N (at()'s broadcasting), as doubles in
+// that C order: for loops that would otherwise read an element through at() many times.
+std::vector<double> widened(const GuardedTensor& x, int64_t B, int64_t H, int64_t N, int64_t D);
+
+// ScoreMagnitudes reads q and k once (as doubles, broadcast to (B, Hq, Nq, Dk) and (B, Hkv, Nk,
+// Dk)) for callers that visit every (i, j): reading the elements per pair was most of a 16-bit
+// sweep case's time.
+class ScoreMagnitudes {
+ public:
+  ScoreMagnitudes(const Tensors& t, const sdpa::Options& options);
+  double operator()(int64_t b, int64_t h, int64_t i, int64_t j) const;
+
+ private:
+  const Tensors& t_;
+  sdpa::Options options_;
+  int64_t Hq_, Hkv_, Nq_, Nk_, Dk_, group_;
+  std::vector<double> q_, k_;
+};
 double score_magnitude(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j);
 double max_score_magnitude(const Tensors& t, const sdpa::Options& options);  // over every (b, h, i, j)
 
@@ -196,6 +214,14 @@ testing::AssertionResult bitwise_equal(const Outs& a, const Outs& b);
 // kNaive) + floor: oracle/tolerance.h states it.
 testing::AssertionResult matches_reference(const Tensors& t, const sdpa::Options& options,
                                            const Outs& got);
+// The same in two steps, for a case checked on several paths: kReference's values and each
+// output's tolerance, computed once; then any number of results against them.
+struct ForwardExpected {
+  Values ref;
+  sdpa_oracle::ForwardTolerance tol;
+};
+testing::AssertionResult expected_forward(const Tensors& t, const sdpa::Options& options, ForwardExpected& e);
+testing::AssertionResult matches(const ForwardExpected& e, const Outs& got);
 
 // Exact structure, independent of the kernel's arithmetic: every weight that causal, window or
 // mask blocks is exactly 0; a row with nothing allowed has out exactly 0 and lse -inf.
