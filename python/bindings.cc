@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -21,6 +22,7 @@
 #include "inspect.h"
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
+#include "sdpa/merge.h"
 #include "sdpa/mha.h"
 
 namespace nb = nanobind;
@@ -323,6 +325,21 @@ void mha_step(const LayerConfig& config, const OptArrays& params, const ConstArr
   sdpa::multi_head_attention_step(layer_config(config), w, xv, cache, seqs, yv, opt);
 }
 
+// sdpa::merge_attention of the partials (outs[s], lses[s]) into out and lse (the package checks
+// that the two lists have one length).
+void merge_attention(const std::vector<ConstArray>& outs, const std::vector<ConstArray>& lses, const Array& out,
+                     const Array& lse) {
+  if (outs.size() != lses.size()) throw nb::value_error("outs and lses must have one length");
+  std::vector<sdpa::Partial> parts;
+  for (size_t s = 0; s < outs.size(); ++s) {
+    const std::string name = "parts[" + std::to_string(s) + "]";
+    parts.push_back({to_view(outs[s], (name + ".out").c_str()), to_view(lses[s], (name + ".lse").c_str())});
+  }
+  const sdpa::TensorView o = to_view(out, "out"), l = to_view(lse, "lse");
+  nb::gil_scoped_release release;
+  sdpa::merge_attention(parts, o, l);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -427,6 +444,7 @@ NB_MODULE(_core, m) {
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));
+  m.def("merge_attention", &merge_attention, nb::arg("outs"), nb::arg("lses"), nb::arg("out"), nb::arg("lse"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);
   // For benchmarks (bench/compare.py --no-avx512): dispatch to AVX2 at most, as on a CPU

@@ -44,6 +44,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
@@ -51,6 +52,7 @@
 
 #include "front_options.h"
 #include "sdpa/attention.h"
+#include "sdpa/merge.h"
 
 namespace {
 
@@ -544,6 +546,34 @@ Tensor attention_weights_autograd(const Tensor& q, const Tensor& k, const Tensor
                   sinks, block_mask, block_q, block_k, precision);
 }
 
+// sdpa::merge_attention of (outs[s], lses[s]): out of out_dtype (default: the compute type,
+// float64 when any part is float64, else float32) and lse of the compute type. No autograd.
+std::tuple<Tensor, Tensor> merge_attention_cpu(at::TensorList outs, at::TensorList lses,
+                                               std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(outs.size() == lses.size(), "outs has ", outs.size(), " tensors but lses has ", lses.size(),
+                    ": one lse per out");
+  TORCH_CHECK_VALUE(!outs.empty(), "merge_attention: parts is empty; there is nothing to merge");
+  bool f64 = false;
+  for (size_t s = 0; s < outs.size(); ++s)
+    f64 = f64 || outs[s].scalar_type() == at::kDouble || lses[s].scalar_type() == at::kDouble;
+  const at::ScalarType compute = f64 ? at::kDouble : at::kFloat;
+  auto shape = outs[0].sizes().vec();
+  Tensor out = at::empty(shape, outs[0].options().dtype(out_dtype.value_or(compute)));
+  if (!shape.empty()) shape.pop_back();
+  Tensor lse = at::empty(shape, outs[0].options().dtype(compute));
+  std::vector<std::string> names;
+  for (size_t s = 0; s < outs.size(); ++s) {
+    names.push_back("parts[" + std::to_string(s) + "].out");
+    names.push_back("parts[" + std::to_string(s) + "].lse");
+  }
+  std::vector<sdpa::Partial> parts;
+  for (size_t s = 0; s < outs.size(); ++s)
+    parts.push_back({view(outs[s], names[2 * s].c_str()), view(lses[s], names[2 * s + 1].c_str())});
+  const sdpa::TensorView o = view(out, "out"), l = view(lse, "lse");
+  run([&] { sdpa::merge_attention(parts, o, l); });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(sdpa, m) {
@@ -572,6 +602,7 @@ TORCH_LIBRARY(sdpa, m) {
         SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
   m.def("attention_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION ") -> Tensor");
+  m.def("merge_attention(Tensor[] outs, Tensor[] lses, ScalarType? out_dtype=None) -> (Tensor, Tensor)");
 #undef SDPA_PRECISION
 #undef SDPA_BLOCKS
 #undef SDPA_MODS
@@ -585,6 +616,7 @@ TORCH_LIBRARY_IMPL(sdpa, CPU, m) {
   m.impl("attention_varlen_backward", &attention_varlen_backward_cpu);
   m.impl("attention_paged", &attention_paged_cpu);
   m.impl("attention_weights", &attention_weights_cpu);
+  m.impl("merge_attention", &merge_attention_cpu);
 }
 
 TORCH_LIBRARY_IMPL(sdpa, Autograd, m) {

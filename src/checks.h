@@ -24,6 +24,12 @@ void check_rank(const char* name, const TensorView& t, int rank, const char* mea
 void check_index_dtype(const char* name, const TensorView& t);
 // Error when t has elements but no data.
 void check_has_data(const char* name, const TensorView& t);
+// What every tensor needs: rank in [min_rank, max_rank], non-negative dims whose element count
+// fits int64_t, data when non-empty.
+void check_basic(const char* name, const TensorView& t, int min_rank, int max_rank);
+// An output (written) must not map two indices to one element: Error on stride 0 in a dim of
+// extent > 1 (other self-overlapping strides are the caller's promise).
+void check_no_zero_stride(const char* name, const TensorView& t);
 // A packed call's lse (rank 2, as check_rank found it) against q (total_q, Hq, Dk): Error
 // unless it is (Hq, total_q).
 void check_packed_lse(const TensorView& lse, const TensorView& q);

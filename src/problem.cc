@@ -88,6 +88,8 @@ std::string shape_string(const int64_t* shape, int rank) {
   return t.shape_string();
 }
 
+}  // namespace
+
 // Checks what every tensor needs: a supported rank, non-negative dims, data when non-empty.
 void check_basic(const char* name, const TensorView& t, int min_rank, int max_rank) {
   if (t.rank < min_rank || t.rank > max_rank) {
@@ -105,6 +107,8 @@ void check_basic(const char* name, const TensorView& t, int min_rank, int max_ra
   check_has_data(name, t);
 }
 
+namespace {
+
 void check_unit_last_stride(const char* name, const TensorView& t) {
   // An empty tensor is never read or written, whatever its strides (NumPy gives them 0).
   if (t.numel() > 0 && t.shape[t.rank - 1] > 1 && t.strides[t.rank - 1] != 1) {
@@ -112,6 +116,8 @@ void check_unit_last_stride(const char* name, const TensorView& t) {
          std::to_string(t.strides[t.rank - 1]) + " (shape " + t.shape_string() + ")");
   }
 }
+
+}  // namespace
 
 // A view that is written must not map two indices to one element: different threads write
 // different indices at once. Stride 0 on a dim of extent > 1 is the common way to get that
@@ -129,6 +135,8 @@ void check_no_zero_stride(const char* name, const TensorView& t) {
   }
 }
 
+namespace {
+
 // t must have the dtype of tensor `of` ("q", "k", ...), `expected`.
 void check_dtype(const char* name, const TensorView& t, DType expected, const char* of = "q") {
   if (t.dtype != expected) {
@@ -142,6 +150,16 @@ void check_compute_dtype(const char* name, const TensorView& t, DType q, DType c
     fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be " + dtype_name(compute) +
          ", the compute type of " + dtype_name(q) + " q");
   }
+}
+
+// out, dout, dq, dk and dv: the dtype of tensor `of` (q's, k's, v's), `expected`, or the compute
+// type: float32 partials and gradients of 16-bit inputs, kept unrounded for merging or summing
+// (the kernels round each result once to its view's dtype, View4::store / write_row).
+void check_dtype_or_compute(const char* name, const TensorView& t, DType expected, DType compute, const char* of) {
+  if (t.dtype == expected || t.dtype == compute) return;
+  if (expected == compute) check_dtype(name, t, expected, of);
+  fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but must be " + of + "'s dtype " +
+       dtype_name(expected) + " or the compute type " + dtype_name(compute));
 }
 
 // Places a rank-r view in the first `dims` slots of a View4, padding on the left; the padded
@@ -534,7 +552,7 @@ Problem make_problem(const Inputs& in, const Outputs& outs, const Options& opt, 
   const TensorView &q = in.q, &out = outs.out;
   const int r = q.rank;
   check_basic("out", out, 2, 4);
-  check_dtype("out", out, q.dtype);
+  check_dtype_or_compute("out", out, q.dtype, p.compute, "q");
   check_unit_last_stride("out", out);
   if (written) check_no_zero_stride("out", out);
   // Expected output shapes, in q's rank: (B, Hq, Nq, X) with the leading dims dropped.
@@ -609,7 +627,8 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
   outs.lse = lse;
   BackwardProblem bp{make_problem(in, outs, opt, /*written=*/false), {}, {}, {}, {},
                      std::nullopt, std::nullopt, std::nullopt};
-  // Each gradient has the shape, dtype and layout needs of its forward twin.
+  // Each gradient has the shape and layout needs of its forward twin, and its input's dtype or
+  // the compute type (dout: q's dtype or the compute type, as out, each independently).
   const std::pair<const char*, const TensorView*> pairs[] = {
       {"dout", &out}, {"dq", &in.q}, {"dk", &in.k}, {"dv", &in.v}};
   const TensorView* grads_of[] = {&dout, &grads.dq, &grads.dk, &grads.dv};
@@ -618,7 +637,8 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
     const TensorView& like = *pairs[g].second;
     const TensorView& t = *grads_of[g];
     check_basic(name, t, 2, 4);
-    check_dtype(name, t, like.dtype, g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
+    const TensorView& input = g == 0 ? in.q : like;
+    check_dtype_or_compute(name, t, input.dtype, bp.fwd.compute, g <= 1 ? "q" : g == 2 ? "k" : "v");
     const std::string meaning = std::string("the shape of ") + (g == 0 ? "out" : g == 1 ? "q" : g == 2 ? "k" : "v");
     check_shape(name, t, like.shape, like.rank, meaning.c_str());
     check_unit_last_stride(name, t);

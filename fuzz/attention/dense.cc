@@ -237,7 +237,7 @@ void run_case(FuzzedDataProvider& f) {
       case Invalid::kDoutShape: doutv.shape[c.rank - 1] += 1; break;
       case Invalid::kDqShape: gr.dq.shape[c.rank - 2] += 1; break;
       case Invalid::kDkStride0: { must_throw = false; if (g.dk.numel() > 0) for (int x = 0; x < c.rank; ++x) if (gr.dk.shape[x] > 1) { gr.dk.strides[x] = 0; must_throw = true; break; } break; }
-      case Invalid::kDvDtype: gr.dv.dtype = c.kv == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; break;  // dv must have v's dtype
+      case Invalid::kDvDtype: gr.dv.dtype = c.bad_dv_dtype(); break;  // dv must have v's dtype or the compute type
       case Invalid::kGradNull: if (g.dq.numel() > 0) gr.dq.data = nullptr; else must_throw = false; break;
       default: must_throw = false; break;
     }

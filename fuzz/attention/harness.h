@@ -219,6 +219,12 @@ struct Case {
   int64_t keys_of(int64_t b) const { return seqlens.empty() ? d.Nk : seqlens[static_cast<size_t>(b)]; }
   DType compute() const { return sdpa_oracle::compute_dtype(dtype); }  // weights', lse's and the arithmetic's
   bool lowp() const { return is16(dtype) || is16(kv); }
+  // A dtype dv may not have: neither v's (kv) nor the compute type (float32 <-> float64, or the
+  // other 16-bit dtype).
+  DType bad_dv_dtype() const {
+    return kv == DType::kFloat32 ? DType::kFloat64 : kv == DType::kFloat64 ? DType::kFloat32
+           : kv == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  }
   bool all_bf16() const { return dtype == DType::kBFloat16 && kv == DType::kBFloat16; }
   // Whether the scores are more than q·k·scale + bias, or the softmax has a sink (the header's
   // Options::softcap, alibi_slopes, sinks).

@@ -11,12 +11,18 @@ void apply_invalid(Case& c, Invalid inv, sdpa::Inputs& in, sdpa::Outputs& outs, 
   switch (inv) {
     case Invalid::kQBool: in.q.dtype = DType::kBool; break;
     // 16-bit cases break the dtype policy in their own ways: k and v of different 16-bit dtypes,
-    // an out, weights or lse of the wrong one of q's dtype and the compute type.
+    // an out of the other 16-bit dtype (q's and the compute type are both out's), weights or lse
+    // of the wrong one of q's dtype and the compute type.
     case Invalid::kKDtype:
       if (c.lowp() && c.d.Nq % 2) in.v.dtype = c.kv == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
       else in.k.dtype = c.dtype == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32;
       break;
-    case Invalid::kOutDtype: outs.out.dtype = !c.lowp() ? DType::kBool : is16(c.dtype) ? DType::kFloat32 : c.kv; break;
+    case Invalid::kOutDtype:
+      outs.out.dtype = !c.lowp()                       ? DType::kBool
+                       : c.dtype == DType::kBFloat16 ? DType::kFloat16
+                       : c.dtype == DType::kFloat16  ? DType::kBFloat16
+                                                     : c.kv;
+      break;
     case Invalid::kWeightsDtype:
       if (outs.weights) outs.weights->dtype = is16(c.dtype) ? c.dtype : c.compute() == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32;
       else must_throw = false;

@@ -752,7 +752,7 @@ void run_varlen(FuzzedDataProvider& f) {
       case VarBad::kQRank: bin.q.rank = 2; break;
       case VarBad::kDqRows: fwd = false; gr.dq.shape[0] += 1; break;
       case VarBad::kDoutShape: fwd = false; bdout.shape[2] += 1; break;
-      case VarBad::kDvDtype: fwd = false; gr.dv.dtype = c.kv == DType::kFloat32 ? DType::kFloat64 : DType::kFloat32; break;
+      case VarBad::kDvDtype: fwd = false; gr.dv.dtype = c.bad_dv_dtype(); break;
       default: break;
     }
     g_case = describe_varlen() + "invalid argument: " + kVarBadNames[static_cast<int>(bad)] + "\n" + tq->describe("cu_seqlens_q (given)") + "\n" +

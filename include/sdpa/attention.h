@@ -294,7 +294,12 @@ enum class ScoresStage : uint8_t {
 // ALiBi in ONNX), 3 Outputs::weights (python/tests/test_onnx_attention.py maps all four).
 
 struct Outputs {
-  TensorView out = {};                               // q's dtype
+  // q's dtype; for bfloat16 or float16 q also float32, the compute type: partials kept for
+  // merge_attention (sdpa/merge.h), so that nothing is rounded to 16 bits before the last
+  // merge. A float32 out holds the kernels' float32 results unrounded: rounded to q's dtype
+  // they are, bit for bit, what the call with an out of q's dtype writes (either precision).
+  // attention_varlen and attention_paged take the same two dtypes.
+  TensorView out = {};
   std::optional<TensorView> weights = std::nullopt;  // the compute type (float32 for 16-bit q)
   std::optional<TensorView> lse = std::nullopt;      // the compute type (float32 for 16-bit q)
   Stats stats = {};                                  // per-row statistics of the weights (above)
@@ -316,10 +321,14 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
 void validate(const Inputs& inputs, const Options& options = {});
 
 // Gradients of attention() with respect to q, k and v.
+// dq, dk and dv: each its input's dtype, or the compute type (float32 for 16-bit inputs:
+// unrounded, for gradients that are summed further, as key shards' dq partials are; rounded to
+// the input's dtype they are bit for bit the call's with gradients of that dtype).
 struct Gradients {
-  TensorView dq = {};  // shaped like q, q's dtype
-  TensorView dk = {};  // shaped like k, k's dtype: for GQA, the sum over the query heads of its group
-  TensorView dv = {};  // shaped like v, v's dtype
+  TensorView dq = {};  // shaped like q, q's dtype or the compute type
+  TensorView dk = {};  // shaped like k, k's dtype or the compute type: for GQA, the sum over the
+                       // query heads of its group
+  TensorView dv = {};  // shaped like v, v's dtype or the compute type
   // With Options::sinks: ∂loss/∂sinks, (Hq,), float32 or float64 (not read; written), summed
   // over the batch and the query rows in a fixed order:
   //   dsinks_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · (dout_bhi · out_bhi)
@@ -349,8 +358,9 @@ struct Gradients {
   std::optional<TensorView> dalibi_slopes = std::nullopt;
 };
 
-// Backward pass: given dout = ∂loss/∂out (shaped like out, out's dtype) and the out and lse that
-// attention() returned for these inputs and options, writes dq, dk and dv. The softmax is
+// Backward pass: given dout = ∂loss/∂out (shaped like out; q's dtype or the compute type, as
+// out may be, each independently) and the out and lse that attention() returned for these
+// inputs and options, writes dq, dk and dv. The softmax is
 // recomputed from lse, tile by tile. Rows with no allowed key (lse = -inf) contribute
 // nothing; a key of weight 0 for a row (blocked, dropped) and that row exchange nothing: the
 // key's value or key row (even NaN) does not reach the row's dq, and the row's q or dout (even
@@ -358,6 +368,19 @@ struct Gradients {
 // no gradient: Error.
 // Deterministic: bitwise identical for any thread count. Throws Error on invalid arguments,
 // before writing anything.
+//
+// A key shard (context parallelism, sdpa/merge.h): split the keys into shards, k, v and the
+// mask's key columns sliced alike, each shard's forward giving partials that merge_attention
+// combines into the whole rows' out and lse. Given that WHOLE out and lse, dout and q, and one
+// shard's k, v (and mask slice), attention_backward is that shard's part of the one call's
+// backward: its dk and dv are the one call's rows of the shard's keys, and its dq is the
+// shard's term dq_s of dq = Σ_s dq_s (pass a float32 dq for 16-bit q to sum the terms before
+// rounding). Each weight p_ij = exp(s_ij - lse_i) is the whole row's, and D_i = dout_i · out_i
+// the whole row's, so nothing else couples the shards. With sinks, dsinks reads only out and
+// lse: ask for it from one shard. Tested (merge_test.cc's KeyShards.*) for float32, float64,
+// bfloat16 and float16, GQA and sliced masks. Causal, window, ALiBi and a block mask align by
+// positions inside the call (its Nq and Nk), and dropout draws from them: a shard call sees the
+// wrong keys or draws, so only calls without them are shardable as they stand.
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options = {});
 

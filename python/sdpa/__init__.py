@@ -13,14 +13,14 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._args import (_BFLOAT16, _FLOAT32, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
-                    _describe, _dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _precision_arg,
-                    _prepared_indices, _real_array, precision)
-from ._arrays import (_core_view, _empty, _narrow_float, _prepared, _prepared_inputs, _prepared_seqlens,
+from ._args import (_BFLOAT16, _FLOAT32, _FLOAT64, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
+                    _describe, _dtype_arg, _out_dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap,
+                    _precision_arg, _prepared_indices, _real_array, precision)
+from ._arrays import (_converted, _core_view, _empty, _narrow_float, _prepared, _prepared_inputs, _prepared_seqlens,
                       _readable_in_place, _sequence_ids)
 
 __all__ = ["attention", "precision", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "attention_paged", "KVCache", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
+           "attention_paged", "KVCache", "merge_attention", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
 
@@ -92,7 +92,7 @@ def _stats_arrays(lead, dtype, topk):
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-              block_size=128, return_stats=False, topk=8, return_scores=None, precision=None):
+              block_size=128, return_stats=False, topk=8, return_scores=None, precision=None, out_dtype=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -185,6 +185,11 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
                  q0   x  x  x  x  .  -        q0   x  .  -  -  -  -
                  q1   x  x  x  x  x  -        q1   x  x  -  -  -  -
 
+        out_dtype: None (out in q's dtype, the table above) or the compute dtype: "float32" (or
+            np.float32) for float16 and bfloat16 inputs gives out unrounded, the float32 partials
+            that ``merge_attention`` combines without rounding to 16 bits first. Rounded to q's
+            dtype (``out.astype(q.dtype)``) they are bit for bit the out of out_dtype=None. For
+            float32 and float64 inputs only their own dtype. Other dtypes raise TypeError.
         return_weights, return_lse: also return the attention weights and/or the lse.
             The weights are the softmax probabilities before any dropout.
         return_stats, topk: also return a ``Stats`` of each row's weights (entropy, its
@@ -256,7 +261,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
 
     Returns:
         out, or a tuple (out, weights), (out, lse), (out, weights, lse), then stats when
-        return_stats and scores when return_scores, in that order; out in q's dtype, weights and lse in the compute dtype (float32 for
+        return_stats and scores when return_scores, in that order; out in q's dtype (or out_dtype), weights and lse in the compute dtype (float32 for
         float16 and bfloat16 inputs).
 
     A query row with no allowed key (fully masked, or Nk == 0) gives an output row of zeros,
@@ -280,7 +285,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
-    out = _empty("out", lead + (v.shape[-1],), q.dtype)
+    out = _empty("out", lead + (v.shape[-1],), _out_dtype_arg(out_dtype, q.dtype, dtype))
     weights = _empty("weights", lead + (k.shape[-2],), dtype) if return_weights else None
     lse = _empty("lse", lead, dtype) if return_lse else None
     stats = _stats_arrays(lead, dtype, topk) if return_stats else None
@@ -726,6 +731,77 @@ def dropout_mask(shape, dropout_p, seed):
     mask = _empty("the dropout mask", dims, np.bool_)
     _core.dropout_mask(p, seed, mask)
     return mask
+
+
+def _partial_array(name, a, lse):
+    """A partial's out (float16, bfloat16, float32 or float64) or lse (float32 or float64), in
+    either byte order, readable in place by _core; other dtypes TypeError naming it."""
+    a = _real_array(name, a)
+    dt = _narrow_float(a) if a.dtype.kind == "f" or a.dtype == _BFLOAT16 else None
+    if dt is None and a.dtype.kind == "f" and a.dtype.itemsize == 8:
+        dt = _FLOAT64
+    if dt is None or (lse and dt not in (_FLOAT32, _FLOAT64)):
+        raise TypeError(f"{name} has dtype {a.dtype}, but must be "
+                        f"{'float32 or float64' if lse else 'float16, bfloat16, float32 or float64'}")
+    return _converted(name, a, dt)
+
+
+def merge_attention(outs, lses, *, out_dtype=None):
+    """Merges partial attention results of the same query rows by their log-sum-exp, in the
+    order given (the C++ sdpa::merge_attention, include/sdpa/merge.h).
+
+    Split a problem's keys into shards (k, v and the mask's key columns sliced alike), call
+    ``attention(q, k_s, v_s, mask_s, return_lse=True, out_dtype=<compute dtype>)`` once per
+    shard, and merge: the result is the one call's, within its tolerance::
+
+        m   = max_s lses[s]
+        w_s = exp(lses[s] - m)
+        out = Σ_s w_s · outs[s] / Σ_s w_s
+        lse = m + log(Σ_s w_s)
+
+    Shapes::
+
+        outs[s]   (…, N, Dv)   one shape for every s: attention's out, 2 to 4 dims
+        lses[s]   (…, N)       outs' shape without its last dim: attention's lse
+        returns   out (…, N, Dv), lse (…, N)
+
+    Args:
+        outs, lses: sequences of one length, at least 1 (a 2-way merge: ``merge_attention([a,
+            b], [lse_a, lse_b])``). outs float16, bfloat16, float32 or float64; lses float32 or
+            float64; any strides. For attention_varlen's (Hq, total_q) lse pass ``lse.T``.
+        out_dtype: out's dtype: None gives the compute dtype (float64 when any of outs or lses
+            is float64, else float32), to merge further; q's 16-bit dtype rounds the merge once.
+
+    The arithmetic is in the compute dtype, in the order given: the same partials in the same
+    order give the same bits, for any thread count. A partial with lse = -inf (all its keys
+    masked) adds exactly nothing (its out is not read); a row whose lses are all -inf gives out
+    0 and lse -inf. Sinks enter once: pass ``sinks`` to one shard's call only. Causal, window,
+    ALiBi, a block mask and dropout align by positions inside each call, so the shards of such
+    calls are not parts of the one call. No gradient (NumPy has no autograd; the backward of a
+    shard is ``attention_backward`` with the merged out and lse).
+
+    Returns:
+        (out, lse): out (…, N, Dv) of out_dtype, lse (…, N) of the compute dtype.
+
+    Raises:
+        TypeError: a dtype other than those above.
+        ValueError: outs and lses of different lengths or empty, shapes that differ (the
+            message names the part and both shapes), an lse holding +inf or NaN (naming the
+            part and the row).
+    """
+    outs, lses = list(outs), list(lses)
+    if len(outs) != len(lses):
+        raise ValueError(f"outs has {len(outs)} arrays but lses has {len(lses)}: one lse per out")
+    outs = [_partial_array(f"outs[{s}]", a, False) for s, a in enumerate(outs)]
+    lses = [_partial_array(f"lses[{s}]", a, True) for s, a in enumerate(lses)]
+    compute = _FLOAT64 if any(a.dtype == _FLOAT64 for a in outs + lses) else _FLOAT32
+    dtype = compute if out_dtype is None else _dtype_arg("out_dtype", out_dtype, _STORAGE_NAME,
+                                                        "float32, float64, float16 or ml_dtypes.bfloat16")
+    shape = outs[0].shape if outs else (0, 0)
+    out = _empty("out", shape, dtype)
+    lse = _empty("lse", shape[:-1], compute)
+    _core.merge_attention([_core_view(a) for a in outs], [_core_view(a) for a in lses], _core_view(out), lse)
+    return out, lse
 
 
 def set_num_threads(n):

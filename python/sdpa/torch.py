@@ -71,7 +71,7 @@ from ._args import (_block_sizes, _causal_name, _check_real, _compute_dtype, _nu
                     _torch_dtypes, _window_bounds)
 
 __all__ = ["scaled_dot_product_attention", "attention_varlen", "attention_paged", "attention_stats",
-           "MultiheadAttention"]
+           "merge_attention", "MultiheadAttention"]
 
 _LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
 _REBUILD = ("install torch first, then build sdpa with `pip install --no-build-isolation .` "
@@ -158,6 +158,44 @@ def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, 
 def _(q, k, v, mask, causal, scale, window_left, window_right, softcap=0.0, softcap_after_bias=False,
       alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact"):
     return q.new_empty(q.shape[:-1] + k.shape[-2:-1], dtype=_compute_dtype(q.dtype))
+
+
+def _merged_compute(outs, lses):
+    """merge_attention's compute dtype: float64 when any part is float64, else float32."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in (*outs, *lses)) else torch.float32
+
+
+@torch.library.register_fake("sdpa::merge_attention")
+def _(outs, lses, out_dtype=None):
+    compute = _merged_compute(outs, lses)
+    return (outs[0].new_empty(outs[0].shape, dtype=out_dtype or compute),
+            outs[0].new_empty(outs[0].shape[:-1], dtype=compute))
+
+
+def merge_attention(outs, lses, *, out_dtype=None):
+    """Merges partial attention results of the same query rows by their log-sum-exp, in the
+    order given: ``sdpa.merge_attention`` (its docstring has the formulas and the rules) for CPU
+    tensors, as the operator ``torch.ops.sdpa.merge_attention`` (with a fake kernel, so it
+    traces under torch.compile).
+
+    Shapes::
+
+        outs[s]   (…, N, Dv)   one shape for every s, 2 to 4 dims
+        lses[s]   (…, N)       outs' shape without its last dim
+        returns   out (…, N, Dv) of out_dtype, lse (…, N) of the compute dtype
+
+    outs float16, bfloat16, float32 or float64, lses float32 or float64, any strides, one
+    length >= 1. The compute dtype is float64 when any part is float64, else float32; out_dtype
+    (a torch dtype) defaults to it. Bitwise reproducible for the same parts in the same order.
+
+    No autograd: the operator has no backward (the backward of a key shard is the attention
+    backward with the merged out and lse); call it on tensors that do not require grad, or
+    under torch.no_grad(). Errors as ValueError (shapes, +inf or NaN lse) and TypeError.
+    """
+    outs, lses = list(outs), list(lses)
+    if len(outs) != len(lses):
+        raise ValueError(f"outs has {len(outs)} tensors but lses has {len(lses)}: one lse per out")
+    return _ops.merge_attention(outs, lses, out_dtype)
 
 
 # ---------------------------------------------------------------- torch.nn.functional's function

@@ -244,6 +244,10 @@ ENTRY_POINTS = {
     "dropout_mask": Row(_function(sdpa.dropout_mask, lambda: dict(shape=(2, 3), dropout_p=0.5, seed=1)),
                         ints=[("seed", {k: v for k, v in INT_BAD.items() if k != "None"})],  # None: ValueError
                         reals=["dropout_p"]),
+    "merge_attention": Row(_function(sdpa.merge_attention, lambda: dict(outs=[np.ones((2, 3, 4), np.float32)],
+                                                                         lses=[np.zeros((2, 3), np.float32)])),
+                           exempt="outs, lses: sequences of arrays, each refused by name (outs[s], lses[s]) as in "
+                                  "test_merge.py::test_merge_errors; out_dtype: None is valid (the compute dtype)"),
     "set_num_threads": Row(_threads_setup, ints=["n"]),
     "num_threads": Row(_function(sdpa.num_threads, dict)),
     "precision": Row(_function(sdpa.precision, lambda: dict(mode="fast")),
