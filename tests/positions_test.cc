@@ -284,22 +284,34 @@ const SplitCase kSplitCases[] = {
     {"queries_at_end", 1, 2, 2, 37, 101, 16, 12, {20}, {30, 64, 90}, Causal::kBottomRight, {50, 0}, true},
 };
 
+// A split case's options, and the random block mask, ALiBi slopes and sinks they point to.
+struct SplitOptions {
+  GuardedTensor bm, slopes, sinks;
+  Options o;
+  SplitOptions(const SplitCase& c, uint32_t seed)
+      : bm(DType::kBool, {c.B, c.Hq, (c.Nq + c.bq - 1) / c.bq, (c.Nk + c.bk - 1) / c.bk}),
+        slopes(kF64, {c.B, c.Hq}),
+        sinks(kF64, {c.Hq}) {
+    std::mt19937 rng(seed);
+    fill_mask(bm, rng, 0.6, 0.0);
+    fill_uniform(slopes, rng, 0.01, 0.3);
+    fill_normal(sinks, rng);
+    o.causal = c.causal;
+    o.window = c.window;
+    if (c.alibi) o.alibi_slopes = slopes.view();
+    if (c.sinks) o.sinks = sinks.view();
+    if (c.softcap) o.softcap = 4;
+    if (c.block_mask) o.block_mask = bm.view(), o.block_q = c.bq, o.block_k = c.bk;
+    if (c.dropout > 0) o.dropout_p = c.dropout, o.seed = 77;
+  }
+  SplitOptions(const SplitOptions&) = delete;  // o points into this object's tensors
+  SplitOptions& operator=(const SplitOptions&) = delete;
+};
+
 void check_split(const SplitCase& c, DType dt, bool zig) {
   Tensors t = random_qkv(dt, {c.B, c.Hq, c.Nq, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dv}, 21);
-  std::mt19937 rng(8);
-  GuardedTensor bm(DType::kBool, {c.B, c.Hq, (c.Nq + c.bq - 1) / c.bq, (c.Nk + c.bk - 1) / c.bk});
-  fill_mask(bm, rng, 0.6, 0.0);
-  GuardedTensor slopes(kF64, {c.B, c.Hq}), sinks(kF64, {c.Hq});
-  fill_uniform(slopes, rng, 0.01, 0.3);
-  fill_normal(sinks, rng);
-  Options o;
-  o.causal = c.causal;
-  o.window = c.window;
-  if (c.alibi) o.alibi_slopes = slopes.view();
-  if (c.sinks) o.sinks = sinks.view();
-  if (c.softcap) o.softcap = 4;
-  if (c.block_mask) o.block_mask = bm.view(), o.block_q = c.bq, o.block_k = c.bk;
-  if (c.dropout > 0) o.dropout_p = c.dropout, o.seed = 77;
+  const SplitOptions so(c, 8);
+  const Options& o = so.o;
   const int W = static_cast<int>(c.kcuts.size() + 1) / 2;
   const std::vector<int> korder = zig && c.kcuts.size() % 2 == 1 ? zigzag(W) : std::vector<int>{};
   const std::vector<int> qorder = zig && c.qcuts.size() % 2 == 1 ? zigzag(static_cast<int>(c.qcuts.size() + 1) / 2)
@@ -420,20 +432,8 @@ Sums pair_gradients(const Problem& whole, const Options& o, int64_t q_base, cons
 // then dalibi_slopes and dsinks.
 void check_backward_split(const SplitCase& c, DType dt, bool zig) {
   Tensors inputs = random_qkv(dt, {c.B, c.Hq, c.Nq, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dk}, {c.B, c.Hkv, c.Nk, c.Dv}, 41);
-  std::mt19937 rng(9);
-  GuardedTensor bm(DType::kBool, {c.B, c.Hq, (c.Nq + c.bq - 1) / c.bq, (c.Nk + c.bk - 1) / c.bk});
-  fill_mask(bm, rng, 0.6, 0.0);
-  GuardedTensor slopes(kF64, {c.B, c.Hq}), sinks(kF64, {c.Hq});
-  fill_uniform(slopes, rng, 0.01, 0.3);
-  fill_normal(sinks, rng);
-  Options o;
-  o.causal = c.causal;
-  o.window = c.window;
-  if (c.alibi) o.alibi_slopes = slopes.view();
-  if (c.sinks) o.sinks = sinks.view();
-  if (c.softcap) o.softcap = 4;
-  if (c.block_mask) o.block_mask = bm.view(), o.block_q = c.bq, o.block_k = c.bk;
-  if (c.dropout > 0) o.dropout_p = c.dropout, o.seed = 77;
+  const SplitOptions so(c, 9);
+  const Options& o = so.o;
   const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 5);
   const Tensors& t = whole.t;
   Expected e;
