@@ -102,7 +102,8 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                double dropout_p, std::optional<uint64_t> seed,
                double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                const std::optional<std::vector<std::optional<Array>>>& stats, const std::optional<Array>& scores,
-               const std::string& scores_stage, const std::string& precision) {
+               const std::string& scores_stage, const std::string& precision, std::optional<int64_t> q_start,
+               std::optional<int64_t> k_start) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -122,7 +123,10 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
     outs.scores = to_view(*scores, "scores");
     outs.scores_stage = sdpa::front::parse_name("return_scores", sdpa::front::kScoresStageNames, scores_stage);
   }
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  sdpa::front::Call c = call(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  c.q_start = q_start;
+  c.k_start = k_start;
+  const sdpa::Options opt = with_mods(c, softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -135,7 +139,7 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
                         int64_t window_right, const std::string& backend, double dropout_p,
                         std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                         const std::optional<Array>& dsinks, const std::optional<Array>& dbias,
-                        const std::string& precision) {
+                        const std::string& precision, std::optional<int64_t> q_start, std::optional<int64_t> k_start) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -144,7 +148,10 @@ void attention_backward(const ConstArray& q, const ConstArray& k, const ConstArr
   sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
   if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
   if (dbias) grads.dbias = to_view(*dbias, "dbias");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  sdpa::front::Call c = call(scale, causal, window_left, window_right, backend, dropout_p, seed);
+  c.q_start = q_start;
+  c.k_start = k_start;
+  const sdpa::Options opt = with_mods(c, softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
   nb::gil_scoped_release release;
   sdpa::attention_backward(in, out_view, lse_view, dout_view, grads, opt);
 }
@@ -350,13 +357,14 @@ NB_MODULE(_core, m) {
         nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
         nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final",
-        nb::arg("precision") = "exact");
+        nb::arg("precision") = "exact", nb::arg("q_start").none() = nb::none(), nb::arg("k_start").none() = nb::none());
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-        nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none(), nb::arg("precision") = "exact");
+        nb::arg("dsinks").none() = nb::none(), nb::arg("dbias").none() = nb::none(), nb::arg("precision") = "exact",
+        nb::arg("q_start").none() = nb::none(), nb::arg("k_start").none() = nb::none());
   m.def("attention_varlen", &attention_varlen, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),

@@ -36,6 +36,9 @@ void check_packed_lse(const TensorView& lse, const TensorView& q);
 // The storage dtypes as the errors list them, "float32, float64, bfloat16 or float16": the
 // storage rows of storage.h's kDTypeTable, in its order.
 std::string storage_dtype_list();
+// Error naming q_start when Options::q_start or k_start is set, for the calls that take no
+// positions (`call`: "attention_varlen", ...): only attention() and attention_backward() do.
+void check_no_positions(const Options& options, const char* call);
 // Whether any of Outputs::stats is given (the fields make_problem's check_stats reads).
 bool any_stats(const Stats& stats);
 

@@ -14,6 +14,7 @@ struct Dropout {
   uint32_t threshold = 0;  // drop when the 32-bit draw is below p · 2^32
   double keep_scale = 1.0; // 1 / (1 - p): kept weights are scaled so the expectation is unchanged
   int64_t batch_offset = 0;  // added to b: attention_varlen runs sequence b as a batch of one
+  int64_t row_offset = 0, col_offset = 0;  // added to i and j: Options::q_start and k_start
 
   bool enabled() const { return p > 0; }
 
@@ -39,7 +40,7 @@ struct Dropout {
   T factor(int64_t b, int64_t h, int64_t i, int64_t j) const {
     if (!enabled()) return T(1);
     const uint32_t u = draw(seed, static_cast<uint32_t>(b + batch_offset), static_cast<uint32_t>(h),
-                            static_cast<uint32_t>(i), static_cast<uint32_t>(j));
+                            static_cast<uint32_t>(i + row_offset), static_cast<uint32_t>(j + col_offset));
     return u < threshold ? T(0) : static_cast<T>(keep_scale);
   }
 };

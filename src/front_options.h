@@ -98,6 +98,7 @@ struct Call {
   std::string_view softcap_order = "before_bias";
   std::optional<TensorView> alibi_slopes = std::nullopt, sinks = std::nullopt, block_mask = std::nullopt;
   int64_t block_q = 128, block_k = 128;
+  std::optional<int64_t> q_start = std::nullopt, k_start = std::nullopt;
 };
 
 // Options for `c`; Error naming the argument for a name that is not one of its names.
@@ -117,6 +118,8 @@ inline Options options(const Call& c) {
   opt.block_mask = c.block_mask;
   opt.block_q = c.block_q;
   opt.block_k = c.block_k;
+  opt.q_start = c.q_start;
+  opt.k_start = c.k_start;
   return opt;
 }
 

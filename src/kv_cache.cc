@@ -124,6 +124,7 @@ void KVCache::free(int64_t seq) {
 
 void KVCache::attention(const TensorView& q, const std::vector<int64_t>& seqs, const Outputs& outputs,
                         const Options& options) const {
+  internal::check_no_positions(options, "KVCache::attention");
   if (q.rank != 4 || q.shape[0] != static_cast<int64_t>(seqs.size())) {
     fail("q has shape " + q.shape_string() + " but must be (len(seqs), Hq, Nq, Dk) = (" + std::to_string(seqs.size()) +
          ", Hq, Nq, " + std::to_string(dk_) + ")");

@@ -230,6 +230,7 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
 }  // namespace internal
 
 void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
+  internal::check_no_positions(options, "attention_paged");
   if (outs.scores) internal::fail("scores are not available with attention_paged (attention() on the gathered keys has them)");
   if (in.cu_seqlens_q) {
     internal::run_forward_many(internal::packed_problems(in, outs, options), options.backend);

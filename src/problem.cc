@@ -333,10 +333,26 @@ View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, 
   if (m.dtype != DType::kBool) {
     fail(std::string("block_mask has dtype ") + dtype_name(m.dtype) + " but must be bool");
   }
-  const int64_t blocks[4] = {B, Hq, ceil_blocks(Nq, opt.block_q), ceil_blocks(Nk, opt.block_k)};
+  // With positions (checked: both set, and q_start + Nq, k_start + Nk held by int64_t), the
+  // blocks of the rows' and keys' positions, and any more.
+  const bool positioned = opt.q_start && opt.k_start;
+  const int64_t q_end = positioned ? *opt.q_start + Nq : Nq, k_end = positioned ? *opt.k_start + Nk : Nk;
+  const int64_t blocks[4] = {B, Hq, ceil_blocks(q_end, opt.block_q), ceil_blocks(k_end, opt.block_k)};
   View4 bv = to_view4(m);
   bool fits = true;
-  for (int d = 0; d < 4; ++d) fits &= bv.shape[d] == blocks[d] || (d < 2 && bv.shape[d] == 1);
+  for (int d = 0; d < 4; ++d) {
+    fits &= bv.shape[d] == blocks[d] || (d < 2 && bv.shape[d] == 1) || (d >= 2 && positioned && bv.shape[d] > blocks[d]);
+  }
+  if (positioned && !fits) {
+    const int r = max_rank;
+    const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
+    fail("block_mask has shape " + m.shape_string() + ", which does not broadcast to " + target + " with QB >= " +
+         std::to_string(blocks[2]) + " = ceil((q_start + Nq) / block_q) = ceil((" + std::to_string(*opt.q_start) +
+         " + " + std::to_string(Nq) + ") / " + std::to_string(opt.block_q) + ") and KB >= " + std::to_string(blocks[3]) +
+         " = ceil((k_start + Nk) / block_k) = ceil((" + std::to_string(*opt.k_start) + " + " + std::to_string(Nk) +
+         ") / " + std::to_string(opt.block_k) + ") (with positions, blocks are counted from position 0)" +
+         (r >= 3 ? ", Hq = " + std::to_string(Hq) : std::string()) + (r == 4 ? ", B = " + std::to_string(B) : std::string()));
+  }
   if (!fits) {
     const int r = max_rank;
     const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
@@ -351,8 +367,31 @@ View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, 
 
 namespace {
 
+// Options::q_start and k_start into p: both or neither, each >= 0, and the positions of the
+// last row and key (q_start + Nq - 1, k_start + Nk - 1) held by int64_t.
+void read_positions(const Options& opt, Problem& p) {
+  if (!opt.q_start && !opt.k_start) return;
+  if (!opt.q_start || !opt.k_start) {
+    fail(std::string(opt.q_start ? "q_start" : "k_start") + " is set but " + (opt.q_start ? "k_start" : "q_start") +
+         " is not: positions need both (the position of query row 0 and of key 0)");
+  }
+  const auto check = [](const char* name, int64_t start, const char* n_name, int64_t n) {
+    if (start < 0) fail(std::string(name) + "=" + std::to_string(start) + " must be >= 0 (a position)");
+    if (start > std::numeric_limits<int64_t>::max() - n) {
+      fail(std::string(name) + "=" + std::to_string(start) + " plus " + n_name + "=" + std::to_string(n) +
+           " overflows int64 (the position past the last " + (n_name[0] == 'N' && n_name[1] == 'q' ? "row" : "key") + ")");
+    }
+  };
+  check("q_start", *opt.q_start, "Nq", p.Nq);
+  check("k_start", *opt.k_start, "Nk", p.Nk);
+  p.positioned = true;
+  p.q_start = *opt.q_start;
+  p.k_start = *opt.k_start;
+}
+
 // Options::block_mask: bool, (..., ceil(Nq / block_q), ceil(Nk / block_k)), its leading dims
-// broadcasting to (B, Hq); r is q's rank.
+// broadcasting to (B, Hq) (with positions, at least the blocks of the last row's and key's
+// positions: checked_block_mask); r is q's rank.
 void read_block_mask(const TensorView& m, const Options& opt, int r, Problem& p) {
   p.block_mask = checked_block_mask(m, opt, r, p.B, p.Hq, p.Nq, p.Nk, "");
   p.block_q = opt.block_q;
@@ -445,6 +484,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
     if (m.dtype != DType::kBool) check_mask_values(m);
     p.mask = mv;
   }
+  read_positions(opt, p);
   if (opt.block_mask) read_block_mask(*opt.block_mask, opt, r, p);
   if (in.seqlens_k) p.seqlens_k = read_seqlens(*in.seqlens_k, p.B, p.Nk, r);
 
@@ -480,6 +520,8 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   p.round_p = opt.precision == Precision::kFast && (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16);
   read_modifiers(opt, p);
   p.dropout = make_dropout(opt.dropout_p, opt.seed.value_or(0));
+  p.dropout.row_offset = p.q_start;  // the draws of the rows' and keys' positions
+  p.dropout.col_offset = p.k_start;
   if (opt.dropout_p > 0 && !opt.seed) {
     fail("dropout_p=" + number_string(opt.dropout_p) +
          " needs a seed: set Options::seed, a new one for each training step and the same one for "
@@ -696,6 +738,13 @@ BackwardProblem make_backward_problem(const Inputs& in, const TensorView& out, c
         }
       }
   return bp;
+}
+
+void check_no_positions(const Options& options, const char* call) {
+  if (options.q_start || options.k_start) {
+    fail(std::string(call) + " takes no positions: q_start and k_start must be unset (they are attention()'s and "
+         "attention_backward()'s)");
+  }
 }
 
 }  // namespace internal

@@ -149,6 +149,10 @@ struct Problem {
   Causal causal = Causal::kNone;
   Window window;
   Dropout dropout;
+  // Options::q_start / k_start (positioned: both were given): query row i lies at position
+  // q_start + i, key j at k_start + j; 0 and 0 otherwise (then they change nothing).
+  bool positioned = false;
+  int64_t q_start = 0, k_start = 0;
   // Options::precision kFast with 16-bit q (k, v: the same type): the weights p are rounded to
   // `dtype` before the products that use them (the header's rule). False: exact.
   bool round_p = false;
@@ -205,16 +209,20 @@ struct Problem {
 
   // The keys that causal, window and the sequence's length allow for query row i of batch b
   // (the mask may block more): the one place every kernel and reference takes them from.
+  // With positions, both causal kinds and the window compare positions: key j is at or before
+  // row i when k_start + j <= q_start + i, i.e. j <= aligned_row(b, i).
   KeyRange key_range(int64_t b, int64_t i) const {
     const int64_t L = keys_of(b);
-    const int64_t aligned = i + (L - Nq);  // i aligned bottom-right, to the sequence's own length
+    const int64_t aligned = aligned_row(b, i);
     int64_t begin = 0;
     int64_t end = L;
-    if (causal == Causal::kBottomRight) end = std::min(end, aligned + 1);
-    if (causal == Causal::kTopLeft) end = std::min(end, i + 1);
-    // Bounds past Nq + Nk reach every key; clamping first keeps the sums from overflowing.
-    if (window.right >= 0) end = std::min(end, aligned + std::min(window.right, Nq + Nk) + 1);
-    if (window.left >= 0) begin = std::max(begin, aligned - std::min(window.left, Nq + Nk));
+    if (causal == Causal::kBottomRight || (causal == Causal::kTopLeft && positioned)) end = std::min(end, aligned + 1);
+    if (causal == Causal::kTopLeft && !positioned) end = std::min(end, i + 1);
+    // The window's sums in 128 bits: aligned lies anywhere in int64_t with positions, and the
+    // bounds may be anything >= 0. begin stays in [0, L].
+    __extension__ using Wide = __int128;
+    if (window.right >= 0) end = static_cast<int64_t>(std::min<Wide>(end, Wide{aligned} + window.right + 1));
+    if (window.left >= 0) begin = static_cast<int64_t>(std::clamp<Wide>(Wide{aligned} - window.left, begin, L));
     return {begin, std::max(begin, end)};
   }
 
@@ -235,17 +243,26 @@ struct Problem {
   // a row's lse and statistics then follow from its key range alone, in closed form.
   bool biases_constant_along_keys() const { return !(mask && mask->strides[3] != 0) && !has_alibi() && !block_mask; }
 
+  // The block mask's block row of query row i and block column of key j, by position
+  // (q_start + i, k_start + j; i and j themselves without positions).
+  int64_t block_row(int64_t i) const { return (q_start + i) / block_q; }
+  int64_t block_col(int64_t j) const { return (k_start + j) / block_k; }
+  // One past the last key of key j's block column, at most limit (> j), without overflow.
+  int64_t block_col_end(int64_t j, int64_t limit) const {
+    const int64_t first = block_col(j) * block_k - k_start;  // the column's first key (may be < 0)
+    return first + std::min(block_k, limit - first);
+  }
   // Whether the block mask lets row i of (b, h) see key j (true without one).
   bool block_allows(int64_t b, int64_t h, int64_t i, int64_t j) const {
-    return !block_mask || *block_mask->at<uint8_t>(b, h, i / block_q, j / block_k) != 0;
+    return !block_mask || *block_mask->at<uint8_t>(b, h, block_row(i), block_col(j)) != 0;
   }
-  // Whether block row qb (rows qb·block_q ..) of (b, h)'s block mask allows some key of [j0, j1)
+  // Whether block row qb (block_row of its rows) of (b, h)'s block mask allows some key of [j0, j1)
   // (j0 < j1; a block mask is given): one of its blocks that overlap them is set. The one rule
   // for "does this block of rows see any key of this tile" (flash_plan.h's BlockRowsSeeKeys asks
   // it for the kernels' lanes and rows).
   bool block_allows_any(int64_t b, int64_t h, int64_t qb, int64_t j0, int64_t j1) const {
     const uint8_t* row = block_mask->at<uint8_t>(b, h, qb, 0);
-    for (int64_t kb = j0 / block_k; kb <= (j1 - 1) / block_k; ++kb) {
+    for (int64_t kb = block_col(j0); kb <= block_col(j1 - 1); ++kb) {
       if (row[kb * block_mask->strides[3]] != 0) return true;
     }
     return false;
@@ -272,7 +289,11 @@ struct Problem {
     return static_cast<T>(alibi_slopes[row * static_cast<size_t>(Hq) + static_cast<size_t>(h)]);
   }
   // Query row i aligned bottom-right to batch b's keys: i' = i + (L - Nq), ALiBi's (and causal's) i'.
-  int64_t aligned_row(int64_t b, int64_t i) const { return i + (keys_of(b) - Nq); }
+  // With positions, row i's position in key indices: i' = i + (q_start - k_start) (key j is at
+  // row i's position when j == i'; no overflow: both starts lie in [0, 2^63)).
+  int64_t aligned_row(int64_t b, int64_t i) const {
+    return positioned ? i + (q_start - k_start) : i + (keys_of(b) - Nq);
+  }
   // ALiBi's distance |i' - j| of query i of batch b and key j.
   int64_t alibi_distance(int64_t b, int64_t i, int64_t j) const {
     const int64_t distance = aligned_row(b, i) - j;

@@ -278,6 +278,8 @@ void stats_of_constant_rows(const Problem& p) {
 
 template void stats_of_constant_rows<float>(const Problem& p);
 template void stats_of_constant_rows<double>(const Problem& p);
+template void score_row<float>(const Problem&, int64_t, int64_t, int64_t, float*, ScoresStage);
+template void score_row<double>(const Problem&, int64_t, int64_t, int64_t, double*, ScoresStage);
 template float softmax_row<float>(const Problem&, int64_t, int64_t, int64_t, float*, float*);
 template double softmax_row<double>(const Problem&, int64_t, int64_t, int64_t, double*, double*);
 template float attend_row<float, float>(const Problem&, int64_t, int64_t, int64_t, float*, float*, float*);

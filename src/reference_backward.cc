@@ -9,6 +9,9 @@
 // with c_ij = ∂s_ij/∂x_ij, the softcap's 1 - tanh² (1 without it; Problem::score_slope). dk
 // and dv of a kv head sum over the query heads of its group. With sinks,
 //   dsink_h = -Σ_b Σ_i exp(sink_h - lse_bhi) · D_bhi   (lse recomputed with the sink).
+// With positions (Options::q_start, k_start) the call holds one shard of each row's keys, whose
+// softmax is not the row's: p_ij = exp(s_ij - lse_i) from the given lse (the whole row's, as the
+// fused kernel takes it), and dsink from it too.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -20,13 +23,25 @@
 
 namespace sdpa::internal {
 
+// A positioned row's probabilities p_j = exp(s_j - lse) from the given lse (0 where s_j is -inf,
+// and everywhere in a row with lse = -inf: it has no key in any shard); returns that lse.
+template <typename Acc>
+Acc given_lse_row(const Problem& p, int64_t b, int64_t h, int64_t i, Acc* prob) {
+  const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+  score_row(p, b, h, i, prob);
+  const Acc lse = p.lse->load<Acc>(b, h, i, 0);
+  for (int64_t j = 0; j < p.Nk; ++j) prob[j] = prob[j] == neg_inf || lse == neg_inf ? Acc(0) : std::exp(prob[j] - lse);
+  return lse;
+}
+
 template <typename Acc>
 std::pair<Acc, Acc> backward_row(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i, Acc* prob, Acc* dq,
                                  Acc* dk, Acc* dv, Acc* dbias) {
   const Problem& p = bp.fwd;
   const Acc scale = static_cast<Acc>(p.scale);
   const int64_t kvh = h / p.group;
-  const Acc lse = softmax_row(p, b, h, i, prob);  // recomputed, not taken from the given lse
+  // Recomputed, not taken from the given lse (but for a positioned shard of the row's keys).
+  const Acc lse = p.positioned ? given_lse_row(p, b, h, i, prob) : softmax_row(p, b, h, i, prob);
   const bool rounds = !std::is_same_v<Acc, double> && p.round_p;
   Acc D = 0;
   for (int64_t e = 0; e < p.Dv; ++e) D += bp.dout.load<Acc>(b, h, i, e) * p.out.load<Acc>(b, h, i, e);

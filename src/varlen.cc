@@ -206,6 +206,7 @@ void run_backward_sequences(const std::vector<BackwardProblem>& problems, Backen
 }  // namespace internal
 
 void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, const Options& options) {
+  internal::check_no_positions(options, "attention_varlen");
   internal::note_kernel_path(KernelPath::kSimd);
   const internal::Packed pk = internal::read_packed(inputs, outputs.out, outputs.lse);
   // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
@@ -226,6 +227,7 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
 
 void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,
                                const TensorView& dout, const Gradients& grads, const Options& options) {
+  internal::check_no_positions(options, "attention_varlen_backward");
   internal::note_kernel_path(KernelPath::kSimd);
   const internal::Packed pk = internal::read_packed(inputs, out, lse);
   internal::check_rank("dout", dout, 3, "(total_q, Hq, Dv)");

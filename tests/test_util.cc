@@ -386,7 +386,7 @@ double alibi_bias(const Tensors& t, const sdpa::Options& options, int64_t b, int
   if (!options.alibi_slopes) return 0.0;
   const Dims d = dims_of(t);
   const int64_t keys = t.seqlens_k.empty() ? d.Nk : t.seqlens_k[static_cast<size_t>(b)];
-  return sdpa_oracle::alibi_bias(view_value(*options.alibi_slopes, b, h), d.Nq, keys, i, j);
+  return sdpa_oracle::alibi_bias(view_value(*options.alibi_slopes, b, h), options, d.Nq, keys, i, j);
 }
 
 double modified_score(const Tensors& t, const sdpa::Options& options, int64_t b, int64_t h, int64_t i, int64_t j,

@@ -93,11 +93,12 @@ enum class Causal : uint8_t {
   kBottomRight,  // query i sees keys j <= i + (Nk - Nq): the last query sees every key
                  // (FlashAttention's convention; what a KV cache needs)
   kTopLeft,      // query i sees keys j <= i (PyTorch's is_causal)
-};
+};                // (with positions, Options::q_start and k_start, both: key position <= query position)
 
 // Sliding-window (local) attention: query i sees keys j with
 //   i' - left <= j <= i' + right,   i' = i + (Nk - Nq)   (aligned bottom-right, as causal)
-// A negative bound is unbounded. The default {-1, -1} is no window.
+// A negative bound is unbounded. The default {-1, -1} is no window. With positions
+// (Options::q_start, k_start), i' = i + q_start - k_start.
 struct Window {
   int64_t left = -1;
   int64_t right = -1;
@@ -163,7 +164,8 @@ struct Options {
   //
   // with cap = softcap (no tanh when 0), alibi = -slope(b, h)·|i' - j| (0 without slopes),
   // i' = i + (L - Nq) the query aligned bottom-right to the sequence's L keys (Nk, or
-  // seqlens_k[b]) whatever `causal` is (FlashAttention's definition), and bias the mask's.
+  // seqlens_k[b]) whatever `causal` is (FlashAttention's definition; with positions, i' = i +
+  // q_start - k_start), and bias the mask's.
   // A key that causal, the window, the sequence's length, a bool mask or a bias of -inf blocks
   // stays blocked in either order: its weight is exactly 0 (never cap·tanh(-inf) = -cap).
   // Under kAfterBias so does any key whose argument x + alibi + bias is -inf in the compute
@@ -214,6 +216,46 @@ struct Options {
   // max_pages · page_size): each sequence is the call on its own rows with that corner.
   std::optional<TensorView> block_mask = std::nullopt;
   int64_t block_q = 128, block_k = 128;
+
+  // Absolute positions (a shard of a longer sequence, as context-parallel attention cuts it):
+  // query row i is at position q_start + i and key j at k_start + j. Unset (the default), the
+  // call is the usual one. Set, both are given (one alone is an Error), each >= 0, with
+  // q_start + Nq and k_start + Nk held by int64_t; then, with P_i = q_start + i and K_j = k_start + j:
+  //   - causal (kBottomRight and kTopLeft alike) lets row i see key j when K_j <= P_i;
+  //   - the window when P_i - left <= K_j <= P_i + right;
+  //   - ALiBi's distance is |P_i - K_j| (its i' - j above with i' = i + q_start - k_start; the
+  //     kernels compute it in the compute type, exact while i' and j lie below 2^24 in float32);
+  //   - the block mask is read at block ((q_start + i) / block_q, (k_start + j) / block_k): its
+  //     last two dims must be at least ceil((q_start + Nq) / block_q) and ceil((k_start + Nk) /
+  //     block_k) (the whole sequence's block mask works unchanged for every shard; its leading
+  //     dims as above; blocks past those are not read);
+  //   - dropout draws weight (b, h, i, j) as the element (b, h, P_i, K_j) of the whole call
+  //     (positions modulo 2^32, as i and j are);
+  //   - Inputs::seqlens_k still counts this call's keys: key j exists when j < seqlens_k[b].
+  // So the call on rows [q0, q0 + n) and keys [k0, k0 + m) of a sequence with q_start = q0 and
+  // k_start = k0 computes exactly that pair's part of the whole call (the scale is the same),
+  // dropout included, and its out and lse merge by log-sum-exp with the other key shards'
+  //   lse = log Σ_s exp(lse_s),   out = Σ_s exp(lse_s - lse) · out_s
+  // into the whole call's out and lse. A shard whose rows see none of its keys gives out = 0,
+  // lse = -inf, which the merge ignores. Sinks are part of every call they are passed to (its
+  // lse counts exp(sink)): pass them to exactly one key shard of each row, so that the merge
+  // counts them once. Each query shard and key shard in their own positions, e.g. a sequence
+  // of 6 cut into chunks of 2, causal; the query shard at q_start = 2 and the key shards at
+  // k_start = 0, 2, 4 (x: attended, .: blocked; K_j on top):
+  //        k_start = 0     k_start = 2     k_start = 4
+  //          0 1             2 3             4 5
+  //   P = 2  x x             x .             . .      (out = 0, lse = -inf: nothing to see)
+  //   P = 3  x x             x x             . .
+  //   (tests/positions_test.cc checks this picture)
+  // attention() and attention_backward() (given the whole row's out and lse: the merged ones,
+  // the backward of one pair gives that pair's part of dq and its key shard's part of dk and
+  // dv, and dalibi_slopes' part, to be summed over the shards; a float mask is the pair's own
+  // (Nq, Nk) slice, and dbias that slice's; dsinks needs only out, lse and dout, so pass the
+  // sinks to one key shard's backward of each row there too; with positions every backend takes
+  // the probabilities from the given lse, where kReference and kNaive otherwise recompute each
+  // row's softmax) take positions; attention_varlen, attention_paged,
+  // KVCache and the MultiHeadAttention layer refuse them (Error naming q_start).
+  std::optional<int64_t> q_start = std::nullopt, k_start = std::nullopt;
 };
 
 // Dtypes. q, k, v share one dtype: float32, float64, bfloat16 or float16; or q is float32 and

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _core
 from ._args import (_BFLOAT16, _FLOAT32, _FLOAT64, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
-                    _describe, _dtype_arg, _out_dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap,
+                    _describe, _dtype_arg, _out_dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _positions,
                     _precision_arg, _prepared_indices, _real_array, precision)
 from ._arrays import (_converted, _core_view, _empty, _narrow_float, _prepared, _prepared_inputs, _prepared_seqlens,
                       _readable_in_place, _sequence_ids)
@@ -92,7 +92,8 @@ def _stats_arrays(lead, dtype, topk):
 def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlens_k=None,
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-              block_size=128, return_stats=False, topk=8, return_scores=None, precision=None, out_dtype=None):
+              block_size=128, return_stats=False, topk=8, return_scores=None, precision=None, out_dtype=None,
+              q_start=None, k_start=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -259,6 +260,33 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
                                                q2  x  x  x  x  x  x
                                                q3  x  x  x  x  x  x
 
+        q_start, k_start: absolute positions, for a shard of a longer sequence (context
+            parallelism): query row i is at position q_start + i, key j at k_start + j. None
+            (the default) for both is the usual call; otherwise both are ints >= 0 (one alone,
+            a negative one, or q_start + Nq or k_start + Nk past 2**63 - 1 raise ValueError
+            naming it). Then causal (True, "bottom_right" or "top_left" alike) lets row i see
+            key j when k_start + j <= q_start + i; the window and ALiBi measure
+            (q_start + i) - (k_start + j); a block_mask is indexed by positions, block
+            ((q_start + i) // bq, (k_start + j) // bk), and may be larger than those blocks
+            need (the whole sequence's block_mask works for every shard); dropout draws as the
+            whole call does at (b, h, q_start + i, k_start + j); seqlens_k still counts this
+            call's keys. So the query rows [q0, q0 + n) against the keys [k0, k0 + m) of a
+            sequence, called with q_start=q0, k_start=k0, give exactly that pair's part of the
+            whole call, and the key shards' results merge by their lse::
+
+                lse = logaddexp over the shards of lse_s
+                out = sum over the shards of exp(lse_s - lse) * out_s
+
+            A shard whose rows see none of its keys gives out = 0, lse = -inf, which the
+            merge ignores. sinks: pass them to one key shard of each row only (its lse counts
+            the sink; the merge then counts it once). With a sequence of 6 in chunks of 2,
+            causal, the query shard at q_start=2 against key shards at k_start=0, 2, 4::
+
+                   k_start=0   k_start=2   k_start=4
+                    k0 k1       k2 k3       k4 k5
+                q2   x  x        x  .        .  .     (out = 0, lse = -inf)
+                q3   x  x        x  x        .  .
+
     Returns:
         out, or a tuple (out, weights), (out, lse), (out, weights, lse), then stats when
         return_stats and scores when return_scores, in that order; out in q's dtype (or out_dtype), weights and lse in the compute dtype (float32 for
@@ -292,9 +320,10 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     if return_scores not in (None, "scaled", "softcapped", "biased", "final"):
         raise ValueError(f"return_scores must be None, 'scaled', 'softcapped', 'biased' or 'final', got {return_scores!r}")
     scores = _empty("scores", lead + (k.shape[-2],), dtype) if return_scores else None
+    positions = _positions(q_start, k_start)
     _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
                     backend, p, seed, **mods, stats=list(stats) if stats is not None else None, scores=scores,
-                    scores_stage=return_scores or "final")
+                    scores_stage=return_scores or "final", **positions)
 
     extra = tuple(x for x in (weights, lse, stats, scores) if x is not None)
     return (out,) + extra if extra else out
@@ -363,7 +392,7 @@ def _backward_arrays(dout, out, lse, q, k, v, dtype):
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                        softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-                       block_size=128, return_dbias=False, precision=None):
+                       block_size=128, return_dbias=False, precision=None, q_start=None, k_start=None):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, then
     ``dsinks`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
     ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``), then ``dbias`` when
@@ -417,6 +446,11 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
             reference's algorithm in the inputs' precision).
         precision: as ``attention``'s: "fast" rounds p = exp(s - lse) to the inputs' 16-bit type
             before dv's product and ds before dq's and dk's (float32 sums); pass the forward's.
+        q_start, k_start: positions, as in ``attention``. Given the whole rows' out and lse
+            (merged from every key shard's), the backward of the query rows against one key
+            shard gives that pair's part of dq (sum over the key shards for the rows' dq) and
+            of the shard's dk and dv (sum over the query shards). dsinks reads only out, lse
+            and dout: pass sinks to one key shard's call of each row.
 
     Results are bitwise reproducible, whatever the thread count.
 
@@ -439,8 +473,9 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
             raise ValueError("return_dbias=True needs a float mask: dbias is the gradient of the mask's biases"
                              + (" (this mask is bool)" if mask is not None else " (no mask was given)"))
         dbias = np.empty(mask.shape, dtype)
+    positions = _positions(q_start, k_start)
     _core.attention_backward(*map(_core_view, (q, k, v, mask, seqlens_k, out, lse, dout, dq, dk, dv)), scale, causal_code,
-                             left, right, backend, p, seed, **mods, dsinks=dsinks, dbias=dbias)
+                             left, right, backend, p, seed, **mods, dsinks=dsinks, dbias=dbias, **positions)
     return (dq, dk, dv) + tuple(g for g in (dsinks, dbias) if g is not None)
 
 

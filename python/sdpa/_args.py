@@ -313,6 +313,13 @@ def _block_sizes(block_size, low=_INT64_MIN):
     return tuple(_checked_int("block_size", b, low) for b in pair)
 
 
+def _positions(q_start, k_start):
+    """The q_start and k_start keywords for _core (Options::q_start, k_start): each None or an
+    int in int64's range; _core checks the rest, naming them (both or neither, each >= 0, the
+    last row's and key's positions held by int64)."""
+    return {name: None if x is None else _checked_int(name, x) for name, x in (("q_start", q_start), ("k_start", k_start))}
+
+
 # Options::precision: "exact" (the default) or "fast" (16-bit inputs round the weights before
 # p·V; float32 and float64 inputs ignore it). A call's precision=None takes the innermost
 # ``precision(...)`` block's, else "exact".

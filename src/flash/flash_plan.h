@@ -98,9 +98,9 @@ class BlockRowsSeeKeys {
   BlockRowsSeeKeys(const Problem& p, int64_t b) : p_(p), b_(b) {}
   bool operator()(int64_t h, int64_t i, int64_t lo, int64_t hi) {
     if (i < qb_begin_ || i >= qb_end_) {
-      qb_ = i / p_.block_q;
-      qb_begin_ = qb_ * p_.block_q;
-      qb_end_ = qb_begin_ + std::min(p_.block_q, std::numeric_limits<int64_t>::max() - qb_begin_);
+      qb_ = p_.block_row(i);
+      qb_begin_ = qb_ * p_.block_q - p_.q_start;  // (negative when the block began before row 0)
+      qb_end_ = qb_begin_ + std::min(p_.block_q, std::numeric_limits<int64_t>::max() - std::max<int64_t>(qb_begin_, 0));
     }
     if (h != h_ || qb_ != asked_qb_ || lo != lo_ || hi != hi_) {
       h_ = h, asked_qb_ = qb_, lo_ = lo, hi_ = hi;

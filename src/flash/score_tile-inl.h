@@ -400,9 +400,9 @@ void BlockMaskTile(const Problem& p, int64_t b, const LaneRow* lanes, int64_t co
                    T* HWY_RESTRICT tile, int64_t s) {
   const View4& bm = *p.block_mask;
   for (int64_t r = 0; r < count; ++r) {
-    const uint8_t* row = bm.at<uint8_t>(b, lanes[r].h, lanes[r].i / p.block_q, 0);
+    const uint8_t* row = bm.at<uint8_t>(b, lanes[r].h, p.block_row(lanes[r].i), 0);
     for (int64_t j = j0; j < j0 + n;) {
-      const int64_t kb = j / p.block_k, end = std::min(j0 + n, (kb + 1) * p.block_k);
+      const int64_t kb = p.block_col(j), end = p.block_col_end(j, j0 + n);
       for (; row[kb * bm.strides[3]] == 0 && j < end; ++j) {
         (layout == TileLayout::kKeyMajor ? tile[(j - j0) * s + r] : tile[r * s + (j - j0)]) =
             -std::numeric_limits<T>::infinity();

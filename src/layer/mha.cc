@@ -580,6 +580,7 @@ MultiHeadConfig MultiHeadConfig::resolved() const {
 
 void multi_head_attention(const MultiHeadConfig& config, const MultiHeadWeights& weights, const MultiHeadInputs& inputs,
                           const MultiHeadOutputs& outputs, const Options& options, MultiHeadSaved* saved) {
+  internal::check_no_positions(options, "multi_head_attention");
   const MultiHeadConfig c = config.resolved();
   in_f64(inputs, options) ? forward<double>(c, weights, inputs, outputs, options, saved)
                           : forward<float>(c, weights, inputs, outputs, options, saved);
@@ -588,6 +589,7 @@ void multi_head_attention(const MultiHeadConfig& config, const MultiHeadWeights&
 void multi_head_attention_backward(const MultiHeadConfig& config, const MultiHeadWeights& weights,
                                    const MultiHeadInputs& inputs, const MultiHeadSaved& saved, const TensorView& dy,
                                    const MultiHeadGradients& grads, const Options& options) {
+  internal::check_no_positions(options, "multi_head_attention_backward");
   const MultiHeadConfig c = config.resolved();
   in_f64(inputs, options) ? backward<double>(c, weights, inputs, saved, dy, grads, options)
                           : backward<float>(c, weights, inputs, saved, dy, grads, options);
@@ -596,6 +598,7 @@ void multi_head_attention_backward(const MultiHeadConfig& config, const MultiHea
 void multi_head_attention_step(const MultiHeadConfig& config, const MultiHeadWeights& weights, const TensorView& x,
                                KVCache& cache, const std::vector<int64_t>& seqs, const TensorView& y,
                                const Options& options) {
+  internal::check_no_positions(options, "multi_head_attention_step");
   const MultiHeadConfig c = config.resolved();
   if (x.dtype == DType::kFloat64) {
     step<double>(c, weights, x, cache, seqs, y, options);

@@ -82,11 +82,19 @@ double scale_of(const sdpa::Options& options, int64_t Dk) {
   return options.scale.value_or(Dk > 0 ? 1.0 / std::sqrt(static_cast<double>(Dk)) : 1.0);
 }
 
+Wide query_position(const sdpa::Options& o, int64_t Nq, int64_t Nk, int64_t i) {
+  if (o.q_start && o.k_start) return static_cast<Wide>(i) + *o.q_start - *o.k_start;
+  return static_cast<Wide>(i) + Nk - Nq;
+}
+
 KeyRange key_range(const sdpa::Options& o, int64_t Nq, int64_t Nk, int64_t i) {
-  const Wide aligned = static_cast<Wide>(i) + Nk - Nq;  // query i's key position (bottom-right)
+  const Wide aligned = query_position(o, Nq, Nk, i);  // query i's key position
+  const bool positions = o.q_start && o.k_start;
   KeyRange r{std::numeric_limits<int64_t>::min(), static_cast<Wide>(std::numeric_limits<int64_t>::max()) + 1};
-  if (o.causal == sdpa::Causal::kBottomRight) r.hi = std::min(r.hi, aligned + 1);
-  if (o.causal == sdpa::Causal::kTopLeft) r.hi = std::min(r.hi, static_cast<Wide>(i) + 1);
+  if (o.causal == sdpa::Causal::kBottomRight || (positions && o.causal == sdpa::Causal::kTopLeft)) {
+    r.hi = std::min(r.hi, aligned + 1);
+  }
+  if (o.causal == sdpa::Causal::kTopLeft && !positions) r.hi = std::min(r.hi, static_cast<Wide>(i) + 1);
   if (o.window.left >= 0) r.lo = std::max(r.lo, aligned - o.window.left);
   if (o.window.right >= 0) r.hi = std::min(r.hi, aligned + o.window.right + 1);
   return r;
@@ -105,6 +113,11 @@ int64_t allowed_count(const sdpa::Options& o, int64_t Nq, int64_t Nk, int64_t i)
 
 double alibi_bias(double slope, int64_t Nq, int64_t L, int64_t i, int64_t j) {
   const int64_t dist = i + (L - Nq) - j;
+  return -slope * static_cast<double>(dist < 0 ? -dist : dist);
+}
+
+double alibi_bias(double slope, const sdpa::Options& o, int64_t Nq, int64_t L, int64_t i, int64_t j) {
+  const Wide dist = query_position(o, Nq, L, i) - j;
   return -slope * static_cast<double>(dist < 0 ? -dist : dist);
 }
 

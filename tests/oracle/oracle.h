@@ -61,11 +61,15 @@ double scale_of(const sdpa::Options& options, int64_t Dk);
 
 // The header's causal and window rule: query i of Nq sees key j of Nk when lo <= j < hi. Both
 // align bottom-right (query i sits at key position i + Nk - Nq), kTopLeft at key position i.
+// With positions (Options::q_start and k_start), query i sits at key position i + q_start -
+// k_start for causal (either kind), the window and ALiBi alike.
 // The bounds are not clipped to [0, Nk); 128-bit, so no Nq, Nk or window overflows them.
 __extension__ typedef __int128 Wide;
 struct KeyRange {
   Wide lo, hi;
 };
+// Query i's key position: i + (Nk - Nq), or i + q_start - k_start with positions.
+Wide query_position(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i);
 KeyRange key_range(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i);
 bool key_allowed(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i, int64_t j);
 int64_t allowed_count(const sdpa::Options& options, int64_t Nq, int64_t Nk, int64_t i);  // keys of [0, Nk)
@@ -78,6 +82,8 @@ inline double mask_bias(DType mask_dtype, double value) {
 
 // ALiBi's bias -slope · |i + (L - Nq) - j|: query i aligned bottom-right to the sequence's L keys.
 double alibi_bias(double slope, int64_t Nq, int64_t L, int64_t i, int64_t j);
+// The same at query_position (Options' positions, when set).
+double alibi_bias(double slope, const sdpa::Options& options, int64_t Nq, int64_t L, int64_t i, int64_t j);
 
 // The size of the terms that make up a score: |scale| · Σ_d |q_d k_d| (`abs_dot`) + |bias| +
 // |alibi| (ALiBi's distance is exact, its product rounded once). A score is only accurate to
