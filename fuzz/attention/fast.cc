@@ -41,7 +41,8 @@ sdpa::Options exact_options(const Case& c) {
 
 // fast_stochastic: v (c.v's shape, contiguous) all x, a value both 16-bit types hold exactly.
 // Each finite row's out is then Σ_j p~_j x / Σ_j p~_j in float32, rounded to q's type. The
-// products p~_j x are exact (p~: at most 11 significant bits, x: at most 8), so the float32
+// products p~_j x are exact (p~: at most 11 significant bits, x: at most 8; but for float32's
+// underflow, absolute 2^-149 against a row whose largest term is x), so the float32
 // result is x (1 + θ) with |θ| <= δ = 4 (Nk + 1) u (u = 2^-24: the two sums of Nk terms,
 // the online softmax's rescales of both, the division). Rounding it to q's type gives x
 // exactly where δ < eps / 4 (half the gap to x's nearer neighbour, eps q's: bfloat16 always

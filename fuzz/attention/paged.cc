@@ -340,7 +340,12 @@ void run_paged(FuzzedDataProvider& f) {
         // A pool of no pages (every other length 0): the Error names the sequence that has keys
         // and its length ("block_table[b][0] ... is not a page of k_pages (num_pages = 0);
         // sequence b has L keys", F14's fix) before the length's range.
-        if (num_pages == 0) want = {"sequence " + std::to_string(b), std::to_string(L2[b]) + " keys"};
+        if (num_pages == 0) {
+          want = {"sequence " + std::to_string(b), std::to_string(L2[b]) + " keys"};
+          // That Error quotes block_table[b][0], which the call reads for it: not fenced (a
+          // fenced one was an ASan report in the harness's own making, 2026-11-28).
+          if (cols > 0) table_unread.erase(std::remove(table_unread.begin(), table_unread.end(), table.at(static_cast<int64_t>(b), 0)), table_unread.end());
+        }
         break;
       }
       case PagedBad::kTableDtype: bin.block_table.dtype = tb & 64 ? DType::kFloat32 : DType::kBool; break;
