@@ -31,10 +31,11 @@ CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWit
   -DSDPA_SANITIZE=address,undefined -DSDPA_BUILD_BENCH=OFF -DSDPA_BUILD_FUZZ=ON >/dev/null
 cmake --build build-asan
 stage "C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
-# Every test but the six sweep tables (Table/Sweep*, Table/BackwardSweep*: three quarters of the
-# suite's tests and of its Release CPU time), and a fixed third of those (every third test
-# number, so each table's dtypes, shapes and SIMD passes all appear): with the whole suite under
-# ASan, CI's run went past its 90 minutes (2026-11-26). The Release stage above runs them all.
+# Every test but the sweep tables (Table/Sweep*, Table/BackwardSweep*, exact and kFast: each case
+# checks every SIMD path the machine has against one reference; most of the suite's Release CPU
+# time), and a fixed third of those (every third test number, so each table's dtypes and shapes
+# all appear): with the whole suite under ASan, CI's run went past its 90 minutes (2026-11-26).
+# The Release stage above runs them all.
 sweeps='^Table/(Backward)?Sweep'
 # libomp's thread-pool blocks, which LeakSanitizer reports at exit (tests/lsan.supp says which).
 export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp"

@@ -36,8 +36,10 @@ struct RowView {
     }
     last_stride = lead < t.rank ? t.strides[lead] : 0;
   }
-  // Row r in C order over the lead dims.
+  // Row r in C order over the lead dims (null for a view without data, e.g. out with Dv = 0,
+  // whose rows are never read: no offset is applied to a null pointer).
   const char* row(int64_t r) const {
+    if (data == nullptr) return nullptr;
     const int64_t c = r % shape[2], b = r / shape[2] % shape[1], a = r / shape[2] / shape[1];
     return data + (a * strides[0] + b * strides[1] + c * strides[2]) * bytes;
   }

@@ -233,7 +233,10 @@ struct Options {
   //     (positions modulo 2^32, as i and j are);
   //   - Inputs::seqlens_k still counts this call's keys: key j exists when j < seqlens_k[b].
   // So the call on rows [q0, q0 + n) and keys [k0, k0 + m) of a sequence with q_start = q0 and
-  // k_start = k0 computes exactly that pair's part of the whole call (the scale is the same),
+  // k_start = k0 computes exactly that pair's part of the whole call with q_start = k_start = 0
+  // (the plain call when Nq = Nk: a plain call with Nq != Nk aligns causal, the window and ALiBi
+  // bottom-right but indexes the block mask and dropout by row, which no positions reproduce
+  // together; the scale is the same),
   // dropout included, and its out and lse merge by log-sum-exp with the other key shards'
   //   lse = log Σ_s exp(lse_s),   out = Σ_s exp(lse_s - lse) · out_s
   // into the whole call's out and lse. A shard whose rows see none of its keys gives out = 0,
@@ -420,9 +423,13 @@ struct Gradients {
 // rounding). Each weight p_ij = exp(s_ij - lse_i) is the whole row's, and D_i = dout_i · out_i
 // the whole row's, so nothing else couples the shards. With sinks, dsinks reads only out and
 // lse: ask for it from one shard. Tested (merge_test.cc's KeyShards.*) for float32, float64,
-// bfloat16 and float16, GQA and sliced masks. Causal, window, ALiBi and a block mask align by
-// positions inside the call (its Nq and Nk), and dropout draws from them: a shard call sees the
-// wrong keys or draws, so only calls without them are shardable as they stand.
+// bfloat16 and float16, GQA and sliced masks. Causal, window, ALiBi, a block mask and dropout
+// depend on positions: give each shard call its Options::q_start and k_start (above), and it is
+// its pair's part of the whole call with them too (tests/positions_test.cc). kReference and
+// kNaive take the weights from the given lse only when positions are set (otherwise they
+// recompute each row's softmax over the call's own keys, which for a shard is not the whole
+// row's): for a shard's backward on them, set q_start and k_start (e.g. 0 and the shard's first
+// key).
 void attention_backward(const Inputs& inputs, const TensorView& out, const TensorView& lse, const TensorView& dout,
                         const Gradients& grads, const Options& options = {});
 

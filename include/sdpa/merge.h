@@ -13,10 +13,10 @@
 // call a float32 out (Outputs::out): nothing is then rounded to 16 bits before the merge's own
 // output. Sinks enter the denominator once: pass Options::sinks to exactly one shard's call
 // (a shard whose keys are all blocked then has out 0 and lse = sink, which the merge weighs as
-// the sink's term). A shard is its part of the one call only when nothing in the call depends
-// on positions: causal, window, ALiBi and a block mask align inside each call (its own Nq, Nk)
-// and dropout draws from those positions, so today they are not shardable this way. The
-// backward of a shard: attention_backward (sdpa/attention.h) with the merged out and lse.
+// the sink's term). Causal, window, ALiBi, a block mask and dropout depend on positions: give
+// each shard call Options::q_start and k_start (sdpa/attention.h) and it is its part of the one
+// call with them too. The backward of a shard: attention_backward (sdpa/attention.h) with the
+// merged out and lse.
 #pragma once
 
 #include <span>

@@ -450,7 +450,9 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
             (merged from every key shard's), the backward of the query rows against one key
             shard gives that pair's part of dq (sum over the key shards for the rows' dq) and
             of the shard's dk and dv (sum over the query shards). dsinks reads only out, lse
-            and dout: pass sinks to one key shard's call of each row.
+            and dout: pass sinks to one key shard's call of each row. The "reference" and
+            "naive" backends use the given lse only with positions set (without, they
+            recompute each row's softmax over this call's keys): set them for a shard there.
 
     Results are bitwise reproducible, whatever the thread count.
 
@@ -806,13 +808,15 @@ def merge_attention(outs, lses, *, out_dtype=None):
             float64; any strides. For attention_varlen's (Hq, total_q) lse pass ``lse.T``.
         out_dtype: out's dtype: None gives the compute dtype (float64 when any of outs or lses
             is float64, else float32), to merge further; q's 16-bit dtype rounds the merge once.
+            (float64 here with float32 parts merges in float64, and lse still comes back in the
+            parts' compute dtype, float32.)
 
     The arithmetic is in the compute dtype, in the order given: the same partials in the same
     order give the same bits, for any thread count. A partial with lse = -inf (all its keys
     masked) adds exactly nothing (its out is not read); a row whose lses are all -inf gives out
     0 and lse -inf. Sinks enter once: pass ``sinks`` to one shard's call only. Causal, window,
-    ALiBi, a block mask and dropout align by positions inside each call, so the shards of such
-    calls are not parts of the one call. No gradient (NumPy has no autograd; the backward of a
+    ALiBi, a block mask and dropout depend on positions: give each shard's call its q_start and
+    k_start (``attention``), and it is its part of the one call with them too. No gradient (NumPy has no autograd; the backward of a
     shard is ``attention_backward`` with the merged out and lse).
 
     Returns:
