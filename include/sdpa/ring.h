@@ -1,0 +1,110 @@
+// sdpa: ring attention, exact context-parallel attention over several processes.
+//
+// A sequence of N tokens is cut into W shards, one per rank of a communicator (MPI, torch.distributed,
+// or any transport behind the Communicator interface below). Each rank holds its shard's q, k and
+// v; the keys and values travel around the ring (rank r sends to r + 1 and receives from r - 1,
+// modulo W) while every rank attends its queries to each block in turn, and the partial results
+// merge by their log-sum-exp (sdpa/merge.h) in float32 (float64 for float64 inputs), so nothing is
+// rounded to 16 bits before the last merge. Each (query chunk, key chunk) pair is one attention()
+// call with its absolute positions (Options::q_start, k_start), so causal, window, ALiBi, a block
+// mask and dropout are those of the one-process call on the whole sequence.
+//
+// Layouts: the sequence is cut into chunks, and rank r holds
+//   kContiguous  chunk r of W                  (N_local = N / W)
+//   kZigzag      chunks r and 2W - 1 - r of 2W (N_local = N / W, two chunks of N / 2W)
+// e.g. W = 2, N = 8 (positions), causal:
+//   kContiguous  rank 0: 0 1 2 3          rank 1: 4 5 6 7
+//   kZigzag      rank 0: 0 1 | 6 7        rank 1: 2 3 | 4 5
+// Under causal, kContiguous gives rank W - 1 W times rank 0's work; kZigzag gives every rank the
+// same work (each rank's early chunk sees few keys, its late chunk many).
+//
+// Results: bitwise the same from run to run for a given world size, layout, thread count choice
+// and options (each block's partial is merged in ring-step order: the rank's own block first, then
+// the block of rank r - 1, r - 2, ...), and equal to the one-process call within the tolerance rule
+// (tests/ring_test.cc). Memory per rank: O(N_local) (two K/V blocks, the float32 partials).
+//
+// Failures: shapes, dtypes and options are compared across ranks (one all-gather) before any block
+// moves; a mismatch is an Error on every rank naming the rank that differs and the shapes. Every
+// wait has a deadline (RingOptions::timeout_seconds): a rank that dies or stops gives the others
+// an Error naming the peer and the step within that time, never a hang. Outputs are written only
+// after the last block arrived: a call that throws writes nothing.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "sdpa/attention.h"
+
+namespace sdpa {
+
+// The transport a ring runs on: point-to-point messages of bytes and an all-gather, non-blocking,
+// waited on with a deadline. Adapters: sdpa::mpi::Communicator (sdpa/mpi.h, library sdpa_mpi),
+// Python's sdpa.distributed (mpi4py) and sdpa.torch.distributed (torch.distributed). One call's
+// requests are all waited on before the call returns or throws (except after a wait that timed
+// out: the ring then stops using the communicator and throws).
+class Communicator {
+ public:
+  using Request = int64_t;  // an adapter's handle of one non-blocking operation
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Start sending bytes [data, data + bytes) to rank `to` / receiving them from rank `from`, with
+  // a tag (messages between two ranks with one tag arrive in the order sent). The buffer is not
+  // touched by the caller until the request completes.
+  virtual Request isend(const void* data, size_t bytes, int to, int tag) = 0;
+  virtual Request irecv(void* data, size_t bytes, int from, int tag) = 0;
+  // Start gathering `bytes` bytes from every rank: out holds size() · bytes, rank i's at i · bytes.
+  virtual Request iallgather(const void* in, void* out, size_t bytes) = 0;
+  // Wait for the request up to `seconds`: true when it completed, false when the time ran out
+  // (the request is then abandoned). A transport error (a peer that closed its connection) is
+  // thrown as sdpa::Error naming the peer.
+  virtual bool wait(Request request, double seconds) = 0;
+};
+
+enum class RingLayout : uint8_t {
+  kContiguous,  // rank r holds chunk r of W
+  kZigzag,      // rank r holds chunks r and 2W - 1 - r of 2W (balances causal work)
+};
+
+struct RingOptions {
+  RingLayout layout = RingLayout::kZigzag;
+  // Each wait's deadline, from the start of that wait (a block's transfer and the peer's compute
+  // on the block before it must fit in it). > 0.
+  double timeout_seconds = 300.0;
+};
+
+// One chunk of this rank's shard: rows [local, local + length) of the local tensors hold the
+// sequence's positions [start, start + length).
+struct RingChunk {
+  int64_t local = 0, start = 0, length = 0;
+};
+// The chunks rank `rank` of `world` holds for a local length n_local (kZigzag: two chunks of
+// n_local / 2, so n_local must be even; Error otherwise; kContiguous: one).
+std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64_t n_local);
+
+// Ring attention forward. inputs.q, k, v: this rank's shards, (B, Hq, N_local, Dk) etc. with the
+// rank and dtypes attention() takes (ranks 2-4; N_local the same on every rank; q's and k's
+// N_local equal). No Inputs::mask or seqlens_k (Error): a block mask (Options::block_mask, of the
+// whole sequence, read at absolute positions) masks instead. outputs.out: this rank's output shard
+// (q's dtype, or float32 for 16-bit q); outputs.lse optional (the compute type), the whole rows'
+// log-sum-exp for ring_attention_backward; weights, stats and scores: Error. options: as
+// attention()'s, except q_start and k_start (Error: the layout sets them); every rank passes the
+// same options (compared, with the shapes, before any block moves; seeds and slopes included).
+// Sinks are counted once (with the rank's own block). Blocks no query of the rank can see (causal,
+// window) are passed on but not computed.
+void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& outputs, const Options& options = {},
+                    const RingOptions& ring = {});
+
+// Ring attention backward: given this rank's q, k, v, the out and lse ring_attention gave (lse
+// required) and dout, writes this rank's dq, dk, dv (and dsinks, dalibi_slopes: each rank's part,
+// to be summed over the ranks by the caller, e.g. with an all-reduce; dbias: Error). The K/V blocks
+// travel the ring as in the forward, each with its float32 dk, dv accumulators, which reach their
+// owner after W steps: dk of a block is summed over the ranks in ring order from its owner, dq over
+// the blocks in ring-step order, in float32 (float64 for float64), rounded once to the gradients'
+// dtypes.
+void ring_attention_backward(Communicator& comm, const Inputs& inputs, const TensorView& out, const TensorView& lse,
+                             const TensorView& dout, const Gradients& grads, const Options& options = {},
+                             const RingOptions& ring = {});
+
+}  // namespace sdpa
