@@ -68,6 +68,10 @@ std::string row_index(int64_t r, const TensorView& lse) {
 
 void check_tensor(const std::string& name, const TensorView& t, const TensorView& like, const char* like_name,
                   bool is_lse) {
+  if (t.rank != like.rank) {  // before check_basic, whose rank message would not show like's shape
+    fail(name + " has shape " + t.shape_string() + " (rank " + std::to_string(t.rank) + ") but " + like_name +
+         " has shape " + like.shape_string() + " (rank " + std::to_string(like.rank) + ")");
+  }
   internal::check_basic(name.c_str(), t, like.rank, like.rank);
   bool same = true;
   for (int d = 0; d < t.rank; ++d) same = same && t.shape[d] == like.shape[d];

@@ -358,6 +358,9 @@ TEST(MergeAttention, Errors) {
   expect_sdpa_error(call({}, out.view(), lse.view()), {"parts is empty"});
   expect_sdpa_error(call({{b.view(), lb.view()}, {wrong.view(), la.view()}}, out.view(), lse.view()),
                     {"parts[1].out has shape (2, 5, 4) but out has shape (2, 3, 4)"});
+  const GuardedTensor flat(kF32, {6, 4});
+  expect_sdpa_error(call({{b.view(), lb.view()}, {flat.view(), la.view()}}, out.view(), lse.view()),
+                    {"parts[1].out has shape (6, 4) (rank 2) but out has shape (2, 3, 4) (rank 3)"});
   expect_sdpa_error(call({{b.view(), lse_wrong.view()}}, out.view(), lse.view()),
                     {"parts[0].lse has shape (2, 4) but out without its last dim has shape (2, 3)"});
   expect_sdpa_error(call({{b.view(), lb.view()}, {b.view(), lse_bf16.view()}}, out.view(), lse.view()),
