@@ -326,6 +326,15 @@ TEST(MergeAttention, MatchesTheFloat64TwinWithinTheDerivedBound) {
       EXPECT_EQ(again.values(), got) << threads << " threads";
       EXPECT_EQ(again_lse.values(), got_lse) << threads << " threads";
     }
+    // In place into the last part (each row reads all its parts before writing), then part 0.
+    const size_t last = outs.size() - 1;
+    if (last > 0 && mc.out_dtypes[last] == mc.out && mc.lse_dtypes[last] == mc.lse) {
+      sdpa::merge_attention(parts, outs[last].view(), lses[last].view());
+      EXPECT_EQ(outs[last].values(), got) << "in place, last part";
+      EXPECT_EQ(lses[last].values(), got_lse) << "in place, last part";
+      outs[last].set_values(out_values[last]);
+      lses[last].set_values(lse_values[last]);
+    }
     // In place: out is part 0's out, lse part 0's lse (same dtype as the outputs' here).
     if (mc.out_dtypes[0] == mc.out && mc.lse_dtypes[0] == mc.lse) {
       sdpa::merge_attention(parts, outs[0].view(), lses[0].view());
@@ -345,6 +354,26 @@ TEST(MergeAttention, WeightZeroPartsAreNotRead) {
   sdpa::merge_attention(parts, out.view(), lse.view());
   EXPECT_EQ(out.values(), a.values());
   EXPECT_EQ(lse.values(), la.values());
+}
+
+// No rows: nothing to read or write. Dv = 0: no out to merge, but the lse still merge.
+TEST(MergeAttention, ZeroSizes) {
+  const GuardedTensor a(kF32, {2, 0, 4}), la(kF32, {2, 0});
+  GuardedTensor out(kF32, {2, 0, 4}), lse(kF32, {2, 0});
+  const sdpa::Partial none[] = {{a.view(), la.view()}, {a.view(), la.view()}};
+  sdpa::merge_attention(none, out.view(), lse.view());
+  EXPECT_TRUE(out.guards_intact());
+  EXPECT_TRUE(lse.guards_intact());
+
+  const GuardedTensor b(kF32, {3, 0}), lb = tensor(kF32, {3}, {0.0, -kInf, 1.0});
+  const GuardedTensor lc = tensor(kF32, {3}, {0.0, -kInf, -kInf});
+  GuardedTensor o2(kF32, {3, 0}), l2(kF32, {3});
+  const sdpa::Partial parts[] = {{b.view(), lb.view()}, {b.view(), lc.view()}};
+  sdpa::merge_attention(parts, o2.view(), l2.view());
+  const std::vector<double> got = l2.values();
+  EXPECT_EQ(got[0], static_cast<double>(std::log(2.0f)));  // m + log(1 + 1), in float32
+  EXPECT_EQ(got[1], -kInf);
+  EXPECT_EQ(got[2], 1.0);
 }
 
 TEST(MergeAttention, Errors) {
