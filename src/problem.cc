@@ -343,21 +343,19 @@ View4 checked_block_mask(const TensorView& m, const Options& opt, int max_rank, 
   for (int d = 0; d < 4; ++d) {
     fits &= bv.shape[d] == blocks[d] || (d < 2 && bv.shape[d] == 1) || (d >= 2 && positioned && bv.shape[d] > blocks[d]);
   }
-  if (positioned && !fits) {
-    const int r = max_rank;
-    const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
-    fail("block_mask has shape " + m.shape_string() + ", which does not broadcast to " + target + " with QB >= " +
-         std::to_string(blocks[2]) + " = ceil((q_start + Nq) / block_q) = ceil((" + std::to_string(*opt.q_start) +
-         " + " + std::to_string(Nq) + ") / " + std::to_string(opt.block_q) + ") and KB >= " + std::to_string(blocks[3]) +
-         " = ceil((k_start + Nk) / block_k) = ceil((" + std::to_string(*opt.k_start) + " + " + std::to_string(Nk) +
-         ") / " + std::to_string(opt.block_k) + ") (with positions, blocks are counted from position 0)" +
-         (r >= 3 ? ", Hq = " + std::to_string(Hq) : std::string()) + (r == 4 ? ", B = " + std::to_string(B) : std::string()));
-  }
   if (!fits) {
     const int r = max_rank;
-    const char* target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
-    fail("block_mask has shape " + m.shape_string() + ", which does not broadcast to " +
-         shape_string(blocks + (4 - r), r) + " = " + target + " with QB = ceil(" + lengths + "Nq / block_q) = ceil(" +
+    const std::string head = "block_mask has shape " + m.shape_string() + ", which does not broadcast to ";
+    const std::string target = r == 2 ? "(QB, KB)" : r == 3 ? "(Hq, QB, KB)" : "(B, Hq, QB, KB)";
+    if (positioned) {
+      fail(head + target + " with QB >= " + std::to_string(blocks[2]) + " = ceil((q_start + Nq) / block_q) = ceil((" +
+           std::to_string(*opt.q_start) + " + " + std::to_string(Nq) + ") / " + std::to_string(opt.block_q) +
+           ") and KB >= " + std::to_string(blocks[3]) + " = ceil((k_start + Nk) / block_k) = ceil((" +
+           std::to_string(*opt.k_start) + " + " + std::to_string(Nk) + ") / " + std::to_string(opt.block_k) +
+           ") (with positions, blocks are counted from position 0)" +
+           (r >= 3 ? ", Hq = " + std::to_string(Hq) : std::string()) + (r == 4 ? ", B = " + std::to_string(B) : std::string()));
+    }
+    fail(head + shape_string(blocks + (4 - r), r) + " = " + target + " with QB = ceil(" + lengths + "Nq / block_q) = ceil(" +
          std::to_string(Nq) + " / " + std::to_string(opt.block_q) + ") and KB = ceil(" + lengths +
          "Nk / block_k) = ceil(" + std::to_string(Nk) + " / " + std::to_string(opt.block_k) + ")");
   }
