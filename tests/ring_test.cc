@@ -292,6 +292,138 @@ TEST_F(Ring, ForwardMatchesWhole) {
   }
 }
 
+// ---- Backward ----
+
+// The ranks' gradients, each rank's shards of the whole problem's out, lse (kAuto's) and dout.
+struct RankGrads {
+  GuardedTensor out, lse, dout;
+  Grads g;
+  GuardedTensor dalibi, dsinks;
+};
+
+void check_backward(const RingCase& c, DType dt) {
+  const int64_t N = c.W * c.n_local;
+  Tensors inputs = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 23);
+  const CaseOptions co(c, 6);
+  const Options& o = co.o;
+  const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
+  const Tensors& t = whole.t;
+  std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
+  const auto run_ring = [&] {
+    std::vector<RankGrads> rg;
+    for (const RankData& d : ranks) {
+      rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
+                    Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
+                    GuardedTensor(kF64, {c.Hq}), GuardedTensor(kF32, {c.Hq})});
+    }
+    LocalWorld world(c.W);
+    const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      RankGrads& x = rg[static_cast<size_t>(r)];
+      sdpa::Gradients g = x.g.gradients();
+      if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
+      if (o.sinks) g.dsinks = x.dsinks.view();
+      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
+                                    x.dout.view(), g, o, {c.layout, 30.0});
+    });
+    for (size_t r = 0; r < errors.size(); ++r) {
+      if (!errors[r]) continue;
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+      EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+    }
+    return rg;
+  };
+  const std::vector<RankGrads> rg = run_ring();
+  // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
+  const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
+  GradValues got;
+  got.g[0].resize(static_cast<size_t>(t.q.numel())), got.g[1].resize(static_cast<size_t>(t.k.numel())),
+      got.g[2].resize(static_cast<size_t>(t.v.numel()));
+  std::vector<double> dalibi(static_cast<size_t>(c.Hq), 0.0), dsinks(static_cast<size_t>(c.Hq), 0.0);
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(rg[r].g.guards_intact());
+    const GradValues v = values(rg[r].g);
+    for (int x = 0; x < 3; ++x) place(got.g[x], N, v.g[x], c.n_local, width[x], ranks[r].chunks);
+    if (o.alibi_slopes) {
+      const std::vector<double> a = rg[r].dalibi.values();
+      for (size_t h = 0; h < a.size(); ++h) dalibi[h] += a[h];
+    }
+    if (o.sinks) {
+      const std::vector<double> a = rg[r].dsinks.values();
+      for (size_t h = 0; h < a.size(); ++h) dsinks[h] += a[h];
+    }
+  }
+  // Against kReference under the backward's rule, plus the ring's sums: dq sums P pair terms
+  // (P key chunks), dk and dv P terms (one per query chunk of the sequence), one after the other
+  // in the compute type: P - 1 additions each erring by at most u times the sum of the terms'
+  // sizes, which the pairs' own terms bound: per element of dq, |scale| Σ_j p_ij (|z dP_ij| +
+  // |D_i|) |k_j| <= |scale| Dv max|dout| (max|v| / (1 - p) + max|out|) max|k| (Σ_j p_ij <= 1);
+  // of dk the same with max|q| over the group · N rows that read a key (each p <= 1); of dv
+  // Σ_i |z| p_ij |dout_i| <= group N max|dout| / (1 - p).
+  Expected e;
+  ASSERT_TRUE(expected(whole, o, e));
+  const double u = eps(compute_dtype(dt)) / 2, P = static_cast<double>(c.layout == kZig ? 2 * c.W : c.W);
+  const double z = 1 / (1 - o.dropout_p), scale = 1 / std::sqrt(static_cast<double>(c.Dk));
+  const double dmax = max_abs_finite(whole.dout.values()), vmax = max_abs_finite(t.v.values()),
+               omax = max_abs_finite(whole.out.values()), kmax = max_abs_finite(t.k.values()),
+               qmax = max_abs_finite(t.q.values());
+  const double rows = static_cast<double>(c.Hq / c.Hkv * N);
+  const double term = scale * static_cast<double>(c.Dv) * dmax * (vmax * z + omax);
+  const double sums[3] = {term * kmax, term * qmax * rows, rows * dmax * z};
+  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g[x], e.ref.g[x], e.tol[x] + (P - 1) * u * sums[x]));
+  // dalibi_slopes and dsinks (float32: kNaive's error is measured in float32) as positions_test
+  // checks the pairs' sums: 2 |kNaive - kReference| of the whole call + 4 eps max(1, max|ref|).
+  if (dt == kF32 && (o.alibi_slopes || o.sinks)) {
+    const auto modifiers = [&](sdpa::Backend backend) {
+      Options ro = o;
+      ro.backend = backend;
+      Grads g = empty_grads(t, Layout::kContiguous);
+      sdpa::Gradients grads = g.gradients();
+      GuardedTensor da(kF64, {c.Hq}), ds(kF64, {c.Hq});
+      if (o.alibi_slopes) grads.dalibi_slopes = da.view();
+      if (o.sinks) grads.dsinks = ds.view();
+      sdpa::attention_backward(t.inputs(), whole.out.view(), whole.lse.view(), whole.dout.view(), grads, ro);
+      return std::pair{da.values(), ds.values()};
+    };
+    const auto ref = modifiers(sdpa::Backend::kReference), naive = modifiers(sdpa::Backend::kNaive);
+    const auto check = [](const char* what, const std::vector<double>& g, const std::vector<double>& want,
+                          const std::vector<double>& yardstick) {
+      double err = 0;
+      for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::abs(yardstick[i] - want[i]));
+      EXPECT_TRUE(all_near(what, g, want, 2 * err + 4 * eps(kF32) * std::max(1.0, max_abs_finite(want))));
+    };
+    if (o.alibi_slopes) check("dalibi_slopes", dalibi, ref.first, naive.first);
+    if (o.sinks) check("dsinks", dsinks, ref.second, naive.second);
+  }
+  // Repeatable bit for bit.
+  const std::vector<RankGrads> again = run_ring();
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
+    if (o.alibi_slopes) {
+      EXPECT_TRUE(all_close("dalibi (second run)", again[r].dalibi.values(), rg[r].dalibi.values(), 0));
+    }
+    if (o.sinks) {
+      EXPECT_TRUE(all_close("dsinks (second run)", again[r].dsinks.values(), rg[r].dsinks.values(), 0));
+    }
+  }
+}
+
+TEST_F(Ring, BackwardMatchesWhole) {
+  for (const RingCase& c : kCases) {
+    for (DType dt : {kF32, kF64, kBF16}) {
+      SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
+      check_backward(c, dt);
+    }
+  }
+  RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
+  SCOPED_TRACE("float16");
+  check_backward(c, kF16);
+}
+
 TEST_F(Ring, Chunks) {
   // ring.h's picture: W = 2, N = 8.
   const auto z0 = sdpa::ring_chunks(kZig, 2, 0, 4), z1 = sdpa::ring_chunks(kZig, 2, 1, 4);
