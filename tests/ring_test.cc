@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -422,6 +423,174 @@ TEST_F(Ring, BackwardMatchesWhole) {
   RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
   SCOPED_TRACE("float16");
   check_backward(c, kF16);
+}
+
+// ---- Failures: every rank throws, nothing is written ----
+
+// Each rank's exception message ("" when it returned).
+std::vector<std::string> messages(const std::vector<std::exception_ptr>& errors) {
+  std::vector<std::string> m;
+  for (const auto& e : errors) {
+    std::string what;
+    if (e) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const sdpa::Error& x) {
+        what = x.what();
+      } catch (const std::exception& x) {
+        what = std::string("not an sdpa::Error: ") + x.what();
+      }
+    }
+    m.push_back(what);
+  }
+  return m;
+}
+
+// W ranks of a small float32 problem; `edit` changes rank r's call before it runs.
+struct FailureRun {
+  std::vector<RankData> ranks;
+  std::vector<std::string> errors;
+  std::vector<double> seconds;
+};
+FailureRun run_failing(int W, int64_t n_local, const std::function<void(LocalWorld&)>& setup,
+                       const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit) {
+  const int64_t N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  FailureRun f{shards(t, W, kCont, kF32), {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
+  LocalWorld world(W);
+  setup(world);
+  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+    RankData& d = f.ranks[static_cast<size_t>(r)];
+    sdpa::Inputs in{d.q.view(), d.k.view(), d.v.view()};
+    Options o;
+    o.causal = Causal::kTopLeft;
+    sdpa::RingOptions ring{kCont, 0.5};
+    edit(r, in, o, ring);
+    sdpa::Outputs out;
+    out.out = d.out.view();
+    out.lse = d.lse.view();
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      sdpa::ring_attention(comm, in, out, o, ring);
+    } catch (...) {
+      f.seconds[static_cast<size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      throw;
+    }
+  });
+  f.errors = messages(errors);
+  return f;
+}
+
+TEST_F(Ring, MismatchIsTheSameErrorOnEveryRank) {
+  // Rank 2 with another scale; rank 1 with another N_local (its own shard cut shorter).
+  const FailureRun a = run_failing(3, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    if (r == 2) o.scale = 0.25;
+  });
+  for (size_t r = 0; r < a.errors.size(); ++r) {
+    EXPECT_NE(a.errors[r].find("rank 2's arguments differ from rank 0's"), std::string::npos) << a.errors[r];
+    EXPECT_NE(a.errors[r].find("scale: default on rank 0, 0.25 on rank 2"), std::string::npos) << a.errors[r];
+    EXPECT_EQ(a.errors[r], a.errors[0]);
+    EXPECT_TRUE(a.ranks[r].out.untouched());
+    EXPECT_TRUE(a.ranks[r].lse.untouched());
+  }
+  const FailureRun b = run_failing(4, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.q.shape[2] = in.k.shape[2] = in.v.shape[2] = 4;
+  });
+  for (size_t r = 0; r < b.errors.size(); ++r) {
+    EXPECT_EQ(b.errors[r], b.errors[0]);
+    EXPECT_TRUE(b.ranks[r].out.untouched());
+  }
+  // Rank 1's out no longer matches its q: it refuses locally, and every rank says so.
+  EXPECT_NE(b.errors[0].find("rank 1 refused its arguments"), std::string::npos) << b.errors[0];
+  // The layout: another N_local with matching outputs is a difference of q's shape.
+  const FailureRun c = run_failing(2, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions& ring) {
+    if (r == 1) ring.layout = kZig;
+    (void)o;
+  });
+  for (const std::string& e : c.errors) EXPECT_NE(e.find("RingOptions::layout: kContiguous on rank 0, kZigzag on rank 1"), std::string::npos) << e;
+}
+
+TEST_F(Ring, StoppedRankTimesOut) {
+  // Rank 1 never sends a block: rank 2 gives up on it after 0.5 s naming it; the others, waiting
+  // on ranks that gave up, within one deadline per step.
+  const int W = 4;
+  const FailureRun f = run_failing(W, 5, [](LocalWorld& w) { w.stop_sends(1, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(f.errors[2].find("ring_attention: rank 2 waited 0.5 s for the block of rank 1 at step 1 from rank 1: no message"),
+            std::string::npos)
+      << f.errors[2];
+  EXPECT_LT(f.seconds[2], 0.5 + 0.4);
+  EXPECT_GE(f.seconds[2], 0.5);
+  for (int r = 0; r < W; ++r) {
+    if (r == 1) continue;
+    EXPECT_NE(f.errors[static_cast<size_t>(r)].find("no message (a peer died, stopped or is slower than timeout_seconds)"),
+              std::string::npos)
+        << "rank " << r << ": " << f.errors[static_cast<size_t>(r)];
+    EXPECT_LT(f.seconds[static_cast<size_t>(r)], (W - 1) * 0.5 + 0.4) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].out.untouched()) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].lse.untouched()) << "rank " << r;
+  }
+  // A rank that never joins: the all-gather's deadline.
+  const FailureRun g = run_failing(2, 4, [](LocalWorld& w) { w.stop_allgathers(0); w.stop_sends(0, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(g.errors[1].find("rank 1 waited 0.5 s for the all-gather of the ranks' arguments"), std::string::npos)
+      << g.errors[1];
+  EXPECT_TRUE(g.ranks[1].out.untouched());
+}
+
+TEST_F(Ring, Refusals) {
+  const auto refused = [](const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit,
+                          const std::string& why) {
+    const FailureRun f = run_failing(2, 4, [](LocalWorld&) {}, edit);
+    for (size_t r = 0; r < f.errors.size(); ++r) {
+      EXPECT_NE(f.errors[r].find(why), std::string::npos) << "rank " << r << ": " << f.errors[r];
+      EXPECT_TRUE(f.ranks[r].out.untouched());
+    }
+  };
+  const GuardedTensor mask(DType::kBool, {4, 4});
+  std::vector<int64_t> lengths = {4};
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) { if (r == 0) in.mask = mask.view(); },
+          "rank 0 refused its arguments: ring_attention: Inputs::mask is not supported");
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {1});
+  }, "Inputs::seqlens_k is not supported");
+  refused([](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { o.q_start = 0, o.k_start = 0; },
+          "Options::q_start and k_start must not be set");
+  refused([](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { if (r == 1) o.dropout_p = 0.5; },
+          "needs a seed");
+  // kZigzag with an odd N_local: ring_chunks' Error, on every rank.
+  const FailureRun z = run_failing(2, 5, [](LocalWorld&) {}, [](int, sdpa::Inputs&, Options&, sdpa::RingOptions& ring) {
+    ring.layout = kZig;
+  });
+  for (const std::string& e : z.errors) EXPECT_NE(e.find("kZigzag needs an even N_local"), std::string::npos) << e;
+  // A block mask too small for the whole sequence (8 positions: 2 blocks of 4 needed; rank 0's
+  // own rows need only 1).
+  const GuardedTensor small(DType::kBool, {1, 1});
+  refused([&](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    o.block_mask = small.view(), o.block_q = 4, o.block_k = 4;
+  }, "block_mask has shape (1, 1)");
+  // Outputs the ring refuses, and a timeout that is not > 0 (no collective: the rank's own Error).
+  LocalWorld world(1);
+  const Tensors t = random_qkv(kF32, {1, 2, 4, 4}, {1, 2, 4, 4}, {1, 2, 4, 4}, 3);
+  GuardedTensor out(kF32, {1, 2, 4, 4}), weights(kF32, {1, 2, 4, 4});
+  sdpa::Outputs o;
+  o.out = out.view();
+  o.weights = weights.view();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 1.0}); },
+                    {"Outputs::weights is not supported"});
+  o.weights.reset();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 0.0}); },
+                    {"timeout_seconds=0", "> 0"});
+  EXPECT_TRUE(out.untouched());
+  // The backward: dbias, and lse missing.
+  Grads g = empty_grads(t, Layout::kContiguous);
+  sdpa::Gradients grads = g.gradients();
+  GuardedTensor dbias(kF32, {4, 4}), lse(kF32, {1, 2, 4});
+  grads.dbias = dbias.view();
+  expect_sdpa_error([&] {
+    sdpa::ring_attention_backward(world.comm(0), t.inputs(), out.view(), lse.view(), out.view(), grads, {}, {kCont, 1.0});
+  }, {"Gradients::dbias is not supported"});
+  EXPECT_TRUE(g.untouched());
 }
 
 TEST_F(Ring, Chunks) {
