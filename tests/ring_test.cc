@@ -593,6 +593,43 @@ TEST_F(Ring, Refusals) {
   EXPECT_TRUE(g.untouched());
 }
 
+// RingOptions::stats: the bytes each rank sent are its blocks (forward: W - 1 sends of its K/V
+// block; backward: those and W sends of a block's dk, dv sums and failure record), and times
+// that add up to at most the call's.
+TEST_F(Ring, Stats) {
+  const int W = 3;
+  const int64_t n_local = 6;
+  const Tensors t = random_qkv(kF32, {1, 2, W * n_local, 4}, {1, 2, W * n_local, 4}, {1, 2, W * n_local, 4}, 3);
+  std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+  LocalWorld world(W);
+  std::vector<sdpa::RingStats> fwd(W), bwd(W);
+  std::vector<double> seconds(W);
+  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+    RankData& d = ranks[static_cast<size_t>(r)];
+    const sdpa::Inputs in{d.q.view(), d.k.view(), d.v.view()};
+    Options o;
+    o.causal = Causal::kTopLeft;
+    const auto start = std::chrono::steady_clock::now();
+    sdpa::ring_attention(comm, in, {d.out.view(), std::nullopt, d.lse.view()}, o, {kCont, 5.0, &fwd[r]});
+    seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    GuardedTensor dq(kF32, {1, 2, n_local, 4}), dk(kF32, {1, 2, n_local, 4}), dv(kF32, {1, 2, n_local, 4});
+    sdpa::ring_attention_backward(comm, in, d.out.view(), d.lse.view(), d.out.view(),
+                                  {dq.view(), dk.view(), dv.view()}, o, {kCont, 5.0, &bwd[r]});
+  });
+  for (const std::string& e : messages(errors)) ASSERT_EQ(e, "");
+  const int64_t block = 2 * (1 * 2 * n_local * 4) * 4;  // k and v, float32
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE(testing::Message() << "rank " << r);
+    EXPECT_EQ(fwd[r].bytes_sent, (W - 1) * block);
+    EXPECT_GT(bwd[r].bytes_sent, (W - 1) * block + W * block);  // + the failure records
+    EXPECT_GT(fwd[r].compute_seconds, 0.0);
+    EXPECT_GT(fwd[r].check_seconds, 0.0);
+    EXPECT_GE(fwd[r].wait_seconds, 0.0);
+    EXPECT_LE(fwd[r].check_seconds + fwd[r].compute_seconds + fwd[r].wait_seconds, seconds[r]);
+    EXPECT_GT(bwd[r].compute_seconds, 0.0);
+  }
+}
+
 TEST_F(Ring, Chunks) {
   // ring.h's picture: W = 2, N = 8.
   const auto z0 = sdpa::ring_chunks(kZig, 2, 0, 4), z1 = sdpa::ring_chunks(kZig, 2, 1, 4);

@@ -23,11 +23,17 @@
 // the block of rank r - 1, r - 2, ...), and equal to the one-process call within the tolerance rule
 // (tests/ring_test.cc). Memory per rank: O(N_local) (two K/V blocks, the float32 partials).
 //
-// Failures: shapes, dtypes and options are compared across ranks (one all-gather) before any block
-// moves; a mismatch is an Error on every rank naming the rank that differs and the shapes. Every
-// wait has a deadline (RingOptions::timeout_seconds): a rank that dies or stops gives the others
-// an Error naming the peer and the step within that time, never a hang. Outputs are written only
-// after the last block arrived: a call that throws writes nothing.
+// Failures: every rank checks its own arguments as attention() would, then the shapes, dtypes,
+// options and a hash of the slopes', sinks' and block mask's values are compared across ranks in
+// one all-gather before any block moves. A refusal on any rank is the same Error on every rank
+// ("rank R refused its arguments: ..."), and so is a difference ("rank R's arguments differ from
+// rank 0's ...: <field>: <value> on rank 0, <value> on rank R"). Every wait has a deadline
+// (RingOptions::timeout_seconds; <= 0 is refused locally): a rank that dies or stops gives its
+// successor an Error naming the peer, the block and the step within that time, and the ranks
+// behind it fail in turn, each within one deadline per step it waited — never a hang. A pair whose
+// computation fails on a rank (an lse of +inf or NaN) is an Error on that rank after the ring has
+// finished (and, in the backward, on every rank whose dk, dv lack its part). Outputs are written
+// only after the last block arrived: a call that throws writes nothing.
 #pragma once
 
 #include <cstddef>
@@ -67,11 +73,21 @@ enum class RingLayout : uint8_t {
   kZigzag,      // rank r holds chunks r and 2W - 1 - r of 2W (balances causal work)
 };
 
+// Where a call's time went on this rank (RingOptions::stats), for benchmarks: the share of the
+// transfers hidden behind compute is 1 - wait_seconds / (the transfers' own time).
+struct RingStats {
+  double check_seconds = 0;    // the local checks and the all-gather of the ranks' arguments
+  double compute_seconds = 0;  // the pairs' attention() / attention_backward() calls and merges
+  double wait_seconds = 0;     // waiting for transfers after the compute (exposed communication)
+  int64_t bytes_sent = 0;      // bytes this rank sent (blocks and, backward, gradients)
+};
+
 struct RingOptions {
   RingLayout layout = RingLayout::kZigzag;
   // Each wait's deadline, from the start of that wait (a block's transfer and the peer's compute
   // on the block before it must fit in it). > 0.
   double timeout_seconds = 300.0;
+  RingStats* stats = nullptr;  // when given, overwritten with this call's (also when it throws)
 };
 
 // One chunk of this rank's shard: rows [local, local + length) of the local tensors hold the
@@ -91,8 +107,8 @@ std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64
 // log-sum-exp for ring_attention_backward; weights, stats and scores: Error. options: as
 // attention()'s, except q_start and k_start (Error: the layout sets them); every rank passes the
 // same options (compared, with the shapes, before any block moves; seeds and slopes included).
-// Sinks are counted once (with the rank's own block). Blocks no query of the rank can see (causal,
-// window) are passed on but not computed.
+// Sinks are counted once: with the pair of each query chunk and the same chunk of the rank's own
+// block (always visible). Pairs no query of the chunk can see (causal, window) are not computed.
 void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& outputs, const Options& options = {},
                     const RingOptions& ring = {});
 

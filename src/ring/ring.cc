@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -308,6 +309,25 @@ std::string first_difference(const Descriptor& a, const Descriptor& b) {
   return "";
 }
 
+// Seconds since `t0` (RingStats).
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+// Adds the seconds its scope lasts to *sum (when sum is not null).
+class Timed {
+ public:
+  explicit Timed(double* sum) : sum_(sum), t0_(std::chrono::steady_clock::now()) {}
+  ~Timed() {
+    if (sum_) *sum_ += since(t0_);
+  }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  double* sum_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
 // A wait with the ring's deadline: Error (naming what was awaited) when it runs out.
 void wait(Communicator& comm, Communicator::Request request, double seconds, const std::string& what) {
   if (!comm.wait(request, seconds)) {
@@ -321,6 +341,7 @@ void wait(Communicator& comm, Communicator::Request request, double seconds, con
 template <typename Check>
 void collective_check(const char* call, int call_id, Communicator& comm, const TensorView* tensors[6],
                       const Options& o, const RingOptions& ring, Check check) {
+  const Timed timed(ring.stats ? &ring.stats->check_seconds : nullptr);
   Descriptor mine;
   try {
     check();
@@ -366,8 +387,9 @@ struct Exchange {
   Communicator::Request send = 0, recv = 0;
   bool posted = false;
 };
-Exchange post(Communicator& comm, const void* send, void* recv, size_t bytes, int tag) {
+Exchange post(Communicator& comm, const void* send, void* recv, size_t bytes, int tag, RingStats* st) {
   const int W = comm.size(), r = comm.rank();
+  if (st) st->bytes_sent += static_cast<int64_t>(bytes);
   Exchange x;
   x.recv = comm.irecv(recv, bytes, (r + W - 1) % W, tag);
   x.send = comm.isend(send, bytes, (r + 1) % W, tag);
@@ -375,8 +397,10 @@ Exchange post(Communicator& comm, const void* send, void* recv, size_t bytes, in
   return x;
 }
 // Waits for both, naming `what` ("the block of rank O") and the step it is for.
-void finish(Communicator& comm, Exchange& x, double seconds, const char* call, const std::string& what, int step) {
+void finish(Communicator& comm, Exchange& x, double seconds, const char* call, const std::string& what, int step,
+            RingStats* st) {
   if (!x.posted) return;
+  const Timed timed(st ? &st->wait_seconds : nullptr);
   x.posted = false;
   const int W = comm.size(), r = comm.rank();
   const std::string who = std::string(call) + ": rank " + str(int64_t{r}) + " waited " + str(seconds) + " s ";
@@ -447,8 +471,9 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
   for (int s = 0; s < W; ++s) {
     const int owner = (r + W - s) % W;
     Exchange x;
-    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock);
+    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock, ring.stats);
     if (!failed) {
+      const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
       try {
         const TensorView k = cur.k(in.k), v = cur.v(in.v);
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, sh.n_local);
@@ -477,7 +502,7 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
     }
     if (s + 1 < W) {
       finish(comm, x, ring.timeout_seconds, "ring_attention",
-             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1);
+             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1, ring.stats);
       std::swap(cur, next);
     }
   }
@@ -550,10 +575,11 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
   for (int s = 0; s < W; ++s) {
     const int owner = (r + W - s) % W;
     Exchange x;
-    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock);
+    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock, ring.stats);
     std::fill(dk_local.begin(), dk_local.end(), T(0));
     std::fill(dv_local.begin(), dv_local.end(), T(0));
     if (!failed) {
+      const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
       try {
         const TensorView k = cur.k(in.k), v = cur.v(in.v);
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, N);
@@ -595,22 +621,22 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
       std::fill(sums.bytes.begin(), sums.bytes.end(), std::byte{0});
     } else {
       finish(comm, gx, ring.timeout_seconds, "ring_attention_backward",
-             "the gradients of the block of rank " + str(int64_t{owner}), s);
+             "the gradients of the block of rank " + str(int64_t{owner}), s, ring.stats);
     }
     if (failed && sums.failure()->rank_plus_1 == 0) *sums.failure() = mine;
     sums.add(dk_local, dv_local);
     if (W > 1) {
-      gx = post(comm, sums.bytes.data(), incoming.bytes.data(), sums.bytes.size(), kTagGradients);
+      gx = post(comm, sums.bytes.data(), incoming.bytes.data(), sums.bytes.size(), kTagGradients, ring.stats);
       std::swap(sums, incoming);  // sums: the buffer receiving the next block's
     }
     if (s + 1 < W) {
       finish(comm, x, ring.timeout_seconds, "ring_attention_backward",
-             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1);
+             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1, ring.stats);
       std::swap(cur, next);
     }
   }
   // The last hop: this rank's own block's sums, from rank - 1.
-  finish(comm, gx, ring.timeout_seconds, "ring_attention_backward", "the gradients of its own block", W);
+  finish(comm, gx, ring.timeout_seconds, "ring_attention_backward", "the gradients of its own block", W, ring.stats);
   if (failed) std::rethrow_exception(failed);
   if (const Failure* f = sums.failure(); f->rank_plus_1 != 0) {
     fail("ring_attention_backward: rank " + str(int64_t{f->rank_plus_1 - 1}) +
@@ -650,6 +676,7 @@ void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& out
   if (!(ring.timeout_seconds > 0)) {
     fail("ring_attention: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
   }
+  if (ring.stats) *ring.stats = RingStats{};
   const int W = comm.size();
   if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
     fail("ring_attention: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " + str(int64_t{W}) +
@@ -680,6 +707,7 @@ void ring_attention_backward(Communicator& comm, const Inputs& inputs, const Ten
   if (!(ring.timeout_seconds > 0)) {
     fail("ring_attention_backward: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
   }
+  if (ring.stats) *ring.stats = RingStats{};
   const int W = comm.size();
   if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
     fail("ring_attention_backward: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " +
