@@ -1,0 +1,298 @@
+// sdpa::mpi (sdpa/mpi.h) under mpirun: the Communicator's primitives, then ring attention over
+// MPI against the one-process call. Every rank runs the same tests in the same order (the same
+// arguments on every rank); each rank prints its own failures, rank 0 GoogleTest's report.
+//
+//   ring_mpi_test [gtest flags]       the tests (tests/mpi/CMakeLists.txt: W = 1, 2, 3, 4)
+//   ring_mpi_test --stopped=dup       rank W - 1 stops (sleeps instead of calling): the others'
+//                                     Communicator constructor (MPI_Comm_idup) must throw
+//                                     within its timeout + slack
+// A stopped run leaves MPI undefined (sdpa/mpi.h), so it is a run of its own: the ranks that
+// saw the Error agree on a verdict over a communicator of their own, and rank 0 ends the job
+// with MPI_Abort(verdict) (errorcode 0 is mpirun's exit status 0), as a program should.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "sdpa/mpi.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using sdpa::Error;
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int w = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &w);
+  return w;
+}
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Byte i of a message from rank `from` with salt `salt`: differs between senders, messages
+// and neighbouring bytes, so a misplaced or truncated piece shows.
+unsigned char pattern(int from, int salt, size_t i) {
+  return static_cast<unsigned char>((i * 131 + static_cast<size_t>(from) * 17 + static_cast<size_t>(salt) * 7 + i / 251) & 0xFF);
+}
+std::vector<unsigned char> message(int from, int salt, size_t bytes) {
+  std::vector<unsigned char> m(bytes);
+  for (size_t i = 0; i < bytes; ++i) m[i] = pattern(from, salt, i);
+  return m;
+}
+// The first byte that differs, or -1.
+int64_t first_difference(const std::vector<unsigned char>& got, int from, int salt) {
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != pattern(from, salt, i)) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+constexpr double kWait = 30.0;  // completing waits: a generous deadline, never reached
+
+// Every rank sends a message of each size to r + 1 and to r - 1 and receives from both (one
+// tag per direction and size), all in flight at once, with a Communicator whose messages over
+// max_message_bytes go as derived datatypes.
+void exchange_both_ways(size_t max_message_bytes, const std::vector<size_t>& sizes) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD, kWait, max_message_bytes);
+  const int r = comm.rank(), w = comm.size(), next = (r + 1) % w, prev = (r + w - 1) % w;
+  std::vector<std::vector<unsigned char>> sends, from_prev, from_next;
+  std::vector<sdpa::Communicator::Request> requests;
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    const int salt = static_cast<int>(s);
+    sends.push_back(message(r, salt, sizes[s]));
+    from_prev.emplace_back(sizes[s], 0);
+    from_next.emplace_back(sizes[s], 0);
+  }
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    const int tag = static_cast<int>(2 * s);
+    requests.push_back(comm.irecv(from_prev[s].data(), sizes[s], prev, tag));      // forward ring
+    requests.push_back(comm.irecv(from_next[s].data(), sizes[s], next, tag + 1));  // backward ring
+  }
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    const int tag = static_cast<int>(2 * s);
+    requests.push_back(comm.isend(sends[s].data(), sizes[s], next, tag));
+    requests.push_back(comm.isend(sends[s].data(), sizes[s], prev, tag + 1));
+  }
+  for (auto request : requests) ASSERT_TRUE(comm.wait(request, kWait));
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    EXPECT_EQ(first_difference(from_prev[s], prev, static_cast<int>(s)), -1) << sizes[s] << " bytes from rank " << prev;
+    EXPECT_EQ(first_difference(from_next[s], next, static_cast<int>(s)), -1) << sizes[s] << " bytes from rank " << next;
+  }
+}
+
+void allgather(size_t max_message_bytes, const std::vector<size_t>& sizes) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD, kWait, max_message_bytes);
+  const int w = comm.size();
+  for (size_t s = 0; s < sizes.size(); ++s) {
+    const int salt = static_cast<int>(s);
+    const std::vector<unsigned char> in = message(comm.rank(), salt, sizes[s]);
+    std::vector<unsigned char> out(sizes[s] * static_cast<size_t>(w), 0);
+    ASSERT_TRUE(comm.wait(comm.iallgather(in.data(), out.data(), sizes[s]), kWait));
+    for (int from = 0; from < w; ++from) {
+      const std::vector<unsigned char> part(out.begin() + static_cast<int64_t>(sizes[s]) * from,
+                                            out.begin() + static_cast<int64_t>(sizes[s]) * (from + 1));
+      EXPECT_EQ(first_difference(part, from, salt), -1) << sizes[s] << " bytes of rank " << from;
+    }
+  }
+}
+
+TEST(MpiCommunicator, RankAndSizeAreTheCommunicators) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  EXPECT_EQ(comm.rank(), world_rank());
+  EXPECT_EQ(comm.size(), world_size());
+  int compare = 0;
+  MPI_Comm_compare(comm.comm(), MPI_COMM_WORLD, &compare);
+  EXPECT_EQ(compare, MPI_CONGRUENT);  // a duplicate: same group, its own context
+}
+
+TEST(MpiCommunicator, SendsAndReceivesBothWaysAroundTheRing) {
+  exchange_both_ways(size_t{1} << 30, {0, 1, 1000, (size_t{8} << 20) + 3});
+}
+
+// Messages over max_message_bytes: one element of a derived datatype (blocks and the rest);
+// here with a small limit, so that blocks, rest and none show on small buffers (the default
+// limit's case, > 2 GiB, is SDPA_MPI_TEST_HUGE=1 below).
+TEST(MpiCommunicator, SendsMessagesLargerThanTheLimitAsOneDerivedType) {
+  exchange_both_ways(1000, {0, 999, 1000, 1001, 3000, 2 * 1000 + 17, 100'000});
+}
+
+TEST(MpiCommunicator, AllGathers) { allgather(size_t{1} << 30, {0, 1, 4097, (size_t{1} << 20) + 5}); }
+
+TEST(MpiCommunicator, AllGathersMessagesLargerThanTheLimit) { allgather(1000, {1000, 1001, 2 * 1000 + 17}); }
+
+// The real thing: a message over INT_MAX bytes (2^31 + 17) each way between ranks 0 and 1,
+// 8.6 GB of memory over the two ranks: only when SDPA_MPI_TEST_HUGE=1 (not in CI).
+TEST(MpiCommunicator, SendsMoreThanTwoGigabytes) {
+  const char* huge = std::getenv("SDPA_MPI_TEST_HUGE");
+  if (world_size() < 2 || !huge || std::string(huge) != "1") GTEST_SKIP() << "SDPA_MPI_TEST_HUGE=1 with 2+ ranks";
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  const size_t bytes = (size_t{1} << 31) + 17;
+  if (comm.rank() > 1) return;
+  const int peer = 1 - comm.rank();
+  std::vector<unsigned char> send(bytes), recv(bytes, 0);
+  for (size_t i = 0; i < bytes; ++i) send[i] = pattern(comm.rank(), 0, i);
+  auto r = comm.irecv(recv.data(), bytes, peer, 0);
+  auto s = comm.isend(send.data(), bytes, peer, 0);
+  ASSERT_TRUE(comm.wait(s, 600));
+  ASSERT_TRUE(comm.wait(r, 600));
+  EXPECT_EQ(first_difference(recv, peer, 0), -1);
+}
+
+// The ring's messages never match the caller's: a message on MPI_COMM_WORLD with the same
+// source and tag, sent first, is not the one the Communicator receives.
+TEST(MpiCommunicator, ItsMessagesAreApartFromTheCallers) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  const int r = comm.rank(), w = comm.size(), next = (r + 1) % w, prev = (r + w - 1) % w;
+  const std::vector<unsigned char> users = message(r, 1, 64), rings = message(r, 2, 64);
+  std::vector<unsigned char> got(64), users_got(64);
+  MPI_Request user_send, user_recv;
+  MPI_Isend(users.data(), 64, MPI_BYTE, next, 5, MPI_COMM_WORLD, &user_send);
+  auto ring_send = comm.isend(rings.data(), 64, next, 5);
+  auto ring_recv = comm.irecv(got.data(), 64, prev, 5);
+  ASSERT_TRUE(comm.wait(ring_recv, kWait));
+  ASSERT_TRUE(comm.wait(ring_send, kWait));
+  MPI_Irecv(users_got.data(), 64, MPI_BYTE, prev, 5, MPI_COMM_WORLD, &user_recv);
+  MPI_Wait(&user_send, MPI_STATUS_IGNORE);
+  MPI_Wait(&user_recv, MPI_STATUS_IGNORE);
+  EXPECT_EQ(first_difference(got, prev, 2), -1);
+  EXPECT_EQ(first_difference(users_got, prev, 1), -1);
+}
+
+// wait's deadline: a receive that no rank sends returns false after `seconds`, not before and
+// not much after; the request is then cancelled (nothing is left to match later) and gone.
+TEST(MpiCommunicator, WaitReturnsFalseAtTheDeadline) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  const int w = comm.size(), prev = (comm.rank() + w - 1) % w;
+  unsigned char buffer[8];
+  const auto request = comm.irecv(buffer, sizeof buffer, prev, 77);
+  const double deadline = 0.3;
+  const auto t0 = Clock::now();
+  EXPECT_FALSE(comm.wait(request, deadline));
+  const double took = seconds_since(t0);
+  EXPECT_GE(took, deadline);
+  EXPECT_LT(took, deadline + 0.5);
+  EXPECT_THROW(comm.wait(request, 1.0), Error);  // abandoned: no longer a request
+  // A zero deadline tests once: a receive that has not arrived is false at once.
+  const auto again = comm.irecv(buffer, sizeof buffer, prev, 78);
+  EXPECT_FALSE(comm.wait(again, 0.0));
+  // The communicator still works (the cancelled receives matched nothing).
+  MPI_Barrier(MPI_COMM_WORLD);
+  exchange_both_ways(size_t{1} << 30, {16});
+}
+
+// An MPI error (a message longer than the receive) is an sdpa::Error naming the operation,
+// the peer and MPI's own words, not MPI's default abort.
+TEST(MpiCommunicator, MpiErrorsAreErrorsNamingThePeer) {
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  const int r = comm.rank(), w = comm.size(), next = (r + 1) % w, prev = (r + w - 1) % w;
+  const std::vector<unsigned char> send = message(r, 0, 16);
+  std::vector<unsigned char> recv(8);
+  auto s = comm.isend(send.data(), 16, next, 3);
+  auto q = comm.irecv(recv.data(), 8, prev, 3);
+  try {
+    comm.wait(q, kWait);
+    ADD_FAILURE() << "no Error for a truncated message";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("MPI_Irecv from rank " + std::to_string(prev) + " (tag 3)"), std::string::npos) << what;
+    EXPECT_NE(what.find("MPI_ERR_TRUNCATE"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(comm.wait(s, kWait));
+}
+
+TEST(MpiCommunicator, RejectsBadArguments) {
+  EXPECT_THROW(sdpa::mpi::Communicator(MPI_COMM_WORLD, 1.0, 0), Error);
+  EXPECT_THROW(sdpa::mpi::Communicator(MPI_COMM_WORLD, 1.0, size_t{1} << 31), Error);
+  EXPECT_THROW(sdpa::mpi::Communicator(MPI_COMM_WORLD, 0.0), Error);
+  EXPECT_THROW(sdpa::mpi::Communicator(MPI_COMM_NULL), Error);
+  sdpa::mpi::Communicator comm(MPI_COMM_WORLD);
+  EXPECT_THROW(comm.wait(12345, 1.0), Error);  // never started
+}
+
+// --stopped=dup: see the top of the file.
+int stopped_run(const std::string& mode) {
+  const int r = world_rank(), w = world_size();
+  if (w < 2) {
+    if (r == 0) std::printf("stopped-rank test needs 2+ ranks\n");
+    return 1;
+  }
+  const int stopped = w - 1;
+  MPI_Comm others;  // made before anything stops: the verdict's communicator
+  MPI_Comm_split(MPI_COMM_WORLD, r == stopped ? MPI_UNDEFINED : 0, r, &others);
+  const double timeout = 1.0, slack = 2.0;
+  if (r == stopped) {
+    std::this_thread::sleep_for(std::chrono::seconds(60));  // MPI_Abort ends it sooner
+    return 1;
+  }
+  int ok = 0;
+  std::string what;
+  const auto t0 = Clock::now();
+  try {
+    if (mode == "dup") {
+      sdpa::mpi::Communicator comm(MPI_COMM_WORLD, timeout);
+      what = "no Error";
+    } else {
+      what = "unknown mode --stopped=" + mode;
+    }
+  } catch (const Error& e) {
+    what = e.what();
+    const double took = seconds_since(t0);
+    ok = took >= timeout && took < timeout + slack && what.find("did not complete within") != std::string::npos;
+    what += " (after " + std::to_string(took) + " s)";
+  }
+  std::printf("rank %d: %s: %s\n", r, ok ? "ok" : "FAILED", what.c_str());
+  std::fflush(stdout);
+  int all = 0;
+  MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, others);
+  if (r == 0) {
+    std::printf("stopped-rank test (%s, %d ranks, rank %d stopped): %s\n", mode.c_str(), w, stopped,
+                all ? "PASSED" : "FAILED");
+    std::fflush(stdout);
+    MPI_Abort(MPI_COMM_WORLD, all ? 0 : 1);  // MPI is undefined after a timeout: end the job
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(60));  // rank 0's MPI_Abort ends it
+  return 1;
+}
+
+// Ranks other than 0 print only their failures, prefixed with their rank.
+class FailurePrinter : public testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.summary());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--stopped=", 10) == 0) return stopped_run(argv[i] + 10);
+  }
+  testing::InitGoogleTest(&argc, argv);
+  if (world_rank() != 0) {
+    auto& listeners = testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(world_rank()));
+  }
+  const int failed = RUN_ALL_TESTS();
+  MPI_Finalize();
+  return failed;
+}
