@@ -71,7 +71,8 @@ class Communicator final : public sdpa::Communicator {
     int peer;               // -1 for a collective
     int tag;
   };
-  Request start(MPI_Request request, const char* operation, int peer, int tag);
+  // A started operation's handle, or the Error of its MPI call's code.
+  Request start(int code, MPI_Request request, const char* operation, int peer, int tag);
   [[noreturn]] void fail(int code, const char* operation, int peer, int tag) const;
 
   MPI_Comm comm_ = MPI_COMM_NULL;

@@ -50,8 +50,13 @@ Message message(size_t bytes, size_t max_bytes) {
   return {1, resized, true};
 }
 
-void release(Message& m) {
+// call(count, type): an MPI call that starts an operation on the message; its error code.
+template <typename Call>
+int with_message(size_t bytes, size_t max_bytes, Call call) {
+  Message m = message(bytes, max_bytes);
+  const int code = call(m.count, m.type);
   if (m.owned) MPI_Type_free(&m.type);
+  return code;
 }
 
 }  // namespace
@@ -77,11 +82,10 @@ Communicator::Communicator(MPI_Comm comm, double timeout_seconds, size_t max_mes
   // never joins is the deadline's.
   MPI_Comm duplicate = MPI_COMM_NULL;
   MPI_Request request;
-  int code = MPI_Comm_idup(comm, &duplicate, &request);
-  if (code != MPI_SUCCESS) fail(code, "MPI_Comm_idup", -1, -1);
+  const int code = MPI_Comm_idup(comm, &duplicate, &request);
   MPI_Comm_rank(comm, &rank_);
   MPI_Comm_size(comm, &size_);
-  if (!wait(start(request, "MPI_Comm_idup", -1, -1), timeout_seconds)) {
+  if (!wait(start(code, request, "MPI_Comm_idup", -1, -1), timeout_seconds)) {
     throw Error("sdpa::mpi::Communicator: rank " + std::to_string(rank_) + ": MPI_Comm_idup of a communicator of " +
                 std::to_string(size_) +
                 " ranks did not complete within " + std::to_string(timeout_seconds) +
@@ -97,7 +101,8 @@ Communicator::~Communicator() {
   if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
 }
 
-Communicator::Request Communicator::start(MPI_Request request, const char* operation, int peer, int tag) {
+Communicator::Request Communicator::start(int code, MPI_Request request, const char* operation, int peer, int tag) {
+  if (code != MPI_SUCCESS) fail(code, operation, peer, tag);
   const Request handle = next_++;
   pending_.emplace(handle, Pending{request, operation, peer, tag});
   return handle;
@@ -111,30 +116,27 @@ void Communicator::fail(int code, const char* operation, int peer, int tag) cons
 }
 
 Communicator::Request Communicator::isend(const void* data, size_t bytes, int to, int tag) {
-  Message m = message(bytes, max_message_bytes_);
   MPI_Request request;
-  const int code = MPI_Isend(data, m.count, m.type, to, tag, comm_, &request);
-  release(m);
-  if (code != MPI_SUCCESS) fail(code, "MPI_Isend to", to, tag);
-  return start(request, "MPI_Isend to", to, tag);
+  const int code = with_message(bytes, max_message_bytes_, [&](int count, MPI_Datatype type) {
+    return MPI_Isend(data, count, type, to, tag, comm_, &request);
+  });
+  return start(code, request, "MPI_Isend to", to, tag);
 }
 
 Communicator::Request Communicator::irecv(void* data, size_t bytes, int from, int tag) {
-  Message m = message(bytes, max_message_bytes_);
   MPI_Request request;
-  const int code = MPI_Irecv(data, m.count, m.type, from, tag, comm_, &request);
-  release(m);
-  if (code != MPI_SUCCESS) fail(code, "MPI_Irecv from", from, tag);
-  return start(request, "MPI_Irecv from", from, tag);
+  const int code = with_message(bytes, max_message_bytes_, [&](int count, MPI_Datatype type) {
+    return MPI_Irecv(data, count, type, from, tag, comm_, &request);
+  });
+  return start(code, request, "MPI_Irecv from", from, tag);
 }
 
 Communicator::Request Communicator::iallgather(const void* in, void* out, size_t bytes) {
-  Message m = message(bytes, max_message_bytes_);
   MPI_Request request;
-  const int code = MPI_Iallgather(in, m.count, m.type, out, m.count, m.type, comm_, &request);
-  release(m);
-  if (code != MPI_SUCCESS) fail(code, "MPI_Iallgather", -1, -1);
-  return start(request, "MPI_Iallgather", -1, -1);
+  const int code = with_message(bytes, max_message_bytes_, [&](int count, MPI_Datatype type) {
+    return MPI_Iallgather(in, count, type, out, count, type, comm_, &request);
+  });
+  return start(code, request, "MPI_Iallgather", -1, -1);
 }
 
 bool Communicator::wait(Request request, double seconds) {
@@ -185,6 +187,19 @@ bool Communicator::wait(Request request, double seconds) {
   }
   pending_.erase(it);
   return false;
+}
+
+void ring_attention(MPI_Comm comm, const Inputs& inputs, const Outputs& outputs, const Options& options,
+                    const RingOptions& ring) {
+  Communicator communicator(comm, ring.timeout_seconds);
+  sdpa::ring_attention(communicator, inputs, outputs, options, ring);
+}
+
+void ring_attention_backward(MPI_Comm comm, const Inputs& inputs, const TensorView& out, const TensorView& lse,
+                             const TensorView& dout, const Gradients& grads, const Options& options,
+                             const RingOptions& ring) {
+  Communicator communicator(comm, ring.timeout_seconds);
+  sdpa::ring_attention_backward(communicator, inputs, out, lse, dout, grads, options, ring);
 }
 
 }  // namespace sdpa::mpi

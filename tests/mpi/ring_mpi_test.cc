@@ -1,11 +1,20 @@
 // sdpa::mpi (sdpa/mpi.h) under mpirun: the Communicator's primitives, then ring attention over
-// MPI against the one-process call. Every rank runs the same tests in the same order (the same
-// arguments on every rank); each rank prints its own failures, rank 0 GoogleTest's report.
+// MPI. Every rank runs the same tests in the same order (the same arguments on every rank);
+// each rank prints its own failures, rank 0 GoogleTest's report.
+//
+// The ring over MPI must give, on every rank, the bits the same ring gives over the in-process
+// communicator (tests/ring_local.h, W threads of this process): the transport only moves bytes.
+// Those bits are checked against kReference on the whole sequence under the tolerance rule, and
+// against the documented order of pairs and merges, by tests/ring_test.cc.
 //
 //   ring_mpi_test [gtest flags]       the tests (tests/mpi/CMakeLists.txt: W = 1, 2, 3, 4)
 //   ring_mpi_test --stopped=dup       rank W - 1 stops (sleeps instead of calling): the others'
 //                                     Communicator constructor (MPI_Comm_idup) must throw
 //                                     within its timeout + slack
+//   ring_mpi_test --stopped=ring      the same in the ring's first collective (a Communicator
+//                                     made before the rank stops): sdpa::ring_attention throws
+//                                     on the others within RingOptions::timeout_seconds + slack,
+//                                     naming the all-gather, with nothing written
 // A stopped run leaves MPI undefined (sdpa/mpi.h), so it is a run of its own: the ranks that
 // saw the Error agree on a verdict over a communicator of their own, and rank 0 ends the job
 // with MPI_Abort(verdict) (errorcode 0 is mpirun's exit status 0), as a program should.
@@ -16,16 +25,24 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "ring_local.h"
 #include "sdpa/mpi.h"
+#include "sdpa/ring.h"
+#include "test_util.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 using sdpa::Error;
+using sdpa::RingLayout;
+using sdpa_test::DType;
+using sdpa_test::GuardedTensor;
 
 int world_rank() {
   int r = 0;
@@ -219,7 +236,136 @@ TEST(MpiCommunicator, RejectsBadArguments) {
   EXPECT_THROW(comm.wait(12345, 1.0), Error);  // never started
 }
 
-// --stopped=dup: see the top of the file.
+// ---- Ring attention over MPI ----------------------------------------------------------------
+
+// The rows of t (B, H, N, D) at `chunks`' positions, in order: a rank's shard.
+GuardedTensor shard_of(const GuardedTensor& t, const std::vector<sdpa::RingChunk>& chunks) {
+  std::vector<int64_t> shape = t.shape();
+  const int64_t N = shape[2], D = shape[3], outer = shape[0] * shape[1];
+  const std::vector<double> all = t.values();
+  std::vector<double> part;
+  for (int64_t o = 0; o < outer; ++o)
+    for (const sdpa::RingChunk& c : chunks)
+      part.insert(part.end(), all.begin() + (o * N + c.start) * D, all.begin() + (o * N + c.start + c.length) * D);
+  shape[2] = 0;
+  for (const sdpa::RingChunk& c : chunks) shape[2] += c.length;
+  return sdpa_test::tensor(t.dtype(), shape, part);
+}
+
+struct Shard {
+  GuardedTensor q, k, v, out, lse;
+  sdpa::Inputs inputs() const { return {q.view(), k.view(), v.view()}; }
+  sdpa::Outputs outputs() const {
+    sdpa::Outputs o;
+    o.out = out.view();
+    o.lse = lse.view();
+    return o;
+  }
+};
+
+struct RingCase {
+  RingLayout layout;
+  sdpa::Causal causal;
+  DType dtype;
+  int64_t n_local;
+};
+
+// Rank `rank`'s shard of one whole problem: (1, 4, N, 8) queries, (1, 2, N, 8) keys (GQA),
+// (1, 2, N, 12) values, from a seed every rank shares.
+Shard make_shard(const RingCase& c, int world, int rank, int64_t dk_change = 0) {
+  const int64_t N = world * c.n_local;
+  const sdpa_test::Tensors t = sdpa_test::random_qkv(c.dtype, {1, 4, N, 8}, {1, 2, N, 8}, {1, 2, N, 12}, 29);
+  const auto chunks = sdpa::ring_chunks(c.layout, world, rank, c.n_local);
+  Shard s{shard_of(t.q, chunks), shard_of(t.k, chunks), shard_of(t.v, chunks),
+          GuardedTensor(c.dtype, {1, 4, c.n_local, 12}), GuardedTensor(sdpa_test::compute_dtype(c.dtype), {1, 4, c.n_local})};
+  if (dk_change) {  // a wrong Dk on this rank: q and k (1, H, n, 8 + dk_change)
+    s.q = GuardedTensor(c.dtype, {1, 4, c.n_local, 8 + dk_change});
+    s.k = GuardedTensor(c.dtype, {1, 2, c.n_local, 8 + dk_change});
+    std::mt19937 rng(3);
+    sdpa_test::fill_normal(s.q, rng);
+    sdpa_test::fill_normal(s.k, rng);
+  }
+  return s;
+}
+
+std::string case_name(const RingCase& c) {
+  return std::string(c.layout == RingLayout::kZigzag ? "zigzag" : "contiguous") +
+         (c.causal == sdpa::Causal::kNone ? "" : " causal") + " " + sdpa::dtype_name(c.dtype) + " n_local " +
+         std::to_string(c.n_local);
+}
+
+const RingCase kRingCases[] = {
+    {RingLayout::kZigzag, sdpa::Causal::kNone, DType::kFloat32, 10},
+    {RingLayout::kZigzag, sdpa::Causal::kTopLeft, DType::kFloat32, 10},
+    {RingLayout::kZigzag, sdpa::Causal::kBottomRight, DType::kBFloat16, 12},
+    {RingLayout::kZigzag, sdpa::Causal::kNone, DType::kBFloat16, 2},
+    {RingLayout::kContiguous, sdpa::Causal::kNone, DType::kFloat32, 9},
+    {RingLayout::kContiguous, sdpa::Causal::kTopLeft, DType::kFloat32, 1},
+    {RingLayout::kContiguous, sdpa::Causal::kTopLeft, DType::kBFloat16, 9},
+    {RingLayout::kContiguous, sdpa::Causal::kNone, DType::kBFloat16, 13},
+};
+
+// Forward: over MPI (sdpa::mpi::ring_attention on MPI_COMM_WORLD, and sdpa::ring_attention on a
+// Communicator kept for two calls) the bits of the in-process ring, on every rank, twice.
+TEST(MpiRing, ForwardGivesTheInProcessRingsBits) {
+  sdpa::set_num_threads(1);
+  const int W = world_size(), r = world_rank();
+  sdpa::mpi::Communicator kept(MPI_COMM_WORLD);
+  for (const RingCase& c : kRingCases) {
+    SCOPED_TRACE(case_name(c) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
+    sdpa::Options o;
+    o.causal = c.causal;
+    const sdpa::RingOptions ring{c.layout, kWait};
+    Shard mpi = make_shard(c, W, r);
+    sdpa::mpi::ring_attention(MPI_COMM_WORLD, mpi.inputs(), mpi.outputs(), o, ring);
+    // The in-process ring: every rank's shard, W threads; this rank's outputs.
+    std::vector<Shard> local;
+    for (int i = 0; i < W; ++i) local.push_back(make_shard(c, W, i));
+    sdpa_test::LocalWorld world(W);
+    const auto errors = world.run([&](int i, sdpa::Communicator& comm) {
+      sdpa::ring_attention(comm, local[static_cast<size_t>(i)].inputs(), local[static_cast<size_t>(i)].outputs(), o, ring);
+    });
+    for (const auto& e : errors) ASSERT_FALSE(e) << "the in-process ring threw";
+    const Shard& mine = local[static_cast<size_t>(r)];
+    EXPECT_TRUE(mpi.out.guards_intact());
+    EXPECT_TRUE(mpi.lse.guards_intact());
+    EXPECT_TRUE(sdpa_test::all_close("out", mpi.out.values(), mine.out.values(), 0));
+    EXPECT_TRUE(sdpa_test::all_close("lse", mpi.lse.values(), mine.lse.values(), 0));
+    // Repeatable bit for bit, twice on one kept Communicator.
+    for (int again = 0; again < 2; ++again) {
+      Shard second = make_shard(c, W, r);
+      sdpa::ring_attention(kept, second.inputs(), second.outputs(), o, ring);
+      EXPECT_TRUE(sdpa_test::all_close("out (again)", second.out.values(), mpi.out.values(), 0));
+      EXPECT_TRUE(sdpa_test::all_close("lse (again)", second.lse.values(), mpi.lse.values(), 0));
+    }
+  }
+  sdpa::set_num_threads(0);
+}
+
+// One rank's q and k have another Dk: every rank throws the same Error (the collective check,
+// before any block moves), names that rank, and writes nothing; MPI stays usable.
+TEST(MpiRing, AShapeMismatchOnOneRankIsTheSameErrorOnEveryRank) {
+  const int W = world_size(), r = world_rank();
+  if (W < 2) GTEST_SKIP() << "needs 2+ ranks";
+  const RingCase c = {RingLayout::kZigzag, sdpa::Causal::kTopLeft, DType::kFloat32, 4};
+  Shard s = make_shard(c, W, r, r == W - 1 ? 8 : 0);
+  std::string what = "no Error";
+  try {
+    sdpa::mpi::ring_attention(MPI_COMM_WORLD, s.inputs(), s.outputs(), {}, {c.layout, kWait});
+  } catch (const Error& e) {
+    what = e.what();
+  }
+  EXPECT_NE(what.find("rank " + std::to_string(W - 1)), std::string::npos) << what;
+  EXPECT_TRUE(s.out.untouched());
+  EXPECT_TRUE(s.lse.untouched());
+  // The same message on every rank: rank 0's, broadcast, against each rank's own.
+  std::vector<char> first(1024, 0);
+  std::strncpy(first.data(), what.c_str(), first.size() - 1);
+  MPI_Bcast(first.data(), static_cast<int>(first.size()), MPI_CHAR, 0, MPI_COMM_WORLD);
+  EXPECT_EQ(std::string(first.data()), what.substr(0, first.size() - 1));
+}
+
+// --stopped=dup and --stopped=ring: see the top of the file.
 int stopped_run(const std::string& mode) {
   const int r = world_rank(), w = world_size();
   if (w < 2) {
@@ -229,6 +375,9 @@ int stopped_run(const std::string& mode) {
   const int stopped = w - 1;
   MPI_Comm others;  // made before anything stops: the verdict's communicator
   MPI_Comm_split(MPI_COMM_WORLD, r == stopped ? MPI_UNDEFINED : 0, r, &others);
+  // --stopped=ring: the ring's Communicator, made while every rank still runs.
+  std::unique_ptr<sdpa::mpi::Communicator> comm;
+  if (mode == "ring") comm = std::make_unique<sdpa::mpi::Communicator>(MPI_COMM_WORLD);
   const double timeout = 1.0, slack = 2.0;
   if (r == stopped) {
     std::this_thread::sleep_for(std::chrono::seconds(60));  // MPI_Abort ends it sooner
@@ -236,10 +385,17 @@ int stopped_run(const std::string& mode) {
   }
   int ok = 0;
   std::string what;
-  const auto t0 = Clock::now();
+  auto t0 = Clock::now();
+  std::unique_ptr<Shard> shard;
   try {
     if (mode == "dup") {
       sdpa::mpi::Communicator comm(MPI_COMM_WORLD, timeout);
+      what = "no Error";
+    } else if (mode == "ring") {
+      const RingCase c = {RingLayout::kZigzag, sdpa::Causal::kTopLeft, DType::kFloat32, 4};
+      shard = std::make_unique<Shard>(make_shard(c, w, r));
+      t0 = Clock::now();
+      sdpa::ring_attention(*comm, shard->inputs(), shard->outputs(), {}, {c.layout, timeout});
       what = "no Error";
     } else {
       what = "unknown mode --stopped=" + mode;
@@ -247,7 +403,9 @@ int stopped_run(const std::string& mode) {
   } catch (const Error& e) {
     what = e.what();
     const double took = seconds_since(t0);
-    ok = took >= timeout && took < timeout + slack && what.find("did not complete within") != std::string::npos;
+    const char* expected = mode == "dup" ? "did not complete within" : "for the all-gather of the ranks' arguments";
+    ok = took >= timeout && took < timeout + slack && what.find(expected) != std::string::npos &&
+         (!shard || (shard->out.untouched() && shard->lse.untouched()));
     what += " (after " + std::to_string(took) + " s)";
   }
   std::printf("rank %d: %s: %s\n", r, ok ? "ok" : "FAILED", what.c_str());
