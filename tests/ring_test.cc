@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -290,6 +291,306 @@ TEST_F(Ring, ForwardMatchesWhole) {
     SCOPED_TRACE("kFast bfloat16");
     check_forward(c, kBF16);
   }
+}
+
+// ---- Backward ----
+
+// The ranks' gradients, each rank's shards of the whole problem's out, lse (kAuto's) and dout.
+struct RankGrads {
+  GuardedTensor out, lse, dout;
+  Grads g;
+  GuardedTensor dalibi, dsinks;
+};
+
+void check_backward(const RingCase& c, DType dt) {
+  const int64_t N = c.W * c.n_local;
+  Tensors inputs = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 23);
+  const CaseOptions co(c, 6);
+  const Options& o = co.o;
+  const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
+  const Tensors& t = whole.t;
+  std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
+  const auto run_ring = [&] {
+    std::vector<RankGrads> rg;
+    for (const RankData& d : ranks) {
+      rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
+                    Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
+                    GuardedTensor(kF64, {c.Hq}), GuardedTensor(kF32, {c.Hq})});
+    }
+    LocalWorld world(c.W);
+    const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      RankGrads& x = rg[static_cast<size_t>(r)];
+      sdpa::Gradients g = x.g.gradients();
+      if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
+      if (o.sinks) g.dsinks = x.dsinks.view();
+      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
+                                    x.dout.view(), g, o, {c.layout, 30.0});
+    });
+    for (size_t r = 0; r < errors.size(); ++r) {
+      if (!errors[r]) continue;
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+      EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+    }
+    return rg;
+  };
+  const std::vector<RankGrads> rg = run_ring();
+  // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
+  const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
+  GradValues got;
+  got.g[0].resize(static_cast<size_t>(t.q.numel())), got.g[1].resize(static_cast<size_t>(t.k.numel())),
+      got.g[2].resize(static_cast<size_t>(t.v.numel()));
+  std::vector<double> dalibi(static_cast<size_t>(c.Hq), 0.0), dsinks(static_cast<size_t>(c.Hq), 0.0);
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(rg[r].g.guards_intact());
+    const GradValues v = values(rg[r].g);
+    for (int x = 0; x < 3; ++x) place(got.g[x], N, v.g[x], c.n_local, width[x], ranks[r].chunks);
+    if (o.alibi_slopes) {
+      const std::vector<double> a = rg[r].dalibi.values();
+      for (size_t h = 0; h < a.size(); ++h) dalibi[h] += a[h];
+    }
+    if (o.sinks) {
+      const std::vector<double> a = rg[r].dsinks.values();
+      for (size_t h = 0; h < a.size(); ++h) dsinks[h] += a[h];
+    }
+  }
+  // Against kReference under the backward's rule, plus the ring's sums: dq sums P pair terms
+  // (P key chunks), dk and dv P terms (one per query chunk of the sequence), one after the other
+  // in the compute type: P - 1 additions each erring by at most u times the sum of the terms'
+  // sizes, which the pairs' own terms bound: per element of dq, |scale| Σ_j p_ij (|z dP_ij| +
+  // |D_i|) |k_j| <= |scale| Dv max|dout| (max|v| / (1 - p) + max|out|) max|k| (Σ_j p_ij <= 1);
+  // of dk the same with max|q| over the group · N rows that read a key (each p <= 1); of dv
+  // Σ_i |z| p_ij |dout_i| <= group N max|dout| / (1 - p).
+  Expected e;
+  ASSERT_TRUE(expected(whole, o, e));
+  const double u = eps(compute_dtype(dt)) / 2, P = static_cast<double>(c.layout == kZig ? 2 * c.W : c.W);
+  const double z = 1 / (1 - o.dropout_p), scale = 1 / std::sqrt(static_cast<double>(c.Dk));
+  const double dmax = max_abs_finite(whole.dout.values()), vmax = max_abs_finite(t.v.values()),
+               omax = max_abs_finite(whole.out.values()), kmax = max_abs_finite(t.k.values()),
+               qmax = max_abs_finite(t.q.values());
+  const double rows = static_cast<double>(c.Hq / c.Hkv * N);
+  const double term = scale * static_cast<double>(c.Dv) * dmax * (vmax * z + omax);
+  const double sums[3] = {term * kmax, term * qmax * rows, rows * dmax * z};
+  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g[x], e.ref.g[x], e.tol[x] + (P - 1) * u * sums[x]));
+  // dalibi_slopes and dsinks (float32: kNaive's error is measured in float32) as positions_test
+  // checks the pairs' sums: 2 |kNaive - kReference| of the whole call + 4 eps max(1, max|ref|).
+  if (dt == kF32 && (o.alibi_slopes || o.sinks)) {
+    const auto modifiers = [&](sdpa::Backend backend) {
+      Options ro = o;
+      ro.backend = backend;
+      Grads g = empty_grads(t, Layout::kContiguous);
+      sdpa::Gradients grads = g.gradients();
+      GuardedTensor da(kF64, {c.Hq}), ds(kF64, {c.Hq});
+      if (o.alibi_slopes) grads.dalibi_slopes = da.view();
+      if (o.sinks) grads.dsinks = ds.view();
+      sdpa::attention_backward(t.inputs(), whole.out.view(), whole.lse.view(), whole.dout.view(), grads, ro);
+      return std::pair{da.values(), ds.values()};
+    };
+    const auto ref = modifiers(sdpa::Backend::kReference), naive = modifiers(sdpa::Backend::kNaive);
+    const auto check = [](const char* what, const std::vector<double>& g, const std::vector<double>& want,
+                          const std::vector<double>& yardstick) {
+      double err = 0;
+      for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::abs(yardstick[i] - want[i]));
+      EXPECT_TRUE(all_near(what, g, want, 2 * err + 4 * eps(kF32) * std::max(1.0, max_abs_finite(want))));
+    };
+    if (o.alibi_slopes) check("dalibi_slopes", dalibi, ref.first, naive.first);
+    if (o.sinks) check("dsinks", dsinks, ref.second, naive.second);
+  }
+  // Repeatable bit for bit.
+  const std::vector<RankGrads> again = run_ring();
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
+    if (o.alibi_slopes) {
+      EXPECT_TRUE(all_close("dalibi (second run)", again[r].dalibi.values(), rg[r].dalibi.values(), 0));
+    }
+    if (o.sinks) {
+      EXPECT_TRUE(all_close("dsinks (second run)", again[r].dsinks.values(), rg[r].dsinks.values(), 0));
+    }
+  }
+}
+
+TEST_F(Ring, BackwardMatchesWhole) {
+  for (const RingCase& c : kCases) {
+    for (DType dt : {kF32, kF64, kBF16}) {
+      SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
+      check_backward(c, dt);
+    }
+  }
+  RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
+  SCOPED_TRACE("float16");
+  check_backward(c, kF16);
+}
+
+// ---- Failures: every rank throws, nothing is written ----
+
+// Each rank's exception message ("" when it returned).
+std::vector<std::string> messages(const std::vector<std::exception_ptr>& errors) {
+  std::vector<std::string> m;
+  for (const auto& e : errors) {
+    std::string what;
+    if (e) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const sdpa::Error& x) {
+        what = x.what();
+      } catch (const std::exception& x) {
+        what = std::string("not an sdpa::Error: ") + x.what();
+      }
+    }
+    m.push_back(what);
+  }
+  return m;
+}
+
+// W ranks of a small float32 problem; `edit` changes rank r's call before it runs.
+struct FailureRun {
+  std::vector<RankData> ranks;
+  std::vector<std::string> errors;
+  std::vector<double> seconds;
+};
+FailureRun run_failing(int W, int64_t n_local, const std::function<void(LocalWorld&)>& setup,
+                       const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit) {
+  const int64_t N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  FailureRun f{shards(t, W, kCont, kF32), {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
+  LocalWorld world(W);
+  setup(world);
+  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+    RankData& d = f.ranks[static_cast<size_t>(r)];
+    sdpa::Inputs in{d.q.view(), d.k.view(), d.v.view()};
+    Options o;
+    o.causal = Causal::kTopLeft;
+    sdpa::RingOptions ring{kCont, 0.5};
+    edit(r, in, o, ring);
+    sdpa::Outputs out;
+    out.out = d.out.view();
+    out.lse = d.lse.view();
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      sdpa::ring_attention(comm, in, out, o, ring);
+    } catch (...) {
+      f.seconds[static_cast<size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      throw;
+    }
+  });
+  f.errors = messages(errors);
+  return f;
+}
+
+TEST_F(Ring, MismatchIsTheSameErrorOnEveryRank) {
+  // Rank 2 with another scale; rank 1 with another N_local (its own shard cut shorter).
+  const FailureRun a = run_failing(3, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    if (r == 2) o.scale = 0.25;
+  });
+  for (size_t r = 0; r < a.errors.size(); ++r) {
+    EXPECT_NE(a.errors[r].find("rank 2's arguments differ from rank 0's"), std::string::npos) << a.errors[r];
+    EXPECT_NE(a.errors[r].find("scale: default on rank 0, 0.25 on rank 2"), std::string::npos) << a.errors[r];
+    EXPECT_EQ(a.errors[r], a.errors[0]);
+    EXPECT_TRUE(a.ranks[r].out.untouched());
+    EXPECT_TRUE(a.ranks[r].lse.untouched());
+  }
+  const FailureRun b = run_failing(4, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.q.shape[2] = in.k.shape[2] = in.v.shape[2] = 4;
+  });
+  for (size_t r = 0; r < b.errors.size(); ++r) {
+    EXPECT_EQ(b.errors[r], b.errors[0]);
+    EXPECT_TRUE(b.ranks[r].out.untouched());
+  }
+  // Rank 1's out no longer matches its q: it refuses locally, and every rank says so.
+  EXPECT_NE(b.errors[0].find("rank 1 refused its arguments"), std::string::npos) << b.errors[0];
+  // The layout: another N_local with matching outputs is a difference of q's shape.
+  const FailureRun c = run_failing(2, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions& ring) {
+    if (r == 1) ring.layout = kZig;
+    (void)o;
+  });
+  for (const std::string& e : c.errors) EXPECT_NE(e.find("RingOptions::layout: kContiguous on rank 0, kZigzag on rank 1"), std::string::npos) << e;
+}
+
+TEST_F(Ring, StoppedRankTimesOut) {
+  // Rank 1 never sends a block: rank 2 gives up on it after 0.5 s naming it; the others, waiting
+  // on ranks that gave up, within one deadline per step.
+  const int W = 4;
+  const FailureRun f = run_failing(W, 5, [](LocalWorld& w) { w.stop_sends(1, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(f.errors[2].find("ring_attention: rank 2 waited 0.5 s for the block of rank 1 at step 1 from rank 1: no message"),
+            std::string::npos)
+      << f.errors[2];
+  EXPECT_LT(f.seconds[2], 0.5 + 0.4);
+  EXPECT_GE(f.seconds[2], 0.5);
+  for (int r = 0; r < W; ++r) {
+    if (r == 1) continue;
+    EXPECT_NE(f.errors[static_cast<size_t>(r)].find("no message (a peer died, stopped or is slower than timeout_seconds)"),
+              std::string::npos)
+        << "rank " << r << ": " << f.errors[static_cast<size_t>(r)];
+    EXPECT_LT(f.seconds[static_cast<size_t>(r)], (W - 1) * 0.5 + 0.4) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].out.untouched()) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].lse.untouched()) << "rank " << r;
+  }
+  // A rank that never joins: the all-gather's deadline.
+  const FailureRun g = run_failing(2, 4, [](LocalWorld& w) { w.stop_allgathers(0); w.stop_sends(0, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(g.errors[1].find("rank 1 waited 0.5 s for the all-gather of the ranks' arguments"), std::string::npos)
+      << g.errors[1];
+  EXPECT_TRUE(g.ranks[1].out.untouched());
+}
+
+TEST_F(Ring, Refusals) {
+  const auto refused = [](const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit,
+                          const std::string& why) {
+    const FailureRun f = run_failing(2, 4, [](LocalWorld&) {}, edit);
+    for (size_t r = 0; r < f.errors.size(); ++r) {
+      EXPECT_NE(f.errors[r].find(why), std::string::npos) << "rank " << r << ": " << f.errors[r];
+      EXPECT_TRUE(f.ranks[r].out.untouched());
+    }
+  };
+  const GuardedTensor mask(DType::kBool, {4, 4});
+  std::vector<int64_t> lengths = {4};
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) { if (r == 0) in.mask = mask.view(); },
+          "rank 0 refused its arguments: ring_attention: Inputs::mask is not supported");
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {1});
+  }, "Inputs::seqlens_k is not supported");
+  refused([](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { o.q_start = 0, o.k_start = 0; },
+          "Options::q_start and k_start must not be set");
+  refused([](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { if (r == 1) o.dropout_p = 0.5; },
+          "needs a seed");
+  // kZigzag with an odd N_local: ring_chunks' Error, on every rank.
+  const FailureRun z = run_failing(2, 5, [](LocalWorld&) {}, [](int, sdpa::Inputs&, Options&, sdpa::RingOptions& ring) {
+    ring.layout = kZig;
+  });
+  for (const std::string& e : z.errors) EXPECT_NE(e.find("kZigzag needs an even N_local"), std::string::npos) << e;
+  // A block mask too small for the whole sequence (8 positions: 2 blocks of 4 needed; rank 0's
+  // own rows need only 1).
+  const GuardedTensor small(DType::kBool, {1, 1});
+  refused([&](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    o.block_mask = small.view(), o.block_q = 4, o.block_k = 4;
+  }, "block_mask has shape (1, 1)");
+  // Outputs the ring refuses, and a timeout that is not > 0 (no collective: the rank's own Error).
+  LocalWorld world(1);
+  const Tensors t = random_qkv(kF32, {1, 2, 4, 4}, {1, 2, 4, 4}, {1, 2, 4, 4}, 3);
+  GuardedTensor out(kF32, {1, 2, 4, 4}), weights(kF32, {1, 2, 4, 4});
+  sdpa::Outputs o;
+  o.out = out.view();
+  o.weights = weights.view();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 1.0}); },
+                    {"Outputs::weights is not supported"});
+  o.weights.reset();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 0.0}); },
+                    {"timeout_seconds=0", "> 0"});
+  EXPECT_TRUE(out.untouched());
+  // The backward: dbias, and lse missing.
+  Grads g = empty_grads(t, Layout::kContiguous);
+  sdpa::Gradients grads = g.gradients();
+  GuardedTensor dbias(kF32, {4, 4}), lse(kF32, {1, 2, 4});
+  grads.dbias = dbias.view();
+  expect_sdpa_error([&] {
+    sdpa::ring_attention_backward(world.comm(0), t.inputs(), out.view(), lse.view(), out.view(), grads, {}, {kCont, 1.0});
+  }, {"Gradients::dbias is not supported"});
+  EXPECT_TRUE(g.untouched());
 }
 
 TEST_F(Ring, Chunks) {

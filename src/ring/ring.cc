@@ -407,15 +407,16 @@ constexpr DType dtype_of() {
   return sizeof(T) == 8 ? DType::kFloat64 : DType::kFloat32;
 }
 
-// dst rows [first, first + n) of dim n_dim (a C-order (lead..., N, D) buffer of N rows) += src
-// (lead..., n, D), both T.
+// dst's rows [first, first + n) += src's rows [0, n), each a C-order (lead..., rows, D) array of T
+// (dst of N rows, src of src_rows).
 template <typename T>
-void add_rows(std::vector<T>& dst, int64_t N, int64_t first, const std::vector<T>& src, int64_t n, int64_t D) {
+void add_rows(std::vector<T>& dst, int64_t N, int64_t first, const std::vector<T>& src, int64_t n, int64_t src_rows,
+              int64_t D) {
   if (n == 0 || D == 0) return;
-  const int64_t lead = static_cast<int64_t>(src.size()) / (n * D);
+  const int64_t lead = static_cast<int64_t>(src.size()) / (src_rows * D);
   for (int64_t l = 0; l < lead; ++l) {
     T* d = dst.data() + (l * N + first) * D;
-    const T* s = src.data() + l * n * D;
+    const T* s = src.data() + l * src_rows * D;
     for (int64_t e = 0; e < n * D; ++e) d[e] += s[e];
   }
 }
@@ -486,6 +487,143 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
   merge_attention(whole, outputs.out, outputs.lse ? *outputs.lse : acc_l);
 }
 
+
+// The backward's message of a block's gradients: dk and dv (C order, T), then the first failure
+// any rank it passed met ({rank + 1, message}; 0: none), so that a rank whose part is missing
+// from a sum makes every owner of such a sum throw.
+struct Failure {
+  int32_t rank_plus_1 = 0;
+  char message[380] = {};
+};
+
+template <typename T>
+struct GradBlock {
+  std::vector<std::byte> bytes;
+  size_t dk_n = 0, dv_n = 0;
+  GradBlock(size_t dk, size_t dv) : bytes((dk + dv) * sizeof(T) + sizeof(Failure)), dk_n(dk), dv_n(dv) {}
+  T* dk() { return reinterpret_cast<T*>(bytes.data()); }
+  T* dv() { return dk() + dk_n; }
+  Failure* failure() { return reinterpret_cast<Failure*>(bytes.data() + (dk_n + dv_n) * sizeof(T)); }
+  // += a rank's local contributions (T arrays of the same sizes).
+  void add(const std::vector<T>& dk_local, const std::vector<T>& dv_local) {
+    for (size_t i = 0; i < dk_n; ++i) dk()[i] += dk_local[i];
+    for (size_t i = 0; i < dv_n; ++i) dv()[i] += dv_local[i];
+  }
+};
+
+template <typename T>
+void backward(Communicator& comm, const Shard& sh, const Inputs& in, const TensorView& out, const TensorView& lse,
+              const TensorView& dout, const Gradients& grads, const Options& o, const RingOptions& ring) {
+  const int W = comm.size(), r = comm.rank();
+  const int nd = sh.n_dim, R = sh.rank_dims;
+  const DType ct = dtype_of<T>();
+  const int64_t Dk = in.q.shape[R - 1], Dv = in.v.shape[R - 1], N = sh.n_local;
+  int64_t max_len = 0;
+  for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
+  const std::vector<int64_t> q_shape(in.q.shape, in.q.shape + R), k_shape(in.k.shape, in.k.shape + R),
+      v_shape(in.v.shape, in.v.shape + R);
+  std::vector<int64_t> dq_part_shape = q_shape, dk_part_shape = k_shape, dv_part_shape = v_shape;
+  dq_part_shape[static_cast<size_t>(nd)] = dk_part_shape[static_cast<size_t>(nd)] =
+      dv_part_shape[static_cast<size_t>(nd)] = max_len;
+  // dq: this rank's, summed over the pairs; dk, dv: this step's block, this rank's pairs summed
+  // (added to the travelling sums after the compute); a pair's gradients.
+  std::vector<T> dq(numel(q_shape), T(0)), dk_local(numel(k_shape)), dv_local(numel(v_shape));
+  std::vector<T> dq_part(numel(dq_part_shape)), dk_part(numel(dk_part_shape)), dv_part(numel(dv_part_shape));
+  const TensorView dq_p = contiguous_view(dq_part.data(), ct, R, dq_part_shape.data());
+  const TensorView dk_p = contiguous_view(dk_part.data(), ct, R, dk_part_shape.data());
+  const TensorView dv_p = contiguous_view(dv_part.data(), ct, R, dv_part_shape.data());
+  // dalibi_slopes (this rank's part, summed over the pairs) and dsinks (one pair per row), float64.
+  const std::optional<TensorView>& slopes = o.alibi_slopes;
+  std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(slopes->numel()) : 0, 0.0), dalibi_part(dalibi.size());
+  const std::vector<int64_t> slopes_shape = slopes ? std::vector<int64_t>(slopes->shape, slopes->shape + slopes->rank)
+                                                   : std::vector<int64_t>{};
+  const int64_t Hq = R >= 3 ? in.q.shape[R - 3] : 1;
+  std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(Hq) : 0, 0.0), dsinks_part(dsinks.size());
+
+  Block cur = pack_block(in.k, in.v), next;
+  next.k_bytes = cur.k_bytes;
+  next.bytes.resize(cur.bytes.size());
+  GradBlock<T> sums(dk_local.size(), dv_local.size()), incoming(dk_local.size(), dv_local.size());
+  std::exception_ptr failed;
+  Failure mine;  // this rank's, if its part failed
+  Exchange gx;   // the gradients' exchange of the step before
+  for (int s = 0; s < W; ++s) {
+    const int owner = (r + W - s) % W;
+    Exchange x;
+    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock);
+    std::fill(dk_local.begin(), dk_local.end(), T(0));
+    std::fill(dv_local.begin(), dv_local.end(), T(0));
+    if (!failed) {
+      try {
+        const TensorView k = cur.k(in.k), v = cur.v(in.v);
+        const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, N);
+        for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
+          const RingChunk& qc = sh.chunks[qi];
+          for (size_t ki = 0; ki < kchunks.size(); ++ki) {
+            const RingChunk& kc = kchunks[ki];
+            const bool sinks_here = s == 0 && ki == qi;  // as in the forward
+            if (!visible(qc, kc, o) && !(sinks_here && o.sinks)) continue;
+            Options po = positioned(o, qc.start, kc.start);
+            if (!sinks_here) po.sinks.reset();
+            Gradients g{slice(dq_p, nd, 0, qc.length), slice(dk_p, nd, 0, kc.length), slice(dv_p, nd, 0, kc.length)};
+            if (grads.dalibi_slopes) {
+              g.dalibi_slopes = contiguous_view(dalibi_part.data(), DType::kFloat64, slopes->rank, slopes_shape.data());
+            }
+            if (grads.dsinks && sinks_here) g.dsinks = contiguous_view(dsinks_part.data(), DType::kFloat64, 1, &Hq);
+            attention_backward(Inputs{slice(in.q, nd, qc.local, qc.length), slice(k, nd, kc.local, kc.length),
+                                      slice(v, nd, kc.local, kc.length)},
+                               slice(out, nd, qc.local, qc.length), slice(lse, nd, qc.local, qc.length),
+                               slice(dout, nd, qc.local, qc.length), g, po);
+            add_rows(dq, N, qc.local, dq_part, qc.length, max_len, Dk);
+            add_rows(dk_local, N, kc.local, dk_part, kc.length, max_len, Dk);
+            add_rows(dv_local, N, kc.local, dv_part, kc.length, max_len, Dv);
+            for (size_t i = 0; i < dalibi.size(); ++i) dalibi[i] += dalibi_part[i];
+            if (g.dsinks) {
+              for (size_t i = 0; i < dsinks.size(); ++i) dsinks[i] += dsinks_part[i];
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        failed = std::current_exception();
+        mine.rank_plus_1 = r + 1;
+        std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
+      }
+    }
+    // The block's sums: zero at its owner (step 0), else those that arrived from rank - 1; plus
+    // this rank's part; then on to rank + 1 (the last hop brings them back to their owner).
+    if (s == 0) {
+      std::fill(sums.bytes.begin(), sums.bytes.end(), std::byte{0});
+    } else {
+      finish(comm, gx, ring.timeout_seconds, "ring_attention_backward",
+             "the gradients of the block of rank " + str(int64_t{owner}), s);
+    }
+    if (failed && sums.failure()->rank_plus_1 == 0) *sums.failure() = mine;
+    sums.add(dk_local, dv_local);
+    if (W > 1) {
+      gx = post(comm, sums.bytes.data(), incoming.bytes.data(), sums.bytes.size(), kTagGradients);
+      std::swap(sums, incoming);  // sums: the buffer receiving the next block's
+    }
+    if (s + 1 < W) {
+      finish(comm, x, ring.timeout_seconds, "ring_attention_backward",
+             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1);
+      std::swap(cur, next);
+    }
+  }
+  // The last hop: this rank's own block's sums, from rank - 1.
+  finish(comm, gx, ring.timeout_seconds, "ring_attention_backward", "the gradients of its own block", W);
+  if (failed) std::rethrow_exception(failed);
+  if (const Failure* f = sums.failure(); f->rank_plus_1 != 0) {
+    fail("ring_attention_backward: rank " + str(int64_t{f->rank_plus_1 - 1}) +
+         " could not compute its part of this rank's dk and dv: " +
+         std::string(f->message, strnlen(f->message, sizeof f->message)));
+  }
+  store(dq, grads.dq);
+  store(std::vector<T>(sums.dk(), sums.dk() + sums.dk_n), grads.dk);
+  store(std::vector<T>(sums.dv(), sums.dv() + sums.dv_n), grads.dv);
+  if (grads.dalibi_slopes) store(dalibi, *grads.dalibi_slopes);
+  if (grads.dsinks) store(dsinks, *grads.dsinks);
+}
+
 }  // namespace
 
 std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64_t n_local) {
@@ -539,8 +677,28 @@ void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& out
 void ring_attention_backward(Communicator& comm, const Inputs& inputs, const TensorView& out, const TensorView& lse,
                              const TensorView& dout, const Gradients& grads, const Options& options,
                              const RingOptions& ring) {
-  (void)comm, (void)inputs, (void)out, (void)lse, (void)dout, (void)grads, (void)options, (void)ring;
-  fail("ring_attention_backward: not implemented yet");
+  if (!(ring.timeout_seconds > 0)) {
+    fail("ring_attention_backward: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
+  }
+  const int W = comm.size();
+  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
+    fail("ring_attention_backward: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " +
+         str(int64_t{W}) + " are not a rank of a world");
+  }
+  Shard sh;
+  const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &out, &lse, &dout};
+  collective_check("ring_attention_backward", 1, comm, tensors, options, ring, [&] {
+    if (grads.dbias) fail("ring_attention_backward: Gradients::dbias is not supported (the ring takes no Inputs::mask)");
+    sh = local_shard("ring_attention_backward", comm, inputs, options, ring);
+    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) {
+      internal::make_backward_problem(inputs, out, lse, dout, grads, positioned(options, at, at));
+    }
+  });
+  if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
+    backward<double>(comm, sh, inputs, out, lse, dout, grads, options, ring);
+  } else {
+    backward<float>(comm, sh, inputs, out, lse, dout, grads, options, ring);
+  }
 }
 
 }  // namespace sdpa
