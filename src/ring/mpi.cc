@@ -87,8 +87,7 @@ Communicator::Communicator(MPI_Comm comm, double timeout_seconds, size_t max_mes
   MPI_Comm_size(comm, &size_);
   if (!wait(start(code, request, "MPI_Comm_idup", -1, -1), timeout_seconds)) {
     throw Error("sdpa::mpi::Communicator: rank " + std::to_string(rank_) + ": MPI_Comm_idup of a communicator of " +
-                std::to_string(size_) +
-                " ranks did not complete within " + std::to_string(timeout_seconds) +
+                std::to_string(size_) + " ranks did not complete within " + std::to_string(timeout_seconds) +
                 " s: a rank did not call it (stopped or died); MPI's state is now undefined (sdpa/mpi.h)");
   }
   comm_ = duplicate;
@@ -111,8 +110,8 @@ Communicator::Request Communicator::start(int code, MPI_Request request, const c
 void Communicator::fail(int code, const char* operation, int peer, int tag) const {
   std::string where = operation;
   if (peer >= 0) where += " rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
-  throw Error("sdpa::mpi::Communicator: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " +
-              where + " failed: " + error_string(code));
+  throw Error("sdpa::mpi::Communicator: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + where +
+              " failed: " + error_string(code));
 }
 
 Communicator::Request Communicator::isend(const void* data, size_t bytes, int to, int tag) {

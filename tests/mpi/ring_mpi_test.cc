@@ -2,10 +2,10 @@
 // MPI. Every rank runs the same tests in the same order (the same arguments on every rank);
 // each rank prints its own failures, rank 0 GoogleTest's report.
 //
-// The ring over MPI must give, on every rank, the bits the same ring gives over the in-process
-// communicator (tests/ring_local.h, W threads of this process): the transport only moves bytes.
-// Those bits are checked against kReference on the whole sequence under the tolerance rule, and
-// against the documented order of pairs and merges, by tests/ring_test.cc.
+// The ring over MPI, forward and backward, must give on every rank the bits the same ring gives
+// over the in-process communicator (tests/ring_local.h, W threads of this process): the transport
+// only moves bytes. Those bits are checked against kReference on the whole sequence under the
+// tolerance rule, and against the documented order of pairs and merges, by tests/ring_test.cc.
 //
 //   ring_mpi_test [gtest flags]       the tests (tests/mpi/CMakeLists.txt: W = 1, 2, 3, 4)
 //   ring_mpi_test --stopped=dup       rank W - 1 stops (sleeps instead of calling): the others'
@@ -59,7 +59,8 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // Byte i of a message from rank `from` with salt `salt`: differs between senders, messages
 // and neighbouring bytes, so a misplaced or truncated piece shows.
 unsigned char pattern(int from, int salt, size_t i) {
-  return static_cast<unsigned char>((i * 131 + static_cast<size_t>(from) * 17 + static_cast<size_t>(salt) * 7 + i / 251) & 0xFF);
+  return static_cast<unsigned char>(
+      (i * 131 + static_cast<size_t>(from) * 17 + static_cast<size_t>(salt) * 7 + i / 251) & 0xFF);
 }
 std::vector<unsigned char> message(int from, int salt, size_t bytes) {
   std::vector<unsigned char> m(bytes);
@@ -277,7 +278,8 @@ Shard make_shard(const RingCase& c, int world, int rank, int64_t dk_change = 0) 
   const sdpa_test::Tensors t = sdpa_test::random_qkv(c.dtype, {1, 4, N, 8}, {1, 2, N, 8}, {1, 2, N, 12}, 29);
   const auto chunks = sdpa::ring_chunks(c.layout, world, rank, c.n_local);
   Shard s{shard_of(t.q, chunks), shard_of(t.k, chunks), shard_of(t.v, chunks),
-          GuardedTensor(c.dtype, {1, 4, c.n_local, 12}), GuardedTensor(sdpa_test::compute_dtype(c.dtype), {1, 4, c.n_local})};
+          GuardedTensor(c.dtype, {1, 4, c.n_local, 12}),
+          GuardedTensor(sdpa_test::compute_dtype(c.dtype), {1, 4, c.n_local})};
   if (dk_change) {  // a wrong Dk on this rank: q and k (1, H, n, 8 + dk_change)
     s.q = GuardedTensor(c.dtype, {1, 4, c.n_local, 8 + dk_change});
     s.k = GuardedTensor(c.dtype, {1, 2, c.n_local, 8 + dk_change});
@@ -323,7 +325,8 @@ TEST(MpiRing, ForwardGivesTheInProcessRingsBits) {
     for (int i = 0; i < W; ++i) local.push_back(make_shard(c, W, i));
     sdpa_test::LocalWorld world(W);
     const auto errors = world.run([&](int i, sdpa::Communicator& comm) {
-      sdpa::ring_attention(comm, local[static_cast<size_t>(i)].inputs(), local[static_cast<size_t>(i)].outputs(), o, ring);
+      sdpa::ring_attention(comm, local[static_cast<size_t>(i)].inputs(), local[static_cast<size_t>(i)].outputs(), o,
+                           ring);
     });
     for (const auto& e : errors) ASSERT_FALSE(e) << "the in-process ring threw";
     const Shard& mine = local[static_cast<size_t>(r)];
@@ -338,6 +341,57 @@ TEST(MpiRing, ForwardGivesTheInProcessRingsBits) {
       EXPECT_TRUE(sdpa_test::all_close("out (again)", second.out.values(), mpi.out.values(), 0));
       EXPECT_TRUE(sdpa_test::all_close("lse (again)", second.lse.values(), mpi.lse.values(), 0));
     }
+  }
+  sdpa::set_num_threads(0);
+}
+
+// Backward: sdpa::mpi::ring_attention_backward's dq, dk, dv are, on every rank, the bits of the
+// in-process ring's backward on the same shards, out and lse (the forward's, the same bits on
+// both transports) and dout.
+TEST(MpiRing, BackwardGivesTheInProcessRingsBits) {
+  sdpa::set_num_threads(1);
+  const int W = world_size(), r = world_rank();
+  for (const RingCase& c : kRingCases) {
+    SCOPED_TRACE(case_name(c) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
+    sdpa::Options o;
+    o.causal = c.causal;
+    const sdpa::RingOptions ring{c.layout, kWait};
+    const int64_t N = W * c.n_local;
+    const sdpa_test::Tensors whole_dout = sdpa_test::random_qkv(c.dtype, {1, 4, N, 12}, {1, 1, 0, 1}, {1, 1, 0, 1}, 31);
+    struct Grads {
+      GuardedTensor dq, dk, dv;
+      sdpa::Gradients views() const { return {dq.view(), dk.view(), dv.view()}; }
+    };
+    const auto grads = [&](const Shard& s) {
+      return Grads{GuardedTensor(s.q.dtype(), s.q.shape()), GuardedTensor(s.k.dtype(), s.k.shape()),
+                   GuardedTensor(s.v.dtype(), s.v.shape())};
+    };
+    std::vector<Shard> local;
+    std::vector<GuardedTensor> douts;
+    std::vector<Grads> local_grads;
+    for (int i = 0; i < W; ++i) {
+      local.push_back(make_shard(c, W, i));
+      douts.push_back(shard_of(whole_dout.q, sdpa::ring_chunks(c.layout, W, i, c.n_local)));
+      local_grads.push_back(grads(local.back()));
+    }
+    sdpa_test::LocalWorld world(W);
+    const auto errors = world.run([&](int i, sdpa::Communicator& comm) {
+      const Shard& s = local[static_cast<size_t>(i)];
+      sdpa::ring_attention(comm, s.inputs(), s.outputs(), o, ring);
+      sdpa::ring_attention_backward(comm, s.inputs(), s.out.view(), s.lse.view(), douts[static_cast<size_t>(i)].view(),
+                                    local_grads[static_cast<size_t>(i)].views(), o, ring);
+    });
+    for (const auto& e : errors) ASSERT_FALSE(e) << "the in-process ring threw";
+    Shard mpi = make_shard(c, W, r);
+    Grads g = grads(mpi);
+    sdpa::mpi::ring_attention(MPI_COMM_WORLD, mpi.inputs(), mpi.outputs(), o, ring);
+    sdpa::mpi::ring_attention_backward(MPI_COMM_WORLD, mpi.inputs(), mpi.out.view(), mpi.lse.view(),
+                                       douts[static_cast<size_t>(r)].view(), g.views(), o, ring);
+    const Grads& mine = local_grads[static_cast<size_t>(r)];
+    EXPECT_TRUE(g.dq.guards_intact() && g.dk.guards_intact() && g.dv.guards_intact());
+    EXPECT_TRUE(sdpa_test::all_close("dq", g.dq.values(), mine.dq.values(), 0));
+    EXPECT_TRUE(sdpa_test::all_close("dk", g.dk.values(), mine.dk.values(), 0));
+    EXPECT_TRUE(sdpa_test::all_close("dv", g.dv.values(), mine.dv.values(), 0));
   }
   sdpa::set_num_threads(0);
 }
