@@ -20,10 +20,12 @@ done
 #    (SIMD), CLI11, GoogleTest, Google Benchmark, OpenMP; ccache (the Python package and the
 #    Release build then compile the kernels once); libpng (sdpa inspect's pictures) and chromium
 #    (the test that renders an inspect report in a real headless browser); OpenBLAS built for
-#    OpenMP (the multi-head layer's matrix products, loaded at run time: src/layer/blas.h).
+#    OpenMP (the multi-head layer's matrix products, loaded at run time: src/layer/blas.h);
+#    OpenMPI (ring attention over MPI: the library sdpa_mpi and its tests under mpirun, and
+#    mpi4py's sdpa.distributed; the library sdpa and the Python package do not link it).
 packages=(build-essential cmake ninja-build ccache python3-venv clang libclang-rt-14-dev libomp-dev
           libhwy-dev libcli11-dev libgtest-dev libbenchmark-dev libpng-dev chromium
-          libopenblas0-openmp)
+          libopenblas0-openmp openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -51,7 +53,7 @@ fi
 # for the torch operators of sdpa.torch: python/CMakeLists.txt).
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-build-isolation .
 
-# 3. The C++ build: library, CLI, tests, benchmarks.
+# 3. The C++ build: library, CLI, tests, benchmarks (and sdpa_mpi, as MPI is installed).
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build
 

@@ -19,7 +19,7 @@ trap 'echo "== time: ${stage_name}: $((SECONDS - stage_start)) s (total $((SECON
 scripts/setup.sh --no-demo --torch
 jobs=$(nproc)
 
-stage "C++ tests (Release)"
+stage "C++ tests (Release; with ring attention over MPI, tests/mpi: mpirun on 1-4 ranks)"
 ctest --test-dir build --output-on-failure -j"$jobs"
 
 stage "C++ build (AddressSanitizer + UndefinedBehaviorSanitizer; clang, the tests and the fuzzers)"
@@ -27,8 +27,15 @@ stage "C++ build (AddressSanitizer + UndefinedBehaviorSanitizer; clang, the test
 # twice, with g++ for the tests and with clang for libFuzzer, and the kernels' translation units
 # are the pole of every build): clang, because libFuzzer needs it; the library carries
 # libFuzzer's coverage hooks (fuzz/CMakeLists.txt), which the tests run through as well.
+# No sdpa_mpi here: its tests (ring attention under mpirun) run in the Release stage only.
+# OpenMPI's runtime keeps its allocations to the end: a program that only calls MPI_Init,
+# MPI_Barrier and MPI_Finalize, built with clang's ASan, ends each rank with LeakSanitizer's
+# report of 3,340 allocations (121 kB), so a suppression list would have to cover the whole of
+# OpenMPI's libraries, hiding everything of theirs and nothing of ours; the ring's own memory
+# (src/ring/ring.cc: buffers, partials, every step) is checked here by tests/ring_test.cc over
+# an in-process communicator, which leaves only the thin MPI adapter to the Release run.
 CC=clang CXX=clang++ cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DSDPA_SANITIZE=address,undefined -DSDPA_BUILD_BENCH=OFF -DSDPA_BUILD_FUZZ=ON >/dev/null
+  -DSDPA_SANITIZE=address,undefined -DSDPA_BUILD_BENCH=OFF -DSDPA_BUILD_FUZZ=ON -DSDPA_BUILD_MPI=OFF >/dev/null
 cmake --build build-asan
 stage "C++ tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
 # Every test but the sweep tables (Table/Sweep*, Table/BackwardSweep*, exact and kFast: each case
