@@ -1,0 +1,704 @@
+// Ring attention (include/sdpa/ring.h): the K/V blocks travel the ring behind the Communicator
+// interface while each rank computes its (query chunk, key chunk) pairs with attention() /
+// attention_backward() at absolute positions and merges the partials with merge_attention. One
+// algorithm for every transport: the adapters (MPI, mpi4py, torch.distributed) only move bytes.
+//
+// Order of a call: local checks (ring.h's refusals, then make_problem / make_backward_problem of
+// the rank's whole shard at the first and the last positions of the sequence, which checks every
+// argument and the block mask's coverage); one all-gather of a fixed-size Descriptor (shapes,
+// dtypes, options, a hash of the slopes', sinks' and block mask's values, or the local Error), so
+// that every rank throws the same Error before any block moves; then the ring. An Error of a
+// pair's computation (an lse of +inf or NaN, which merge_attention refuses) is kept until the
+// ring has finished, so that the peers never wait for a rank that stopped computing; the
+// backward passes it on with the travelling gradients, so every rank whose dk, dv it reached
+// throws it too (their sums lack its part).
+#include "sdpa/ring.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "../checks.h"
+#include "../problem.h"
+#include "../storage.h"
+#include "sdpa/merge.h"
+
+namespace sdpa {
+namespace {
+
+using internal::fail;
+
+constexpr int kTagBlock = 2901;      // a packed K/V block
+constexpr int kTagGradients = 2902;  // a block's travelling dk, dv accumulators (backward)
+
+std::string str(int64_t x) { return std::to_string(x); }
+std::string str(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", x);
+  return buf;
+}
+
+// ---- Views ----
+
+// A C-order view of `rank` dims.
+TensorView contiguous_view(void* data, DType dtype, int rank, const int64_t* shape) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.rank = rank;
+  int64_t stride = 1;
+  for (int d = rank - 1; d >= 0; --d) {
+    t.shape[d] = shape[d];
+    t.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return t;
+}
+// t with dim `dim` cut to [first, first + n).
+TensorView slice(TensorView t, int dim, int64_t first, int64_t n) {
+  if (t.data != nullptr && n > 0) {
+    t.data = static_cast<char*>(t.data) + first * t.strides[dim] * dtype_size(t.dtype);
+  }
+  t.shape[dim] = n;
+  return t;
+}
+// A shape with dim `dim` replaced.
+std::vector<int64_t> with_dim(const TensorView& t, int dim, int64_t n) {
+  std::vector<int64_t> s(t.shape, t.shape + t.rank);
+  s[static_cast<size_t>(dim)] = n;
+  return s;
+}
+
+// The elements of a C-order shape, without its last `drop` dims.
+size_t numel(const std::vector<int64_t>& shape, size_t drop = 0) {
+  int64_t n = 1;
+  for (size_t d = 0; d + drop < shape.size(); ++d) n *= shape[d];
+  return static_cast<size_t>(n);
+}
+
+// Calls f(offset of the element in t's storage, in elements, index in C order) for every element.
+template <typename F>
+void for_each_element(const TensorView& t, F f) {
+  if (t.numel() == 0) return;
+  int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};
+  const int pad = 4 - t.rank;
+  for (int d = 0; d < t.rank; ++d) shape[pad + d] = t.shape[d], strides[pad + d] = t.strides[d];
+  int64_t flat = 0;
+  for (int64_t a = 0; a < shape[0]; ++a)
+    for (int64_t b = 0; b < shape[1]; ++b)
+      for (int64_t c = 0; c < shape[2]; ++c)
+        for (int64_t d = 0; d < shape[3]; ++d) f(a * strides[0] + b * strides[1] + c * strides[2] + d * strides[3], flat++);
+}
+
+// t's elements copied to dst in C order, in t's dtype.
+void pack(const TensorView& t, std::byte* dst) {
+  const int64_t size = dtype_size(t.dtype);
+  const auto* src = static_cast<const std::byte*>(t.data);
+  for_each_element(t, [&](int64_t at, int64_t flat) { std::memcpy(dst + flat * size, src + at * size, size); });
+}
+// x (C order, T) rounded once into t (its dtype and strides).
+template <typename T>
+void store(const std::vector<T>& x, const TensorView& t) {
+  auto* dst = static_cast<std::byte*>(t.data);
+  const int64_t size = dtype_size(t.dtype);
+  for_each_element(t, [&](int64_t at, int64_t flat) {
+    internal::store_as(t.dtype, dst + at * size, x[static_cast<size_t>(flat)]);
+  });
+}
+
+// ---- The problem ----
+
+struct Shard {
+  int rank_dims = 0;  // of q (2 to 4)
+  int n_dim = 0;      // the sequence's dim: rank - 2
+  int64_t n_local = 0;
+  int64_t n_total = 0;  // W · n_local
+  std::vector<RingChunk> chunks;
+};
+
+Options positioned(Options o, int64_t q_start, int64_t k_start) {
+  o.q_start = q_start;
+  o.k_start = k_start;
+  return o;
+}
+
+// Whether some row of query chunk q can see some key of key chunk k under causal and the window
+// (positions: row P sees key K when K <= P (causal), P - left <= K <= P + right). The pairs that
+// fail it would give out = 0, lse = -inf (no gradient): they are not computed.
+bool visible(const RingChunk& q, const RingChunk& k, const Options& o) {
+  if (q.length == 0 || k.length == 0) return false;
+  const int64_t p_first = q.start, p_last = q.start + q.length - 1;
+  const int64_t k_first = k.start, k_last = k.start + k.length - 1;
+  if (o.causal != Causal::kNone && k_first > p_last) return false;
+  if (o.window.right >= 0 && k_first > p_last && k_first - p_last > o.window.right) return false;
+  if (o.window.left >= 0 && p_first > k_last && p_first - k_last > o.window.left) return false;
+  return true;
+}
+
+// The refusals of ring.h that need no peer, and the shard's layout. `call` names the function.
+Shard local_shard(const char* call, Communicator& comm, const Inputs& in, const Options& o, const RingOptions& ring) {
+  const std::string c = call;
+  if (in.mask) fail(c + ": Inputs::mask is not supported (a ring has no mask of the whole sequence): give a block mask (Options::block_mask, read at absolute positions) instead");
+  if (in.seqlens_k) fail(c + ": Inputs::seqlens_k is not supported (every rank's shard is N_local tokens of one sequence)");
+  if (o.q_start || o.k_start) fail(c + ": Options::q_start and k_start must not be set: the layout sets each pair's positions");
+  if (ring.layout != RingLayout::kContiguous && ring.layout != RingLayout::kZigzag) {
+    fail(c + ": RingOptions::layout " + str(static_cast<int64_t>(ring.layout)) + " is neither kContiguous nor kZigzag");
+  }
+  internal::check_basic("q", in.q, 2, 4);
+  internal::check_basic("k", in.k, 2, 4);
+  Shard s;
+  s.rank_dims = in.q.rank;
+  s.n_dim = in.q.rank - 2;
+  s.n_local = in.q.shape[s.n_dim];
+  if (in.k.rank == in.q.rank && in.k.shape[s.n_dim] != s.n_local) {
+    fail(c + ": q has shape " + in.q.shape_string() + " and k " + in.k.shape_string() +
+         ": their N_local (dim " + str(int64_t{s.n_dim}) + ") must be equal (each rank holds the same tokens' queries and keys)");
+  }
+  s.chunks = ring_chunks(ring.layout, comm.size(), comm.rank(), s.n_local);
+  s.n_total = s.n_local * comm.size();  // held: ring_chunks checked it
+  return s;
+}
+
+// ---- The collective check ----
+
+struct TensorDesc {
+  int32_t present = 0, dtype = 0, rank = 0, pad = 0;
+  int64_t shape[4] = {0, 0, 0, 0};
+};
+
+// What every rank must agree on, compared field by field after one all-gather. Fixed size, plain
+// bytes: the same struct on every rank (one library).
+struct Descriptor {
+  uint64_t magic = 0x676e6952617064ULL;  // "sdpaRing" (roughly), a version check
+  int32_t rank = 0, world = 0, call = 0, refused = 0;
+  char message[512] = {};  // refused: this rank's local Error
+  TensorDesc tensors[6];   // q, k, v, out, lse, dout
+  int32_t layout = 0, causal = 0, precision = 0, backend = 0, softcap_order = 0, has_scale = 0, has_seed = 0, pad = 0;
+  double scale = 0, softcap = 0, dropout_p = 0;
+  uint64_t seed = 0;
+  int64_t window_left = 0, window_right = 0, block_q = 0, block_k = 0;
+  TensorDesc slopes, sinks, block_mask;
+  uint64_t slopes_hash = 0, sinks_hash = 0, block_mask_hash = 0;
+};
+constexpr const char* kTensorNames[6] = {"q", "k", "v", "out", "lse", "dout"};
+
+TensorDesc describe(const TensorView* t) {
+  TensorDesc d;
+  if (t == nullptr) return d;
+  d.present = 1;
+  d.dtype = static_cast<int32_t>(t->dtype);
+  d.rank = t->rank;
+  for (int i = 0; i < t->rank && i < 4; ++i) d.shape[i] = t->shape[i];
+  return d;
+}
+std::string to_string(const TensorDesc& d) {
+  if (!d.present) return "not given";
+  TensorView t;
+  t.rank = d.rank;
+  for (int i = 0; i < d.rank && i < 4; ++i) t.shape[i] = d.shape[i];
+  return "shape " + t.shape_string() + " " + dtype_name(static_cast<DType>(d.dtype));
+}
+bool operator==(const TensorDesc& a, const TensorDesc& b) {
+  if (a.present != b.present || a.dtype != b.dtype || a.rank != b.rank) return false;
+  for (int i = 0; i < a.rank && i < 4; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
+}
+
+// FNV-1a over the values of a float view (as float64 bits) or a bool view (0 / 1), in C order.
+uint64_t hash_values(const std::optional<TensorView>& t) {
+  uint64_t h = 1469598103934665603ULL;
+  if (!t) return h;
+  const auto* data = static_cast<const std::byte*>(t->data);
+  const int64_t size = dtype_size(t->dtype);
+  for_each_element(*t, [&](int64_t at, int64_t) {
+    uint64_t bits;
+    if (t->dtype == DType::kBool) {
+      bits = std::to_integer<uint8_t>(data[at * size]) != 0;
+    } else {
+      bits = std::bit_cast<uint64_t>(internal::load_as<double>(t->dtype, data + at * size));
+    }
+    for (int i = 0; i < 8; ++i) h = (h ^ ((bits >> (8 * i)) & 0xff)) * 1099511628211ULL;
+  });
+  return h;
+}
+
+Descriptor describe_call(int call, Communicator& comm, const TensorView* tensors[6], const Options& o,
+                         const RingOptions& ring) {
+  Descriptor d;
+  d.rank = comm.rank();
+  d.world = comm.size();
+  d.call = call;
+  for (int i = 0; i < 6; ++i) d.tensors[i] = describe(tensors[i]);
+  d.layout = static_cast<int32_t>(ring.layout);
+  d.causal = static_cast<int32_t>(o.causal);
+  d.precision = static_cast<int32_t>(o.precision);
+  d.backend = static_cast<int32_t>(o.backend);
+  d.softcap_order = static_cast<int32_t>(o.softcap_order);
+  d.has_scale = o.scale.has_value();
+  d.scale = o.scale.value_or(0.0);
+  d.softcap = o.softcap;
+  d.dropout_p = o.dropout_p;
+  d.has_seed = o.seed.has_value();
+  d.seed = o.seed.value_or(0);
+  d.window_left = o.window.left;
+  d.window_right = o.window.right;
+  d.block_q = o.block_q;
+  d.block_k = o.block_k;
+  d.slopes = describe(o.alibi_slopes ? &*o.alibi_slopes : nullptr);
+  d.sinks = describe(o.sinks ? &*o.sinks : nullptr);
+  d.block_mask = describe(o.block_mask ? &*o.block_mask : nullptr);
+  d.slopes_hash = hash_values(o.alibi_slopes);
+  d.sinks_hash = hash_values(o.sinks);
+  d.block_mask_hash = hash_values(o.block_mask);
+  return d;
+}
+
+// The first field in which rank b's descriptor differs from rank a's, as "<field>: <a's> on rank
+// A, <b's> on rank B"; "" when none does.
+std::string first_difference(const Descriptor& a, const Descriptor& b) {
+  const std::string ra = " on rank " + str(int64_t{a.rank}), rb = " on rank " + str(int64_t{b.rank});
+  const auto diff = [&](const std::string& field, const std::string& x, const std::string& y) {
+    return field + ": " + x + ra + ", " + y + rb;
+  };
+  const auto bits = [](double x) { return std::bit_cast<uint64_t>(x); };
+  if (a.world != b.world) return diff("world size", str(int64_t{a.world}), str(int64_t{b.world}));
+  if (a.call != b.call) {
+    const char* names[2] = {"ring_attention", "ring_attention_backward"};
+    return diff("the call", names[a.call & 1], names[b.call & 1]);
+  }
+  for (int i = 0; i < 6; ++i) {
+    if (!(a.tensors[i] == b.tensors[i])) return diff(kTensorNames[i], to_string(a.tensors[i]), to_string(b.tensors[i]));
+  }
+  const char* layouts[2] = {"kContiguous", "kZigzag"};
+  if (a.layout != b.layout) return diff("RingOptions::layout", layouts[a.layout & 1], layouts[b.layout & 1]);
+  if (a.has_scale != b.has_scale || bits(a.scale) != bits(b.scale)) {
+    return diff("scale", a.has_scale ? str(a.scale) : "default", b.has_scale ? str(b.scale) : "default");
+  }
+  if (a.causal != b.causal) return diff("causal", str(int64_t{a.causal}), str(int64_t{b.causal}));
+  if (a.window_left != b.window_left || a.window_right != b.window_right) {
+    return diff("window", "{" + str(a.window_left) + ", " + str(a.window_right) + "}",
+                "{" + str(b.window_left) + ", " + str(b.window_right) + "}");
+  }
+  if (bits(a.softcap) != bits(b.softcap)) return diff("softcap", str(a.softcap), str(b.softcap));
+  if (a.softcap_order != b.softcap_order) {
+    return diff("softcap_order", str(int64_t{a.softcap_order}), str(int64_t{b.softcap_order}));
+  }
+  if (bits(a.dropout_p) != bits(b.dropout_p)) return diff("dropout_p", str(a.dropout_p), str(b.dropout_p));
+  if (a.has_seed != b.has_seed || a.seed != b.seed) {
+    return diff("seed", a.has_seed ? std::to_string(a.seed) : "not given", b.has_seed ? std::to_string(b.seed) : "not given");
+  }
+  if (a.precision != b.precision) return diff("precision", str(int64_t{a.precision}), str(int64_t{b.precision}));
+  if (a.backend != b.backend) return diff("backend", str(int64_t{a.backend}), str(int64_t{b.backend}));
+  if (a.block_q != b.block_q || a.block_k != b.block_k) {
+    return diff("block_q, block_k", str(a.block_q) + ", " + str(a.block_k), str(b.block_q) + ", " + str(b.block_k));
+  }
+  if (!(a.slopes == b.slopes)) return diff("alibi_slopes", to_string(a.slopes), to_string(b.slopes));
+  if (a.slopes_hash != b.slopes_hash) return diff("alibi_slopes", "one set of values", "other values");
+  if (!(a.sinks == b.sinks)) return diff("sinks", to_string(a.sinks), to_string(b.sinks));
+  if (a.sinks_hash != b.sinks_hash) return diff("sinks", "one set of values", "other values");
+  if (!(a.block_mask == b.block_mask)) return diff("block_mask", to_string(a.block_mask), to_string(b.block_mask));
+  if (a.block_mask_hash != b.block_mask_hash) return diff("block_mask", "one set of values", "other values");
+  return "";
+}
+
+// A wait with the ring's deadline: Error (naming what was awaited) when it runs out.
+void wait(Communicator& comm, Communicator::Request request, double seconds, const std::string& what) {
+  if (!comm.wait(request, seconds)) {
+    fail(what + ": no message (a peer died, stopped or is slower than timeout_seconds)");
+  }
+}
+
+// Runs the local checks (`check`), then the all-gather; throws the same Error on every rank when
+// any rank refused its arguments or differs from rank 0. `tensors`: q, k, v, out, lse, dout (null
+// where absent).
+template <typename Check>
+void collective_check(const char* call, int call_id, Communicator& comm, const TensorView* tensors[6],
+                      const Options& o, const RingOptions& ring, Check check) {
+  Descriptor mine;
+  try {
+    check();
+    mine = describe_call(call_id, comm, tensors, o, ring);
+  } catch (const Error& e) {
+    mine = Descriptor{};
+    mine.rank = comm.rank();
+    mine.world = comm.size();
+    mine.call = call_id;
+    mine.refused = 1;
+    std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
+  }
+  const int W = comm.size();
+  std::vector<Descriptor> all(static_cast<size_t>(W));
+  const Communicator::Request r = comm.iallgather(&mine, all.data(), sizeof(Descriptor));
+  wait(comm, r, ring.timeout_seconds,
+       std::string(call) + ": rank " + str(int64_t{comm.rank()}) + " waited " + str(ring.timeout_seconds) +
+           " s for the all-gather of the ranks' arguments");
+  for (int i = 0; i < W; ++i) {
+    const Descriptor& d = all[static_cast<size_t>(i)];
+    if (d.magic != Descriptor{}.magic || d.rank != i) {
+      fail(std::string(call) + ": the all-gather's entry of rank " + str(int64_t{i}) +
+           " is not a ring descriptor of this library (another version, or a transport that mixed up the ranks)");
+    }
+  }
+  for (int i = 0; i < W; ++i) {
+    const Descriptor& d = all[static_cast<size_t>(i)];
+    if (d.refused) {
+      fail(std::string(call) + ": rank " + str(int64_t{i}) + " refused its arguments: " +
+           std::string(d.message, strnlen(d.message, sizeof d.message)));
+    }
+  }
+  for (int i = 1; i < W; ++i) {
+    const std::string d = first_difference(all[0], all[static_cast<size_t>(i)]);
+    if (!d.empty()) {
+      fail(std::string(call) + ": rank " + str(int64_t{i}) + "'s arguments differ from rank 0's (every rank must pass the same shapes, dtypes and options): " + d);
+    }
+  }
+}
+
+// A message exchange of one step: send `send` on to rank + 1, receive `recv` from rank - 1.
+struct Exchange {
+  Communicator::Request send = 0, recv = 0;
+  bool posted = false;
+};
+Exchange post(Communicator& comm, const void* send, void* recv, size_t bytes, int tag) {
+  const int W = comm.size(), r = comm.rank();
+  Exchange x;
+  x.recv = comm.irecv(recv, bytes, (r + W - 1) % W, tag);
+  x.send = comm.isend(send, bytes, (r + 1) % W, tag);
+  x.posted = true;
+  return x;
+}
+// Waits for both, naming `what` ("the block of rank O") and the step it is for.
+void finish(Communicator& comm, Exchange& x, double seconds, const char* call, const std::string& what, int step) {
+  if (!x.posted) return;
+  x.posted = false;
+  const int W = comm.size(), r = comm.rank();
+  const std::string who = std::string(call) + ": rank " + str(int64_t{r}) + " waited " + str(seconds) + " s ";
+  wait(comm, x.recv, seconds, who + "for " + what + " at step " + str(int64_t{step}) + " from rank " + str(int64_t{(r + W - 1) % W}));
+  wait(comm, x.send, seconds, who + "to send on " + what + " at step " + str(int64_t{step}) + " to rank " + str(int64_t{(r + 1) % W}));
+}
+
+// The K/V block of one rank, packed: k then v, C order, their dtype.
+struct Block {
+  std::vector<std::byte> bytes;
+  size_t k_bytes = 0;
+  TensorView k(const TensorView& like) { return contiguous_view(bytes.data(), like.dtype, like.rank, like.shape); }
+  TensorView v(const TensorView& like) {
+    return contiguous_view(bytes.data() + k_bytes, like.dtype, like.rank, like.shape);
+  }
+};
+Block pack_block(const TensorView& k, const TensorView& v) {
+  Block b;
+  b.k_bytes = static_cast<size_t>(k.numel() * dtype_size(k.dtype));
+  b.bytes.resize(b.k_bytes + static_cast<size_t>(v.numel() * dtype_size(v.dtype)));
+  pack(k, b.bytes.data());
+  pack(v, b.bytes.data() + b.k_bytes);
+  return b;
+}
+
+template <typename T>
+constexpr DType dtype_of() {
+  return sizeof(T) == 8 ? DType::kFloat64 : DType::kFloat32;
+}
+
+// dst's rows [first, first + n) += src's rows [0, n), each a C-order (lead..., rows, D) array of T
+// (dst of N rows, src of src_rows).
+template <typename T>
+void add_rows(std::vector<T>& dst, int64_t N, int64_t first, const std::vector<T>& src, int64_t n, int64_t src_rows,
+              int64_t D) {
+  if (n == 0 || D == 0) return;
+  const int64_t lead = static_cast<int64_t>(src.size()) / (src_rows * D);
+  for (int64_t l = 0; l < lead; ++l) {
+    T* d = dst.data() + (l * N + first) * D;
+    const T* s = src.data() + l * src_rows * D;
+    for (int64_t e = 0; e < n * D; ++e) d[e] += s[e];
+  }
+}
+
+template <typename T>
+void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Outputs& outputs, const Options& o,
+             const RingOptions& ring) {
+  const int W = comm.size(), r = comm.rank();
+  const int nd = sh.n_dim, R = sh.rank_dims;
+  const DType ct = dtype_of<T>();
+  // This rank's accumulator: out 0, lse -inf, merged into pair by pair.
+  const std::vector<int64_t> out_shape = with_dim(in.q, R - 1, in.v.shape[R - 1]);
+  std::vector<int64_t> part_shape = out_shape;
+  int64_t max_len = 0;  // a pair's partial holds the longest chunk's rows
+  for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
+  part_shape[static_cast<size_t>(nd)] = max_len;
+  std::vector<T> acc_out(numel(out_shape), T(0)), acc_lse(numel(out_shape, 1), -std::numeric_limits<T>::infinity());
+  std::vector<T> part_out(numel(part_shape)), part_lse(numel(part_shape, 1));
+  const TensorView acc_o = contiguous_view(acc_out.data(), ct, R, out_shape.data());
+  const TensorView acc_l = contiguous_view(acc_lse.data(), ct, R - 1, out_shape.data());
+  const TensorView part_o = contiguous_view(part_out.data(), ct, R, part_shape.data());
+  const TensorView part_l = contiguous_view(part_lse.data(), ct, R - 1, part_shape.data());
+
+  Block cur = pack_block(in.k, in.v), next;
+  next.k_bytes = cur.k_bytes;
+  next.bytes.resize(cur.bytes.size());
+  std::exception_ptr failed;
+  for (int s = 0; s < W; ++s) {
+    const int owner = (r + W - s) % W;
+    Exchange x;
+    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock);
+    if (!failed) {
+      try {
+        const TensorView k = cur.k(in.k), v = cur.v(in.v);
+        const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, sh.n_local);
+        for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
+          const RingChunk& qc = sh.chunks[qi];
+          const TensorView q = slice(in.q, nd, qc.local, qc.length);
+          const TensorView ao = slice(acc_o, nd, qc.local, qc.length), al = slice(acc_l, nd, qc.local, qc.length);
+          for (size_t ki = 0; ki < kchunks.size(); ++ki) {
+            const RingChunk& kc = kchunks[ki];
+            // Sinks: with the pair of the chunk with itself (always visible), once per row.
+            const bool sinks_here = s == 0 && ki == qi;
+            if (!visible(qc, kc, o) && !(sinks_here && o.sinks)) continue;
+            Options po = positioned(o, qc.start, kc.start);
+            if (!sinks_here) po.sinks.reset();
+            Outputs po_out;
+            po_out.out = slice(part_o, nd, 0, qc.length);
+            po_out.lse = slice(part_l, nd, 0, qc.length);
+            attention(Inputs{q, slice(k, nd, kc.local, kc.length), slice(v, nd, kc.local, kc.length)}, po_out, po);
+            const Partial parts[2] = {{ao, al}, {po_out.out, *po_out.lse}};
+            merge_attention(parts, ao, al);
+          }
+        }
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    if (s + 1 < W) {
+      finish(comm, x, ring.timeout_seconds, "ring_attention",
+             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1);
+      std::swap(cur, next);
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+  // One merge of one part: a copy rounded once to the outputs' dtypes (exact: its weight is 1).
+  const Partial whole[1] = {{acc_o, acc_l}};
+  merge_attention(whole, outputs.out, outputs.lse ? *outputs.lse : acc_l);
+}
+
+
+// The backward's message of a block's gradients: dk and dv (C order, T), then the first failure
+// any rank it passed met ({rank + 1, message}; 0: none), so that a rank whose part is missing
+// from a sum makes every owner of such a sum throw.
+struct Failure {
+  int32_t rank_plus_1 = 0;
+  char message[380] = {};
+};
+
+template <typename T>
+struct GradBlock {
+  std::vector<std::byte> bytes;
+  size_t dk_n = 0, dv_n = 0;
+  GradBlock(size_t dk, size_t dv) : bytes((dk + dv) * sizeof(T) + sizeof(Failure)), dk_n(dk), dv_n(dv) {}
+  T* dk() { return reinterpret_cast<T*>(bytes.data()); }
+  T* dv() { return dk() + dk_n; }
+  Failure* failure() { return reinterpret_cast<Failure*>(bytes.data() + (dk_n + dv_n) * sizeof(T)); }
+  // += a rank's local contributions (T arrays of the same sizes).
+  void add(const std::vector<T>& dk_local, const std::vector<T>& dv_local) {
+    for (size_t i = 0; i < dk_n; ++i) dk()[i] += dk_local[i];
+    for (size_t i = 0; i < dv_n; ++i) dv()[i] += dv_local[i];
+  }
+};
+
+template <typename T>
+void backward(Communicator& comm, const Shard& sh, const Inputs& in, const TensorView& out, const TensorView& lse,
+              const TensorView& dout, const Gradients& grads, const Options& o, const RingOptions& ring) {
+  const int W = comm.size(), r = comm.rank();
+  const int nd = sh.n_dim, R = sh.rank_dims;
+  const DType ct = dtype_of<T>();
+  const int64_t Dk = in.q.shape[R - 1], Dv = in.v.shape[R - 1], N = sh.n_local;
+  int64_t max_len = 0;
+  for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
+  const std::vector<int64_t> q_shape(in.q.shape, in.q.shape + R), k_shape(in.k.shape, in.k.shape + R),
+      v_shape(in.v.shape, in.v.shape + R);
+  std::vector<int64_t> dq_part_shape = q_shape, dk_part_shape = k_shape, dv_part_shape = v_shape;
+  dq_part_shape[static_cast<size_t>(nd)] = dk_part_shape[static_cast<size_t>(nd)] =
+      dv_part_shape[static_cast<size_t>(nd)] = max_len;
+  // dq: this rank's, summed over the pairs; dk, dv: this step's block, this rank's pairs summed
+  // (added to the travelling sums after the compute); a pair's gradients.
+  std::vector<T> dq(numel(q_shape), T(0)), dk_local(numel(k_shape)), dv_local(numel(v_shape));
+  std::vector<T> dq_part(numel(dq_part_shape)), dk_part(numel(dk_part_shape)), dv_part(numel(dv_part_shape));
+  const TensorView dq_p = contiguous_view(dq_part.data(), ct, R, dq_part_shape.data());
+  const TensorView dk_p = contiguous_view(dk_part.data(), ct, R, dk_part_shape.data());
+  const TensorView dv_p = contiguous_view(dv_part.data(), ct, R, dv_part_shape.data());
+  // dalibi_slopes (this rank's part, summed over the pairs) and dsinks (one pair per row), float64.
+  const std::optional<TensorView>& slopes = o.alibi_slopes;
+  std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(slopes->numel()) : 0, 0.0), dalibi_part(dalibi.size());
+  const std::vector<int64_t> slopes_shape = slopes ? std::vector<int64_t>(slopes->shape, slopes->shape + slopes->rank)
+                                                   : std::vector<int64_t>{};
+  const int64_t Hq = R >= 3 ? in.q.shape[R - 3] : 1;
+  std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(Hq) : 0, 0.0), dsinks_part(dsinks.size());
+
+  Block cur = pack_block(in.k, in.v), next;
+  next.k_bytes = cur.k_bytes;
+  next.bytes.resize(cur.bytes.size());
+  GradBlock<T> sums(dk_local.size(), dv_local.size()), incoming(dk_local.size(), dv_local.size());
+  std::exception_ptr failed;
+  Failure mine;  // this rank's, if its part failed
+  Exchange gx;   // the gradients' exchange of the step before
+  for (int s = 0; s < W; ++s) {
+    const int owner = (r + W - s) % W;
+    Exchange x;
+    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock);
+    std::fill(dk_local.begin(), dk_local.end(), T(0));
+    std::fill(dv_local.begin(), dv_local.end(), T(0));
+    if (!failed) {
+      try {
+        const TensorView k = cur.k(in.k), v = cur.v(in.v);
+        const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, N);
+        for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
+          const RingChunk& qc = sh.chunks[qi];
+          for (size_t ki = 0; ki < kchunks.size(); ++ki) {
+            const RingChunk& kc = kchunks[ki];
+            const bool sinks_here = s == 0 && ki == qi;  // as in the forward
+            if (!visible(qc, kc, o) && !(sinks_here && o.sinks)) continue;
+            Options po = positioned(o, qc.start, kc.start);
+            if (!sinks_here) po.sinks.reset();
+            Gradients g{slice(dq_p, nd, 0, qc.length), slice(dk_p, nd, 0, kc.length), slice(dv_p, nd, 0, kc.length)};
+            if (grads.dalibi_slopes) {
+              g.dalibi_slopes = contiguous_view(dalibi_part.data(), DType::kFloat64, slopes->rank, slopes_shape.data());
+            }
+            if (grads.dsinks && sinks_here) g.dsinks = contiguous_view(dsinks_part.data(), DType::kFloat64, 1, &Hq);
+            attention_backward(Inputs{slice(in.q, nd, qc.local, qc.length), slice(k, nd, kc.local, kc.length),
+                                      slice(v, nd, kc.local, kc.length)},
+                               slice(out, nd, qc.local, qc.length), slice(lse, nd, qc.local, qc.length),
+                               slice(dout, nd, qc.local, qc.length), g, po);
+            add_rows(dq, N, qc.local, dq_part, qc.length, max_len, Dk);
+            add_rows(dk_local, N, kc.local, dk_part, kc.length, max_len, Dk);
+            add_rows(dv_local, N, kc.local, dv_part, kc.length, max_len, Dv);
+            for (size_t i = 0; i < dalibi.size(); ++i) dalibi[i] += dalibi_part[i];
+            if (g.dsinks) {
+              for (size_t i = 0; i < dsinks.size(); ++i) dsinks[i] += dsinks_part[i];
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        failed = std::current_exception();
+        mine.rank_plus_1 = r + 1;
+        std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
+      }
+    }
+    // The block's sums: zero at its owner (step 0), else those that arrived from rank - 1; plus
+    // this rank's part; then on to rank + 1 (the last hop brings them back to their owner).
+    if (s == 0) {
+      std::fill(sums.bytes.begin(), sums.bytes.end(), std::byte{0});
+    } else {
+      finish(comm, gx, ring.timeout_seconds, "ring_attention_backward",
+             "the gradients of the block of rank " + str(int64_t{owner}), s);
+    }
+    if (failed && sums.failure()->rank_plus_1 == 0) *sums.failure() = mine;
+    sums.add(dk_local, dv_local);
+    if (W > 1) {
+      gx = post(comm, sums.bytes.data(), incoming.bytes.data(), sums.bytes.size(), kTagGradients);
+      std::swap(sums, incoming);  // sums: the buffer receiving the next block's
+    }
+    if (s + 1 < W) {
+      finish(comm, x, ring.timeout_seconds, "ring_attention_backward",
+             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1);
+      std::swap(cur, next);
+    }
+  }
+  // The last hop: this rank's own block's sums, from rank - 1.
+  finish(comm, gx, ring.timeout_seconds, "ring_attention_backward", "the gradients of its own block", W);
+  if (failed) std::rethrow_exception(failed);
+  if (const Failure* f = sums.failure(); f->rank_plus_1 != 0) {
+    fail("ring_attention_backward: rank " + str(int64_t{f->rank_plus_1 - 1}) +
+         " could not compute its part of this rank's dk and dv: " +
+         std::string(f->message, strnlen(f->message, sizeof f->message)));
+  }
+  store(dq, grads.dq);
+  store(std::vector<T>(sums.dk(), sums.dk() + sums.dk_n), grads.dk);
+  store(std::vector<T>(sums.dv(), sums.dv() + sums.dv_n), grads.dv);
+  if (grads.dalibi_slopes) store(dalibi, *grads.dalibi_slopes);
+  if (grads.dsinks) store(dsinks, *grads.dsinks);
+}
+
+}  // namespace
+
+std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64_t n_local) {
+  if (world < 1) fail("ring_chunks: world=" + str(int64_t{world}) + " must be >= 1");
+  if (rank < 0 || rank >= world) {
+    fail("ring_chunks: rank=" + str(int64_t{rank}) + " must lie in [0, world) = [0, " + str(int64_t{world}) + ")");
+  }
+  if (n_local < 0) fail("ring_chunks: N_local=" + str(n_local) + " must be >= 0");
+  if (n_local > std::numeric_limits<int64_t>::max() / world) {
+    fail("ring_chunks: the sequence's length world * N_local = " + str(int64_t{world}) + " * " + str(n_local) +
+         " overflows int64_t");
+  }
+  if (layout == RingLayout::kContiguous) return {{0, rank * n_local, n_local}};
+  if (layout != RingLayout::kZigzag) fail("ring_chunks: layout " + str(static_cast<int64_t>(layout)) + " is neither kContiguous nor kZigzag");
+  if (n_local % 2 != 0) {
+    fail("ring_chunks: kZigzag needs an even N_local (two chunks of N_local / 2 per rank), got N_local=" + str(n_local));
+  }
+  const int64_t h = n_local / 2;
+  return {{0, rank * h, h}, {h, (2 * int64_t{world} - 1 - rank) * h, h}};
+}
+
+void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& outputs, const Options& options,
+                    const RingOptions& ring) {
+  if (!(ring.timeout_seconds > 0)) {
+    fail("ring_attention: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
+  }
+  const int W = comm.size();
+  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
+    fail("ring_attention: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " + str(int64_t{W}) +
+         " are not a rank of a world");
+  }
+  Shard sh;
+  const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &outputs.out, outputs.lse ? &*outputs.lse : nullptr,
+                                  nullptr};
+  collective_check("ring_attention", 0, comm, tensors, options, ring, [&] {
+    if (outputs.weights) fail("ring_attention: Outputs::weights is not supported (no rank holds a whole row's keys)");
+    if (internal::any_stats(outputs.stats)) fail("ring_attention: Outputs::stats are not supported (no rank holds a whole row's keys)");
+    if (outputs.scores) fail("ring_attention: Outputs::scores is not supported (no rank holds a whole row's keys)");
+    sh = local_shard("ring_attention", comm, inputs, options, ring);
+    // Every argument as attention() checks it, at the sequence's first and last positions (the
+    // block mask must cover the whole sequence's blocks).
+    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) internal::make_problem(inputs, outputs, positioned(options, at, at));
+  });
+  if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
+    forward<double>(comm, sh, inputs, outputs, options, ring);
+  } else {
+    forward<float>(comm, sh, inputs, outputs, options, ring);
+  }
+}
+
+void ring_attention_backward(Communicator& comm, const Inputs& inputs, const TensorView& out, const TensorView& lse,
+                             const TensorView& dout, const Gradients& grads, const Options& options,
+                             const RingOptions& ring) {
+  if (!(ring.timeout_seconds > 0)) {
+    fail("ring_attention_backward: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
+  }
+  const int W = comm.size();
+  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
+    fail("ring_attention_backward: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " +
+         str(int64_t{W}) + " are not a rank of a world");
+  }
+  Shard sh;
+  const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &out, &lse, &dout};
+  collective_check("ring_attention_backward", 1, comm, tensors, options, ring, [&] {
+    if (grads.dbias) fail("ring_attention_backward: Gradients::dbias is not supported (the ring takes no Inputs::mask)");
+    sh = local_shard("ring_attention_backward", comm, inputs, options, ring);
+    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) {
+      internal::make_backward_problem(inputs, out, lse, dout, grads, positioned(options, at, at));
+    }
+  });
+  if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
+    backward<double>(comm, sh, inputs, out, lse, dout, grads, options, ring);
+  } else {
+    backward<float>(comm, sh, inputs, out, lse, dout, grads, options, ring);
+  }
+}
+
+}  // namespace sdpa

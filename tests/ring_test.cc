@@ -1,0 +1,617 @@
+// Ring attention (sdpa/ring.h) on the in-process communicator of ring_local.h: world sizes 1-4,
+// both layouts, against kReference on the whole sequence under the tolerance rule plus the
+// merges' own bound, bit for bit against the documented order of pairs and merges (emulated here
+// with attention() and merge_attention()), repeatable bit for bit; the collective check, the
+// deadlines and the refusals, each with nothing written.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backward_util.h"
+#include "ring_local.h"
+#include "sdpa/merge.h"
+#include "sdpa/ring.h"
+#include "test_util.h"
+
+namespace {
+
+using namespace sdpa_test;
+using sdpa::Causal;
+using sdpa::Options;
+using sdpa::RingChunk;
+using sdpa::RingLayout;
+
+constexpr double kE = 2.718281828459045;
+
+// One thread per rank on a shared machine: the kernels run single-threaded (set_num_threads is
+// process-wide) so that W ranks do not oversubscribe the cores.
+class Ring : public testing::Test {
+ protected:
+  void SetUp() override { sdpa::set_num_threads(1); }
+  void TearDown() override { sdpa::set_num_threads(0); }
+};
+
+// The rows of dim `from_end` (2: the sequence's dim of (..., N, D); 1: of lse's (..., N)) of t
+// that `chunks` name, concatenated in order, as a new C-order tensor of t's dtype.
+GuardedTensor cut(const GuardedTensor& t, int from_end, const std::vector<RingChunk>& chunks) {
+  std::vector<int64_t> shape = t.shape();
+  const size_t d = shape.size() - static_cast<size_t>(from_end);
+  int64_t inner = 1;
+  for (size_t x = d + 1; x < shape.size(); ++x) inner *= shape[x];
+  const int64_t n = shape[d], outer = n == 0 ? 0 : t.numel() / (n * inner);
+  const std::vector<double> all = t.values();
+  std::vector<double> part;
+  int64_t total = 0;
+  for (const RingChunk& c : chunks) total += c.length;
+  for (int64_t o = 0; o < outer; ++o)
+    for (const RingChunk& c : chunks)
+      for (int64_t i = c.start; i < c.start + c.length; ++i)
+        for (int64_t x = 0; x < inner; ++x) part.push_back(all[static_cast<size_t>((o * n + i) * inner + x)]);
+  shape[d] = total;
+  return tensor(t.dtype(), shape, part);
+}
+// The inverse: rank tensors' values (C order, local rows) placed at their chunks' positions of
+// a whole (outer, N, inner) array.
+void place(std::vector<double>& whole, int64_t N, const std::vector<double>& local, int64_t n_local, int64_t inner,
+           const std::vector<RingChunk>& chunks) {
+  const int64_t outer = n_local == 0 || inner == 0 ? 0 : static_cast<int64_t>(local.size()) / (n_local * inner);
+  for (int64_t o = 0; o < outer; ++o)
+    for (const RingChunk& c : chunks)
+      for (int64_t i = 0; i < c.length; ++i)
+        for (int64_t x = 0; x < inner; ++x) {
+          whole[static_cast<size_t>((o * N + c.start + i) * inner + x)] =
+              local[static_cast<size_t>((o * n_local + c.local + i) * inner + x)];
+        }
+}
+
+struct RingCase {
+  const char* name;
+  int W;
+  RingLayout layout;
+  int64_t B, Hq, Hkv, n_local, Dk, Dv;
+  Causal causal = Causal::kNone;
+  sdpa::Window window = {};
+  bool alibi = false, sinks = false, softcap = false;
+  double dropout = 0;
+  int64_t bq = 0, bk = 0;  // block mask when > 0
+  bool fast = false;       // Precision::kFast
+};
+
+constexpr RingLayout kZig = RingLayout::kZigzag, kCont = RingLayout::kContiguous;
+
+// The world sizes and layouts, with the options spread over them (each dtype runs every case).
+const RingCase kCases[] = {
+    {"w1_plain", 1, kZig, 1, 2, 2, 10, 8, 8},
+    {"w1_contiguous_causal", 1, kCont, 1, 2, 1, 7, 8, 8, Causal::kTopLeft},
+    {"w2_zigzag_causal_gqa", 2, kZig, 1, 4, 2, 12, 16, 8, Causal::kBottomRight},
+    {"w2_contiguous_odd", 2, kCont, 2, 2, 2, 9, 8, 12},
+    {"w3_zigzag_window_alibi", 3, kZig, 1, 4, 2, 14, 8, 8, Causal::kNone, {9, 4}, true},
+    {"w3_contiguous_causal_sinks_softcap", 3, kCont, 1, 4, 2, 11, 8, 6, Causal::kTopLeft, {}, false, true, true},
+    {"w4_zigzag_causal_dropout_block_mask", 4, kZig, 1, 2, 1, 16, 8, 8, Causal::kTopLeft, {}, false, false, false,
+     0.2, 5, 7},
+    {"w4_contiguous_97", 4, kCont, 1, 2, 2, 97, 16, 16, Causal::kBottomRight, {40, -1}, true, true},
+    {"w2_zigzag_sinks_window", 2, kZig, 1, 2, 2, 20, 8, 8, Causal::kNone, {3, 3}, false, true},
+};
+
+// The case's options and the tensors they point to (whole-sequence block mask, slopes, sinks).
+struct CaseOptions {
+  GuardedTensor bm, slopes, sinks;
+  Options o;
+  CaseOptions(const RingCase& c, uint32_t seed)
+      : bm(DType::kBool, {c.B, c.Hq, c.bq ? (c.W * c.n_local + c.bq - 1) / c.bq : 1,
+                          c.bk ? (c.W * c.n_local + c.bk - 1) / c.bk : 1}),
+        slopes(kF64, {c.Hq}),
+        sinks(kF32, {c.Hq}) {
+    std::mt19937 rng(seed);
+    fill_mask(bm, rng, 0.6, 0.0);
+    fill_uniform(slopes, rng, 0.01, 0.3);
+    fill_normal(sinks, rng);
+    o.causal = c.causal;
+    o.window = c.window;
+    if (c.alibi) o.alibi_slopes = slopes.view();
+    if (c.sinks) o.sinks = sinks.view();
+    if (c.softcap) o.softcap = 3;
+    if (c.bq > 0) o.block_mask = bm.view(), o.block_q = c.bq, o.block_k = c.bk;
+    if (c.dropout > 0) o.dropout_p = c.dropout, o.seed = 1234;
+    if (c.fast) o.precision = sdpa::Precision::kFast;
+  }
+  CaseOptions(const CaseOptions&) = delete;
+  CaseOptions& operator=(const CaseOptions&) = delete;
+};
+
+// Every rank's shards of a whole problem, and its outputs.
+struct RankData {
+  std::vector<RingChunk> chunks;
+  GuardedTensor q, k, v, out, lse;
+};
+
+std::vector<RankData> shards(const Tensors& t, int W, RingLayout layout, DType out_dtype) {
+  const int64_t n_local = t.q.shape()[2] / W;
+  std::vector<RankData> ranks;
+  for (int r = 0; r < W; ++r) {
+    const std::vector<RingChunk> ch = sdpa::ring_chunks(layout, W, r, n_local);
+    std::vector<int64_t> out_shape = t.q.shape(), lse_shape = t.q.shape();
+    out_shape[2] = n_local, out_shape[3] = t.v.shape()[3];
+    lse_shape.pop_back(), lse_shape[2] = n_local;
+    ranks.push_back({ch, cut(t.q, 2, ch), cut(t.k, 2, ch), cut(t.v, 2, ch), GuardedTensor(out_dtype, out_shape),
+                     GuardedTensor(compute_dtype(t.q.dtype()), lse_shape)});
+  }
+  return ranks;
+}
+
+// Runs the ring forward on every rank; fails the test on any rank's exception.
+void run_forward(std::vector<RankData>& ranks, const Options& o, RingLayout layout) {
+  LocalWorld world(static_cast<int>(ranks.size()));
+  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+    RankData& d = ranks[static_cast<size_t>(r)];
+    sdpa::Outputs out;
+    out.out = d.out.view();
+    out.lse = d.lse.view();
+    sdpa::ring_attention(comm, {d.q.view(), d.k.view(), d.v.view()}, out, o, {layout, 30.0});
+  });
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r]) continue;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "rank " << r << ": " << e.what();
+    }
+  }
+  for (size_t r = 0; r < ranks.size(); ++r) EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+}
+
+// The documented order, emulated on rank r's shards with the public calls: an accumulator of
+// out 0, lse -inf in the compute type; for each step s the block of rank (r - s) mod W, for each
+// query chunk, each key chunk of that block, attention() at the chunks' positions (sinks only
+// at step 0 with the query chunk's own chunk) merged in place; then rounded once. Every pair is
+// computed here (the ring skips those no row sees: merging them changes no bit).
+void emulate(const std::vector<RankData>& ranks, int r, const Options& o, GuardedTensor& out,
+             GuardedTensor& lse) {
+  const int W = static_cast<int>(ranks.size());
+  const RankData& me = ranks[static_cast<size_t>(r)];
+  const DType ct = compute_dtype(me.q.dtype());
+  const auto rows = [](const sdpa::TensorView& t, int dim, int64_t first, int64_t n) {
+    sdpa::TensorView s = t;
+    s.data = static_cast<char*>(t.data) + first * t.strides[dim] * sdpa::dtype_size(t.dtype);
+    s.shape[dim] = n;
+    return s;
+  };
+  GuardedTensor acc(ct, me.out.shape()), acc_lse(ct, me.lse.shape());
+  acc.set_values(std::vector<double>(static_cast<size_t>(acc.numel()), 0.0));
+  acc_lse.set_values(std::vector<double>(static_cast<size_t>(acc_lse.numel()), -kInf));
+  for (int s = 0; s < W; ++s) {
+    const RankData& blk = ranks[static_cast<size_t>((r + W - s) % W)];
+    for (size_t qi = 0; qi < me.chunks.size(); ++qi) {
+      const RingChunk& qc = me.chunks[qi];
+      for (size_t ki = 0; ki < blk.chunks.size(); ++ki) {
+        const RingChunk& kc = blk.chunks[ki];
+        std::vector<int64_t> ps = me.out.shape(), ls = me.lse.shape();
+        ps[2] = qc.length, ls[2] = qc.length;
+        GuardedTensor po(ct, ps), pl(ct, ls);
+        Options pop = o;
+        pop.q_start = qc.start, pop.k_start = kc.start;
+        if (!(s == 0 && ki == qi)) pop.sinks.reset();
+        sdpa::Outputs outs;
+        outs.out = po.view();
+        outs.lse = pl.view();
+        sdpa::attention({rows(me.q.view(), 2, qc.local, qc.length), rows(blk.k.view(), 2, kc.local, kc.length),
+                         rows(blk.v.view(), 2, kc.local, kc.length)},
+                        outs, pop);
+        const sdpa::TensorView ao = rows(acc.view(), 2, qc.local, qc.length), al = rows(acc_lse.view(), 2, qc.local, qc.length);
+        const sdpa::Partial parts[2] = {{ao, al}, {po.view(), pl.view()}};
+        sdpa::merge_attention(parts, ao, al);
+      }
+    }
+  }
+  const sdpa::Partial whole[1] = {{acc.view(), acc_lse.view()}};
+  sdpa::merge_attention(whole, out.view(), lse.view());
+}
+
+// The merges' own error (merge.h: one merge of k = 2 parts errs by at most u M ((2 + 2/e) 2 + 4)
+// in out and u ((1 + 1/e) 2 + 1 + 2 log 2 + |lse|) in lse, first order, against exact
+// arithmetic on its parts). A row merges P pairs one by one into an accumulator that starts
+// empty (the first merge is exact: the empty part weighs 0 and the other 1), so P - 1 merges
+// err; merge t also carries the lse error of the accumulator so far, (t - 1) lse bounds, which
+// moves the two weights of a convex combination of outs within 2M of each other by at most
+// w (1 - w) 2M delta <= M delta. M bounds |out| (max|v| / (1 - p)), L |lse| (the whole row's).
+struct MergeBound {
+  double out, lse;
+};
+MergeBound merge_bound(DType q, int64_t P, double M, double L) {
+  const double u = eps(compute_dtype(q)) / 2, m = static_cast<double>(std::max<int64_t>(P - 1, 0));
+  const double c_out = (2 + 2 / kE) * 2 + 4, c_lse = (1 + 1 / kE) * 2 + 1 + 2 * std::log(2.0) + L;
+  return {m * u * M * (c_out + m * c_lse), m * u * c_lse};
+}
+
+void check_forward(const RingCase& c, DType dt) {
+  const int64_t N = c.W * c.n_local;
+  const Tensors t = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 17);
+  const CaseOptions co(c, 5);
+  const Options& o = co.o;
+  std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
+  run_forward(ranks, o, c.layout);
+  // The whole sequence's out and lse from the ranks' shards.
+  std::vector<double> out(static_cast<size_t>(c.B * c.Hq * N * c.Dv)), lse(static_cast<size_t>(c.B * c.Hq * N));
+  for (const RankData& d : ranks) {
+    EXPECT_TRUE(d.out.guards_intact());
+    EXPECT_TRUE(d.lse.guards_intact());
+    place(out, N, d.out.values(), c.n_local, c.Dv, d.chunks);
+    place(lse, N, d.lse.values(), c.n_local, 1, d.chunks);
+  }
+  // Against kReference on the whole sequence: the tolerance rule plus the merges' bound.
+  ForwardExpected e;
+  ASSERT_TRUE(expected_forward(t, o, e));
+  const int64_t P = c.layout == kZig ? 2 * c.W : c.W;
+  const MergeBound mb =
+      merge_bound(dt, P, max_abs_finite(t.v.values()) / (1 - o.dropout_p), max_abs_finite(e.ref.lse));
+  EXPECT_TRUE(all_close("out", out, e.ref.out, e.tol.out + mb.out));
+  EXPECT_TRUE(all_close("lse", lse, e.ref.lse, e.tol.lse + mb.lse));
+  // Bit for bit the documented order, on every rank.
+  for (int r = 0; r < c.W; ++r) {
+    const RankData& d = ranks[static_cast<size_t>(r)];
+    GuardedTensor eo(d.out.dtype(), d.out.shape()), el(d.lse.dtype(), d.lse.shape());
+    emulate(ranks, r, o, eo, el);
+    EXPECT_TRUE(all_close("out (documented order)", d.out.values(), eo.values(), 0)) << "rank " << r;
+    EXPECT_TRUE(all_close("lse (documented order)", d.lse.values(), el.values(), 0)) << "rank " << r;
+  }
+  // Repeatable bit for bit.
+  std::vector<RankData> again = shards(t, c.W, c.layout, dt);
+  run_forward(again, o, c.layout);
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    EXPECT_TRUE(all_close("out (second run)", again[r].out.values(), ranks[r].out.values(), 0));
+    EXPECT_TRUE(all_close("lse (second run)", again[r].lse.values(), ranks[r].lse.values(), 0));
+  }
+}
+
+TEST_F(Ring, ForwardMatchesWhole) {
+  for (const RingCase& c : kCases) {
+    for (DType dt : {kF32, kF64, kBF16}) {
+      SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
+      check_forward(c, dt);
+    }
+  }
+  // float16 and kFast once each.
+  RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
+  {
+    SCOPED_TRACE("float16");
+    check_forward(c, kF16);
+  }
+  c.name = "w2_fast", c.W = 2, c.fast = true;
+  {
+    SCOPED_TRACE("kFast bfloat16");
+    check_forward(c, kBF16);
+  }
+}
+
+// ---- Backward ----
+
+// The ranks' gradients, each rank's shards of the whole problem's out, lse (kAuto's) and dout.
+struct RankGrads {
+  GuardedTensor out, lse, dout;
+  Grads g;
+  GuardedTensor dalibi, dsinks;
+};
+
+void check_backward(const RingCase& c, DType dt) {
+  const int64_t N = c.W * c.n_local;
+  Tensors inputs = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 23);
+  const CaseOptions co(c, 6);
+  const Options& o = co.o;
+  const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
+  const Tensors& t = whole.t;
+  std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
+  const auto run_ring = [&] {
+    std::vector<RankGrads> rg;
+    for (const RankData& d : ranks) {
+      rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
+                    Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
+                    GuardedTensor(kF64, {c.Hq}), GuardedTensor(kF32, {c.Hq})});
+    }
+    LocalWorld world(c.W);
+    const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      RankGrads& x = rg[static_cast<size_t>(r)];
+      sdpa::Gradients g = x.g.gradients();
+      if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
+      if (o.sinks) g.dsinks = x.dsinks.view();
+      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
+                                    x.dout.view(), g, o, {c.layout, 30.0});
+    });
+    for (size_t r = 0; r < errors.size(); ++r) {
+      if (!errors[r]) continue;
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+      EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+    }
+    return rg;
+  };
+  const std::vector<RankGrads> rg = run_ring();
+  // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
+  const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
+  GradValues got;
+  got.g[0].resize(static_cast<size_t>(t.q.numel())), got.g[1].resize(static_cast<size_t>(t.k.numel())),
+      got.g[2].resize(static_cast<size_t>(t.v.numel()));
+  std::vector<double> dalibi(static_cast<size_t>(c.Hq), 0.0), dsinks(static_cast<size_t>(c.Hq), 0.0);
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(rg[r].g.guards_intact());
+    const GradValues v = values(rg[r].g);
+    for (int x = 0; x < 3; ++x) place(got.g[x], N, v.g[x], c.n_local, width[x], ranks[r].chunks);
+    if (o.alibi_slopes) {
+      const std::vector<double> a = rg[r].dalibi.values();
+      for (size_t h = 0; h < a.size(); ++h) dalibi[h] += a[h];
+    }
+    if (o.sinks) {
+      const std::vector<double> a = rg[r].dsinks.values();
+      for (size_t h = 0; h < a.size(); ++h) dsinks[h] += a[h];
+    }
+  }
+  // Against kReference under the backward's rule, plus the ring's sums: dq sums P pair terms
+  // (P key chunks), dk and dv P terms (one per query chunk of the sequence), one after the other
+  // in the compute type: P - 1 additions each erring by at most u times the sum of the terms'
+  // sizes, which the pairs' own terms bound: per element of dq, |scale| Σ_j p_ij (|z dP_ij| +
+  // |D_i|) |k_j| <= |scale| Dv max|dout| (max|v| / (1 - p) + max|out|) max|k| (Σ_j p_ij <= 1);
+  // of dk the same with max|q| over the group · N rows that read a key (each p <= 1); of dv
+  // Σ_i |z| p_ij |dout_i| <= group N max|dout| / (1 - p).
+  Expected e;
+  ASSERT_TRUE(expected(whole, o, e));
+  const double u = eps(compute_dtype(dt)) / 2, P = static_cast<double>(c.layout == kZig ? 2 * c.W : c.W);
+  const double z = 1 / (1 - o.dropout_p), scale = 1 / std::sqrt(static_cast<double>(c.Dk));
+  const double dmax = max_abs_finite(whole.dout.values()), vmax = max_abs_finite(t.v.values()),
+               omax = max_abs_finite(whole.out.values()), kmax = max_abs_finite(t.k.values()),
+               qmax = max_abs_finite(t.q.values());
+  const double rows = static_cast<double>(c.Hq / c.Hkv * N);
+  const double term = scale * static_cast<double>(c.Dv) * dmax * (vmax * z + omax);
+  const double sums[3] = {term * kmax, term * qmax * rows, rows * dmax * z};
+  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g[x], e.ref.g[x], e.tol[x] + (P - 1) * u * sums[x]));
+  // dalibi_slopes and dsinks (float32: kNaive's error is measured in float32) as positions_test
+  // checks the pairs' sums: 2 |kNaive - kReference| of the whole call + 4 eps max(1, max|ref|).
+  if (dt == kF32 && (o.alibi_slopes || o.sinks)) {
+    const auto modifiers = [&](sdpa::Backend backend) {
+      Options ro = o;
+      ro.backend = backend;
+      Grads g = empty_grads(t, Layout::kContiguous);
+      sdpa::Gradients grads = g.gradients();
+      GuardedTensor da(kF64, {c.Hq}), ds(kF64, {c.Hq});
+      if (o.alibi_slopes) grads.dalibi_slopes = da.view();
+      if (o.sinks) grads.dsinks = ds.view();
+      sdpa::attention_backward(t.inputs(), whole.out.view(), whole.lse.view(), whole.dout.view(), grads, ro);
+      return std::pair{da.values(), ds.values()};
+    };
+    const auto ref = modifiers(sdpa::Backend::kReference), naive = modifiers(sdpa::Backend::kNaive);
+    const auto check = [](const char* what, const std::vector<double>& g, const std::vector<double>& want,
+                          const std::vector<double>& yardstick) {
+      double err = 0;
+      for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::abs(yardstick[i] - want[i]));
+      EXPECT_TRUE(all_near(what, g, want, 2 * err + 4 * eps(kF32) * std::max(1.0, max_abs_finite(want))));
+    };
+    if (o.alibi_slopes) check("dalibi_slopes", dalibi, ref.first, naive.first);
+    if (o.sinks) check("dsinks", dsinks, ref.second, naive.second);
+  }
+  // Repeatable bit for bit.
+  const std::vector<RankGrads> again = run_ring();
+  for (size_t r = 0; r < rg.size(); ++r) {
+    EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
+    if (o.alibi_slopes) {
+      EXPECT_TRUE(all_close("dalibi (second run)", again[r].dalibi.values(), rg[r].dalibi.values(), 0));
+    }
+    if (o.sinks) {
+      EXPECT_TRUE(all_close("dsinks (second run)", again[r].dsinks.values(), rg[r].dsinks.values(), 0));
+    }
+  }
+}
+
+TEST_F(Ring, BackwardMatchesWhole) {
+  for (const RingCase& c : kCases) {
+    for (DType dt : {kF32, kF64, kBF16}) {
+      SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
+      check_backward(c, dt);
+    }
+  }
+  RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
+  SCOPED_TRACE("float16");
+  check_backward(c, kF16);
+}
+
+// ---- Failures: every rank throws, nothing is written ----
+
+// Each rank's exception message ("" when it returned).
+std::vector<std::string> messages(const std::vector<std::exception_ptr>& errors) {
+  std::vector<std::string> m;
+  for (const auto& e : errors) {
+    std::string what;
+    if (e) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const sdpa::Error& x) {
+        what = x.what();
+      } catch (const std::exception& x) {
+        what = std::string("not an sdpa::Error: ") + x.what();
+      }
+    }
+    m.push_back(what);
+  }
+  return m;
+}
+
+// W ranks of a small float32 problem; `edit` changes rank r's call before it runs.
+struct FailureRun {
+  std::vector<RankData> ranks;
+  std::vector<std::string> errors;
+  std::vector<double> seconds;
+};
+FailureRun run_failing(int W, int64_t n_local, const std::function<void(LocalWorld&)>& setup,
+                       const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit) {
+  const int64_t N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  FailureRun f{shards(t, W, kCont, kF32), {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
+  LocalWorld world(W);
+  setup(world);
+  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
+    RankData& d = f.ranks[static_cast<size_t>(r)];
+    sdpa::Inputs in{d.q.view(), d.k.view(), d.v.view()};
+    Options o;
+    o.causal = Causal::kTopLeft;
+    sdpa::RingOptions ring{kCont, 0.5};
+    edit(r, in, o, ring);
+    sdpa::Outputs out;
+    out.out = d.out.view();
+    out.lse = d.lse.view();
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      sdpa::ring_attention(comm, in, out, o, ring);
+    } catch (...) {
+      f.seconds[static_cast<size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      throw;
+    }
+  });
+  f.errors = messages(errors);
+  return f;
+}
+
+TEST_F(Ring, MismatchIsTheSameErrorOnEveryRank) {
+  // Rank 2 with another scale; rank 1 with another N_local (its own shard cut shorter).
+  const FailureRun a = run_failing(3, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    if (r == 2) o.scale = 0.25;
+  });
+  for (size_t r = 0; r < a.errors.size(); ++r) {
+    EXPECT_NE(a.errors[r].find("rank 2's arguments differ from rank 0's"), std::string::npos) << a.errors[r];
+    EXPECT_NE(a.errors[r].find("scale: default on rank 0, 0.25 on rank 2"), std::string::npos) << a.errors[r];
+    EXPECT_EQ(a.errors[r], a.errors[0]);
+    EXPECT_TRUE(a.ranks[r].out.untouched());
+    EXPECT_TRUE(a.ranks[r].lse.untouched());
+  }
+  const FailureRun b = run_failing(4, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.q.shape[2] = in.k.shape[2] = in.v.shape[2] = 4;
+  });
+  for (size_t r = 0; r < b.errors.size(); ++r) {
+    EXPECT_EQ(b.errors[r], b.errors[0]);
+    EXPECT_TRUE(b.ranks[r].out.untouched());
+  }
+  // Rank 1's out no longer matches its q: it refuses locally, and every rank says so.
+  EXPECT_NE(b.errors[0].find("rank 1 refused its arguments"), std::string::npos) << b.errors[0];
+  // The layout: another N_local with matching outputs is a difference of q's shape.
+  const FailureRun c = run_failing(2, 6, [](LocalWorld&) {}, [](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions& ring) {
+    if (r == 1) ring.layout = kZig;
+    (void)o;
+  });
+  for (const std::string& e : c.errors) EXPECT_NE(e.find("RingOptions::layout: kContiguous on rank 0, kZigzag on rank 1"), std::string::npos) << e;
+}
+
+TEST_F(Ring, StoppedRankTimesOut) {
+  // Rank 1 never sends a block: rank 2 gives up on it after 0.5 s naming it; the others, waiting
+  // on ranks that gave up, within one deadline per step.
+  const int W = 4;
+  const FailureRun f = run_failing(W, 5, [](LocalWorld& w) { w.stop_sends(1, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(f.errors[2].find("ring_attention: rank 2 waited 0.5 s for the block of rank 1 at step 1 from rank 1: no message"),
+            std::string::npos)
+      << f.errors[2];
+  EXPECT_LT(f.seconds[2], 0.5 + 0.4);
+  EXPECT_GE(f.seconds[2], 0.5);
+  for (int r = 0; r < W; ++r) {
+    if (r == 1) continue;
+    EXPECT_NE(f.errors[static_cast<size_t>(r)].find("no message (a peer died, stopped or is slower than timeout_seconds)"),
+              std::string::npos)
+        << "rank " << r << ": " << f.errors[static_cast<size_t>(r)];
+    EXPECT_LT(f.seconds[static_cast<size_t>(r)], (W - 1) * 0.5 + 0.4) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].out.untouched()) << "rank " << r;
+    EXPECT_TRUE(f.ranks[static_cast<size_t>(r)].lse.untouched()) << "rank " << r;
+  }
+  // A rank that never joins: the all-gather's deadline.
+  const FailureRun g = run_failing(2, 4, [](LocalWorld& w) { w.stop_allgathers(0); w.stop_sends(0, 0); },
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+  EXPECT_NE(g.errors[1].find("rank 1 waited 0.5 s for the all-gather of the ranks' arguments"), std::string::npos)
+      << g.errors[1];
+  EXPECT_TRUE(g.ranks[1].out.untouched());
+}
+
+TEST_F(Ring, Refusals) {
+  const auto refused = [](const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit,
+                          const std::string& why) {
+    const FailureRun f = run_failing(2, 4, [](LocalWorld&) {}, edit);
+    for (size_t r = 0; r < f.errors.size(); ++r) {
+      EXPECT_NE(f.errors[r].find(why), std::string::npos) << "rank " << r << ": " << f.errors[r];
+      EXPECT_TRUE(f.ranks[r].out.untouched());
+    }
+  };
+  const GuardedTensor mask(DType::kBool, {4, 4});
+  std::vector<int64_t> lengths = {4};
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) { if (r == 0) in.mask = mask.view(); },
+          "rank 0 refused its arguments: ring_attention: Inputs::mask is not supported");
+  refused([&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+    if (r == 1) in.seqlens_k = sdpa::TensorView::contiguous(lengths.data(), DType::kInt64, {1});
+  }, "Inputs::seqlens_k is not supported");
+  refused([](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { o.q_start = 0, o.k_start = 0; },
+          "Options::q_start and k_start must not be set");
+  refused([](int r, sdpa::Inputs&, Options& o, sdpa::RingOptions&) { if (r == 1) o.dropout_p = 0.5; },
+          "needs a seed");
+  // kZigzag with an odd N_local: ring_chunks' Error, on every rank.
+  const FailureRun z = run_failing(2, 5, [](LocalWorld&) {}, [](int, sdpa::Inputs&, Options&, sdpa::RingOptions& ring) {
+    ring.layout = kZig;
+  });
+  for (const std::string& e : z.errors) EXPECT_NE(e.find("kZigzag needs an even N_local"), std::string::npos) << e;
+  // A block mask too small for the whole sequence (8 positions: 2 blocks of 4 needed; rank 0's
+  // own rows need only 1).
+  const GuardedTensor small(DType::kBool, {1, 1});
+  refused([&](int, sdpa::Inputs&, Options& o, sdpa::RingOptions&) {
+    o.block_mask = small.view(), o.block_q = 4, o.block_k = 4;
+  }, "block_mask has shape (1, 1)");
+  // Outputs the ring refuses, and a timeout that is not > 0 (no collective: the rank's own Error).
+  LocalWorld world(1);
+  const Tensors t = random_qkv(kF32, {1, 2, 4, 4}, {1, 2, 4, 4}, {1, 2, 4, 4}, 3);
+  GuardedTensor out(kF32, {1, 2, 4, 4}), weights(kF32, {1, 2, 4, 4});
+  sdpa::Outputs o;
+  o.out = out.view();
+  o.weights = weights.view();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 1.0}); },
+                    {"Outputs::weights is not supported"});
+  o.weights.reset();
+  expect_sdpa_error([&] { sdpa::ring_attention(world.comm(0), t.inputs(), o, {}, {kCont, 0.0}); },
+                    {"timeout_seconds=0", "> 0"});
+  EXPECT_TRUE(out.untouched());
+  // The backward: dbias, and lse missing.
+  Grads g = empty_grads(t, Layout::kContiguous);
+  sdpa::Gradients grads = g.gradients();
+  GuardedTensor dbias(kF32, {4, 4}), lse(kF32, {1, 2, 4});
+  grads.dbias = dbias.view();
+  expect_sdpa_error([&] {
+    sdpa::ring_attention_backward(world.comm(0), t.inputs(), out.view(), lse.view(), out.view(), grads, {}, {kCont, 1.0});
+  }, {"Gradients::dbias is not supported"});
+  EXPECT_TRUE(g.untouched());
+}
+
+TEST_F(Ring, Chunks) {
+  // ring.h's picture: W = 2, N = 8.
+  const auto z0 = sdpa::ring_chunks(kZig, 2, 0, 4), z1 = sdpa::ring_chunks(kZig, 2, 1, 4);
+  ASSERT_EQ(z0.size(), 2u);
+  EXPECT_EQ(z0[0].start, 0);
+  EXPECT_EQ(z0[1].start, 6);
+  EXPECT_EQ(z0[1].local, 2);
+  EXPECT_EQ(z0[1].length, 2);
+  EXPECT_EQ(z1[0].start, 2);
+  EXPECT_EQ(z1[1].start, 4);
+  const auto c1 = sdpa::ring_chunks(kCont, 2, 1, 4);
+  ASSERT_EQ(c1.size(), 1u);
+  EXPECT_EQ(c1[0].start, 4);
+  EXPECT_EQ(c1[0].length, 4);
+  EXPECT_EQ(c1[0].local, 0);
+  expect_sdpa_error([] { sdpa::ring_chunks(kZig, 2, 0, 5); }, {"kZigzag needs an even N_local", "N_local=5"});
+  expect_sdpa_error([] { sdpa::ring_chunks(kCont, 2, 2, 4); }, {"rank=2", "[0, 2)"});
+  expect_sdpa_error([] { sdpa::ring_chunks(kCont, 0, 0, 4); }, {"world=0"});
+  expect_sdpa_error([] { sdpa::ring_chunks(kCont, 4, 0, std::numeric_limits<int64_t>::max() / 2); }, {"overflows"});
+}
+
+}  // namespace
