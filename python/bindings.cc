@@ -16,6 +16,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/trampoline.h>
 
 #include "hwy/targets.h"
 #include "front_options.h"
@@ -24,6 +25,7 @@
 #include "sdpa/kv_cache.h"
 #include "sdpa/merge.h"
 #include "sdpa/mha.h"
+#include "sdpa/ring.h"
 
 namespace nb = nanobind;
 
@@ -347,6 +349,130 @@ void merge_attention(const std::vector<ConstArray>& outs, const std::vector<Cons
   sdpa::merge_attention(parts, o, l);
 }
 
+// ---- Ring attention (sdpa/ring.h) over a communicator written in Python ----
+
+// sdpa::Communicator implemented by a Python subclass of _core.Communicator (sdpa/distributed.py:
+// MPICommunicator; sdpa/_torch_distributed.py: TorchCommunicator). The ring calls these from C++
+// without the GIL; each takes it for its Python call. Buffers reach Python as NumPy uint8 arrays
+// over the ring's memory (no owner, no copy; read-only for what is sent), valid until the request
+// completes; requests are ints. A Python Exception raised by a method (or a result of the wrong
+// type) becomes an sdpa::Error naming the rank and the call, which the ring handles as any
+// transport error; BaseExceptions that are not Exceptions (KeyboardInterrupt) pass unchanged.
+class PyCommunicator : public sdpa::Communicator {
+ public:
+  NB_TRAMPOLINE(sdpa::Communicator);
+
+  int rank() const override { return invoke<int>("rank", "rank()", false); }
+  int size() const override { return invoke<int>("size", "size()"); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    nb::gil_scoped_acquire gil;
+    return invoke<Request>("isend", describe("isend", bytes, "to", to, tag), true, bytes_array<const uint8_t>(data, bytes),
+                           to, tag);
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override {
+    nb::gil_scoped_acquire gil;
+    return invoke<Request>("irecv", describe("irecv", bytes, "from", from, tag), true, bytes_array<uint8_t>(data, bytes),
+                           from, tag);
+  }
+  Request iallgather(const void* in, void* out, size_t bytes) override {
+    const size_t world = static_cast<size_t>(size());
+    nb::gil_scoped_acquire gil;
+    return invoke<Request>("iallgather", "iallgather(" + std::to_string(bytes) + " bytes)", true,
+                           bytes_array<const uint8_t>(in, bytes), bytes_array<uint8_t>(out, bytes * world));
+  }
+  bool wait(Request request, double seconds) override {
+    return invoke<bool>("wait", "wait(request " + std::to_string(request) + ")", true, request, seconds);
+  }
+
+ private:
+  // The Python method `name`(args...) as an R, with the GIL; its Exceptions as sdpa::Error.
+  template <typename R, typename... A>
+  R invoke(const char* name, const std::string& what, bool with_rank = true, const A&... args) const {
+    nb::gil_scoped_acquire gil;
+    try {
+      nb::detail::ticket t(nb_trampoline, name, nb::detail::str_hash(name), true);
+      return nb::cast<R>(nb_trampoline.base().attr(t.key)(args...));
+    } catch (const nb::python_error& e) {
+      if (!e.matches(PyExc_Exception)) throw;  // KeyboardInterrupt, SystemExit: as they are
+      throw sdpa::Error(prefix(with_rank) + what + " raised " + nb::type_name(e.type()).c_str() + ": " +
+                        nb::str(e.value()).c_str());
+    } catch (const nb::cast_error&) {
+      throw sdpa::Error(prefix(with_rank) + what + " returned a value of the wrong type (requests are ints, "
+                        "wait() a bool, rank() and size() ints)");
+    } catch (const std::runtime_error& e) {  // nanobind's: the method is not defined
+      throw sdpa::Error(prefix(with_rank) + what + ": " + e.what());
+    }
+  }
+  // A 1-dim uint8 NumPy array over [data, data + bytes) without an owner (rv_policy::reference:
+  // nanobind would copy an ownerless array otherwise); const T: read-only.
+  template <typename T>
+  static nb::object bytes_array(const void* data, size_t bytes) {
+    nb::ndarray<nb::numpy, T, nb::ndim<1>> a(const_cast<void*>(data), {bytes}, nb::handle());
+    return a.cast(nb::rv_policy::reference);
+  }
+  static std::string describe(const char* what, size_t bytes, const char* dir, int peer, int tag) {
+    return std::string(what) + "(" + std::to_string(bytes) + " bytes " + dir + " rank " + std::to_string(peer) +
+           ", tag " + std::to_string(tag) + ")";
+  }
+  // "rank R: the communicator (Type)'s " (the rank when rank() answers).
+  std::string prefix(bool with_rank) const {
+    std::string r;
+    if (with_rank) {
+      try {
+        r = "rank " + std::to_string(nb::cast<int>(nb_trampoline.base().attr("rank")())) + ": ";
+      } catch (const std::exception&) {  // (python_error, cast_error: no rank to name)
+      }
+    }
+    return r + "the communicator (" + nb::type_name(nb_trampoline.base().type()).c_str() + ")'s ";
+  }
+};
+
+sdpa::RingOptions ring_options(sdpa::RingLayout layout, double timeout) {
+  sdpa::RingOptions r;
+  r.layout = layout;
+  r.timeout_seconds = timeout;
+  return r;
+}
+
+void ring_attention(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
+                    const Array& out, const std::optional<Array>& lse, std::optional<double> scale,
+                    const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
+                    double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order,
+                    const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
+                    const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+                    const std::string& precision, sdpa::RingLayout layout, double timeout) {
+  const sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
+  sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
+  if (lse) outs.lse = to_view(*lse, "lse");
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
+                                      softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  const sdpa::RingOptions ring = ring_options(layout, timeout);
+  nb::gil_scoped_release release;
+  sdpa::ring_attention(comm, in, outs, opt, ring);
+}
+
+void ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
+                             const ConstArray& out, const ConstArray& lse, const ConstArray& dout, const Array& dq,
+                             const Array& dk, const Array& dv, std::optional<double> scale, const std::string& causal,
+                             int64_t window_left, int64_t window_right, const std::string& backend, double dropout_p,
+                             std::optional<uint64_t> seed, double softcap, const std::string& softcap_order,
+                             const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
+                             const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
+                             const std::optional<Array>& dsinks, const std::optional<Array>& dalibi_slopes,
+                             const std::string& precision, sdpa::RingLayout layout, double timeout) {
+  const sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
+  const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
+                         dout_view = to_view(dout, "dout");
+  sdpa::Gradients grads{to_view(dq, "dq"), to_view(dk, "dk"), to_view(dv, "dv")};
+  if (dsinks) grads.dsinks = to_view(*dsinks, "dsinks");
+  if (dalibi_slopes) grads.dalibi_slopes = to_view(*dalibi_slopes, "dalibi_slopes");
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
+                                      softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  const sdpa::RingOptions ring = ring_options(layout, timeout);
+  nb::gil_scoped_release release;
+  sdpa::ring_attention_backward(comm, in, out_view, lse_view, dout_view, grads, opt, ring);
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -452,6 +578,36 @@ NB_MODULE(_core, m) {
   m.def("dropout_mask", [](double dropout_p, uint64_t seed, const Array& mask) {
     sdpa::dropout_mask(dropout_p, seed, to_view(mask, "mask"));
   }, nb::arg("dropout_p"), nb::arg("seed"), nb::arg("mask"));
+  nb::class_<sdpa::Communicator, PyCommunicator>(m, "Communicator",
+      "sdpa::Communicator (sdpa/ring.h) for Python: subclass it, call super().__init__(), and define "
+      "rank(), size(), isend(buf, to, tag), irecv(buf, from_, tag), iallgather(inbuf, outbuf) (each "
+      "returning an int request; bufs are uint8 NumPy arrays valid until the request completes) and "
+      "wait(request, seconds) -> bool.")
+      .def(nb::init<>())
+      .def("rank", &sdpa::Communicator::rank)
+      .def("size", &sdpa::Communicator::size);
+  nb::enum_<sdpa::RingLayout>(m, "RingLayout")
+      .value("contiguous", sdpa::RingLayout::kContiguous)
+      .value("zigzag", sdpa::RingLayout::kZigzag);
+  m.def("ring_chunks", [](sdpa::RingLayout layout, int world, int rank, int64_t n_local) {
+    std::vector<std::tuple<int64_t, int64_t, int64_t>> chunks;
+    for (const sdpa::RingChunk& c : sdpa::ring_chunks(layout, world, rank, n_local))
+      chunks.emplace_back(c.local, c.start, c.length);
+    return chunks;
+  }, nb::arg("layout"), nb::arg("world"), nb::arg("rank"), nb::arg("n_local"));
+  m.def("ring_attention", &ring_attention, nb::arg("comm"), nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(),
+        nb::arg("softcap"), nb::arg("softcap_order"), nb::arg("alibi_slopes").none(), nb::arg("sinks").none(),
+        nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"), nb::arg("precision"),
+        nb::arg("layout"), nb::arg("timeout"));
+  m.def("ring_attention_backward", &ring_attention_backward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
+        nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap"),
+        nb::arg("softcap_order"), nb::arg("alibi_slopes").none(), nb::arg("sinks").none(),
+        nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"), nb::arg("dsinks").none(),
+        nb::arg("dalibi_slopes").none(), nb::arg("precision"), nb::arg("layout"), nb::arg("timeout"));
   m.def("merge_attention", &merge_attention, nb::arg("outs"), nb::arg("lses"), nb::arg("out"), nb::arg("lse"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);

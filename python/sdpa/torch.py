@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -502,3 +503,8 @@ def attention_stats(query, key, value, attn_mask=None, *, causal=False, scale=No
 
 
 from ._torch_mha import MultiheadAttention  # noqa: E402  (it uses scaled_dot_product_attention above)
+
+# sdpa.torch.distributed (ring attention over torch.distributed): a module of its own, registered
+# so that `import sdpa.torch.distributed` works while sdpa.torch stays a module.
+from . import _torch_distributed as distributed  # noqa: E402
+sys.modules[__name__ + ".distributed"] = distributed

@@ -1,0 +1,106 @@
+"""sdpa.distributed's Communicator interface in one process (no MPI, no torch): a Python
+subclass drives the C++ ring (a world of 1: the all-gather of the arguments, then the rank's own
+block), its exceptions become ValueErrors naming the rank and the call, a wait that times out is
+an error within the timeout, and importing sdpa.distributed does not import mpi4py."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import sdpa
+import sdpa.distributed as sd
+
+
+class Alone(sd.Communicator):
+    """A world of one: the all-gather copies in to out; nothing else is ever sent."""
+
+    def __init__(self, fail=None, never=False):
+        super().__init__()
+        self.fail, self.never, self.calls = fail, never, []
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+    def isend(self, buf, to, tag):
+        raise AssertionError("a world of one sends nothing")
+
+    def irecv(self, buf, from_, tag):
+        raise AssertionError("a world of one receives nothing")
+
+    def iallgather(self, inbuf, outbuf):
+        self.calls.append(("iallgather", inbuf.dtype, inbuf.shape, outbuf.shape, inbuf.flags.writeable))
+        if self.fail:
+            raise self.fail
+        outbuf[:] = inbuf
+        return 7
+
+    def wait(self, request, seconds):
+        self.calls.append(("wait", request))
+        if self.never:
+            time.sleep(seconds)
+            return False
+        return True
+
+
+def _qkv():
+    rng = np.random.default_rng(3)
+    return [rng.standard_normal((1, 2, 6, 4)).astype(np.float32) for _ in range(3)]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_python_communicator_drives_the_ring(layout):
+    q, k, v = _qkv()
+    comm = Alone()
+    out, lse = sd.ring_attention(q, k, v, comm, causal=True, layout=layout, return_lse=True)
+    want, want_lse = sdpa.attention(q, k, v, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-6)
+    kind, dtype, shape, gathered, writeable = comm.calls[0]
+    assert kind == "iallgather" and dtype == np.uint8 and gathered == shape and not writeable  # zero-copy, read-only
+    assert comm.calls[1] == ("wait", 7)
+    dq, dk, dv = sd.ring_attention_backward(want, q, k, v, out, lse, Alone(), causal=True, layout=layout)
+    for got, ref in zip((dq, dk, dv), sdpa.attention_backward(want, q, k, v, want, want_lse, causal=True)):
+        np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_an_exception_of_the_communicator_names_the_rank_and_the_call():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"rank 0: .*Alone.*iallgather\(\d+ bytes\) raised ConnectionError: peer gone"):
+        sd.ring_attention(q, k, v, Alone(fail=ConnectionError("peer gone")))
+
+
+def test_a_wait_that_times_out_is_an_error_not_a_hang():
+    q, k, v = _qkv()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank 0"):
+        sd.ring_attention(q, k, v, Alone(never=True), timeout=0.2)
+    assert time.monotonic() - start < 5
+
+
+def test_arguments_are_checked_by_name():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="layout"):
+        sd.ring_attention(q, k, v, Alone(), layout="spiral")
+    with pytest.raises(ValueError, match="timeout"):
+        sd.ring_attention(q, k, v, Alone(), timeout=0)
+    with pytest.raises(ValueError, match=r"shape \(1, 2, 6, 4\).*4 equal chunks"):
+        sd._shard(q, -2, "zigzag", 0, 2)
+
+
+def test_shard_and_unshard_invert_each_other():
+    x = np.arange(2 * 12).reshape(2, 12, 1)
+    for layout in ("zigzag", "contiguous"):
+        assert np.array_equal(sd.unshard(sd.shard(x, 1, layout, Alone()), 1, layout, Alone()), x)
+    assert sd._shard(x, 1, "zigzag", 0, 2)[0, :, 0].tolist() == [0, 1, 2, 9, 10, 11]
+    assert sd._shard(x, 1, "contiguous", 1, 2)[0, :, 0].tolist() == [6, 7, 8, 9, 10, 11]
+
+
+def test_importing_sdpa_distributed_does_not_import_mpi4py():
+    code = "import sys, sdpa, sdpa.distributed; assert 'mpi4py' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

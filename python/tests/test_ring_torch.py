@@ -1,0 +1,143 @@
+"""sdpa.torch.distributed: ring attention over torch.distributed (gloo on loopback), world sizes 1
+to 4, one spawn per world size running every case (ring_util.CASES: both layouts, causal and
+not, GQA, window, ALiBi and sinks, bfloat16 and float32, dropout), forward and every gradient
+unsharded and checked here, in the parent, against the one-process call on the whole sequence
+(ring_util.check: the tolerance rule, and two runs bitwise equal); then the failures: a shape
+that differs on one rank is an error on every rank, and a rank that stops gives the others an
+error within the timeout, never a hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import ring_util
+from torch_required import import_torch
+
+torch = import_torch(module_level=True)
+import torch.multiprocessing as mp  # noqa: E402
+
+STOP_TIMEOUT = 1.0   # the ring's timeout in the stopped-rank case (s)
+SLACK = 4.0          # what the others may take beyond it to raise (the stopped rank sleeps longer)
+JOIN_LIMIT = 150.0   # the parent's bound on a whole spawn (s)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _error(fn):
+    """(None, elapsed) when fn() returns, else (its message, elapsed)."""
+    start = time.monotonic()
+    try:
+        fn()
+        return None, time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 (any error is what is looked for)
+        return f"{type(e).__name__}: {e}", time.monotonic() - start
+
+
+def _worker(rank, world, port, outdir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    result = {"rank": rank}
+    try:
+        import torch.distributed as dist
+
+        import sdpa
+        import sdpa.torch.distributed as sd
+        torch.set_num_threads(1)
+        sdpa.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        result["cases"] = {}
+        for case in ring_util.CASES:
+            q, k, v, dout, slopes, sinks = ring_util.inputs(case)
+            runs = []
+            for _ in range(2):
+                local = [sd.shard(torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16 if case["dtype"] == "bfloat16"
+                                                                              else torch.float32), 2, case["layout"])
+                         for a in (q, k, v, dout)]
+                for t in local[:3]:
+                    t.requires_grad_()
+                s = None if slopes is None else torch.from_numpy(slopes).requires_grad_()
+                sk = None if sinks is None else torch.from_numpy(sinks).requires_grad_()
+                out = sd.ring_attention(*local[:3], layout=case["layout"], alibi_slopes=s, sinks=sk, timeout=60,
+                                        **ring_util.options(case))
+                out.backward(local[3])
+                run = {name: sd.unshard(t.detach(), 2, case["layout"]).float().numpy()
+                       for name, t in (("out", out), ("dq", local[0].grad), ("dk", local[1].grad),
+                                       ("dv", local[2].grad))}
+                for name, p in (("dalibi", s), ("dsinks", sk)):
+                    if p is not None:  # this rank's part: the caller's all-reduce sums them
+                        dist.all_reduce(p.grad)
+                        run[name] = p.grad.numpy().copy()
+                runs.append(run)
+            result["cases"][case["name"]] = runs
+        # dropout without a seed: rank 0's, broadcast (the ring compares seeds: a different one
+        # on any rank would be an error)
+        qd = torch.randn(1, 2, 2 * world, 8, generator=torch.Generator().manual_seed(7))
+        result["no_seed"] = _error(lambda: sd.ring_attention(qd, qd, qd, dropout_p=0.5, timeout=60))[0]
+        if world > 1:
+            # a shape that differs on one rank: an error on every rank, before any block moves
+            n = 4 if rank == world - 1 else 2
+            qm = torch.zeros(1, 2, n, 8)
+            result["mismatch"] = _error(lambda: sd.ring_attention(qm, qm, qm, timeout=30))[0]
+            # a rank that stops: the others' error within the timeout (the last rank sleeps, then exits)
+            if rank == world - 1:
+                ring_util.save(os.path.join(outdir, f"rank{rank}.pkl"), result)
+                time.sleep(STOP_TIMEOUT + SLACK + 1)
+                os._exit(0)
+            q1 = torch.zeros(1, 2, 2, 8)
+            result["stopped"] = _error(lambda: sd.ring_attention(q1, q1, q1, timeout=STOP_TIMEOUT))
+    except BaseException:  # noqa: BLE001 (reported to the parent)
+        result["crash"] = traceback.format_exc()
+    ring_util.save(os.path.join(outdir, f"rank{rank}.pkl"), result)
+    sys.stdout.flush()
+    os._exit(0)  # no teardown of a group with abandoned work
+
+
+def _spawn(world, tmp_path):
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + JOIN_LIMIT
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"W={world}: the ranks did not finish within {JOIN_LIMIT} s (a hang)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    results = [ring_util.load(os.path.join(tmp_path, f"rank{r}.pkl")) for r in range(world)]
+    for r in results:
+        assert "crash" not in r, f"W={world} rank {r['rank']} failed:\n{r['crash']}"
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_ring_attention_torch(world, tmp_path):
+    results = _spawn(world, tmp_path)
+    for case in ring_util.CASES:
+        runs = results[0]["cases"][case["name"]]
+        for r in results[1:]:  # every rank unsharded the same whole results
+            other = r["cases"][case["name"]]
+            for name in runs[0]:
+                assert np.array_equal(other[0][name], runs[0][name]), f"W={world} {case['name']}: ranks differ on {name}"
+        ring_util.check(case, runs, world)
+    for r in results:
+        assert r["no_seed"] is None, f"W={world} rank {r['rank']}: dropout without a seed failed: {r['no_seed']}"
+    if world == 1:
+        return
+    for r in results:
+        msg = r["mismatch"]
+        assert msg is not None and "ValueError" in msg, f"W={world} rank {r['rank']}: no error for a mismatch ({msg})"
+    for r in results[:-1]:
+        msg, elapsed = r["stopped"]
+        assert msg is not None, f"W={world} rank {r['rank']}: no error with a stopped rank"
+        assert elapsed <= STOP_TIMEOUT + SLACK, f"W={world} rank {r['rank']}: the error took {elapsed:.1f} s"
