@@ -427,14 +427,25 @@ class PyCommunicator : public sdpa::Communicator {
   }
 };
 
-sdpa::RingOptions ring_options(sdpa::RingLayout layout, double timeout) {
+sdpa::RingOptions ring_options(sdpa::RingLayout layout, double timeout, sdpa::RingStats* stats) {
   sdpa::RingOptions r;
   r.layout = layout;
   r.timeout_seconds = timeout;
+  r.stats = stats;
   return r;
 }
 
-void ring_attention(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
+// RingStats as the dict the ring calls return (sdpa.distributed's return_stats).
+nb::dict stats_dict(const sdpa::RingStats& s) {
+  nb::dict d;
+  d["check_seconds"] = s.check_seconds;
+  d["compute_seconds"] = s.compute_seconds;
+  d["wait_seconds"] = s.wait_seconds;
+  d["bytes_sent"] = s.bytes_sent;
+  return d;
+}
+
+nb::dict ring_attention(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
                     const Array& out, const std::optional<Array>& lse, std::optional<double> scale,
                     const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
                     double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order,
@@ -446,12 +457,16 @@ void ring_attention(sdpa::Communicator& comm, const ConstArray& q, const ConstAr
   if (lse) outs.lse = to_view(*lse, "lse");
   const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
                                       softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
-  const sdpa::RingOptions ring = ring_options(layout, timeout);
-  nb::gil_scoped_release release;
-  sdpa::ring_attention(comm, in, outs, opt, ring);
+  sdpa::RingStats stats;
+  const sdpa::RingOptions ring = ring_options(layout, timeout, &stats);
+  {
+    nb::gil_scoped_release release;
+    sdpa::ring_attention(comm, in, outs, opt, ring);
+  }
+  return stats_dict(stats);
 }
 
-void ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
+nb::dict ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
                              const ConstArray& out, const ConstArray& lse, const ConstArray& dout, const Array& dq,
                              const Array& dk, const Array& dv, std::optional<double> scale, const std::string& causal,
                              int64_t window_left, int64_t window_right, const std::string& backend, double dropout_p,
@@ -468,9 +483,13 @@ void ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, cons
   if (dalibi_slopes) grads.dalibi_slopes = to_view(*dalibi_slopes, "dalibi_slopes");
   const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
                                       softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
-  const sdpa::RingOptions ring = ring_options(layout, timeout);
-  nb::gil_scoped_release release;
-  sdpa::ring_attention_backward(comm, in, out_view, lse_view, dout_view, grads, opt, ring);
+  sdpa::RingStats stats;
+  const sdpa::RingOptions ring = ring_options(layout, timeout, &stats);
+  {
+    nb::gil_scoped_release release;
+    sdpa::ring_attention_backward(comm, in, out_view, lse_view, dout_view, grads, opt, ring);
+  }
+  return stats_dict(stats);
 }
 
 }  // namespace

@@ -136,7 +136,7 @@ class _RingAttention(torch.autograd.Function):
         arrays = [_array(n, t) for n, t in (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out),
                                             ("lse", lse))]
         alibi_grad = alibi_slopes is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dsinks, dalibi = _numpy_ring._ring_backward(
+        dq, dk, dv, dsinks, dalibi, _ = _numpy_ring._ring_backward(
             *arrays, comm, alibi_grad, alibi_slopes=_array("alibi_slopes", alibi_slopes),
             sinks=_array("sinks", sinks), **ctx.kw)
         grads = [None if g is None else _tensor_of_numpy(g) for g in (dq, dk, dv, dalibi, dsinks)]

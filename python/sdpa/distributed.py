@@ -167,7 +167,8 @@ def _ring_call(q, k, v, causal, scale, window, dropout_p, seed, softcap, softcap
 
 def ring_attention(q, k, v, comm=None, *, causal=False, layout="zigzag", scale=None, window=None, alibi_slopes=None,
                    softcap=0.0, softcap_order="before_bias", dropout_p=0.0, seed=None, sinks=None, block_mask=None,
-                   block_size=128, precision=None, timeout=300.0, return_lse=False, out_dtype=None):
+                   block_size=128, precision=None, timeout=300.0, return_lse=False, out_dtype=None,
+                   return_stats=False):
     """Ring attention forward: this rank's output shard of ``sdpa.attention`` on the whole
     sequence, whose shards the ranks of ``comm`` hold in ``layout`` (see the module doc).
 
@@ -192,6 +193,10 @@ def ring_attention(q, k, v, comm=None, *, causal=False, layout="zigzag", scale=N
         timeout: seconds each wait for a peer may take (a block's transfer and the peer's work
             on the block before it must fit), > 0.
         return_lse: also return lse (the compute dtype), which ``ring_attention_backward`` needs.
+        return_stats: also return (last) a dict of where this rank's time went (sdpa::RingStats):
+            ``check_seconds`` (the checks and the all-gather of the ranks' arguments),
+            ``compute_seconds`` (the pairs' kernels and merges), ``wait_seconds`` (waiting for
+            transfers after the compute: the communication not hidden) and ``bytes_sent``.
 
     Every rank must pass the same options and shapes: they are compared before any block moves.
 
@@ -206,8 +211,9 @@ def ring_attention(q, k, v, comm=None, *, causal=False, layout="zigzag", scale=N
     lead = q.shape[:-1]
     out = _empty("out", lead + (v.shape[-1],), _out_dtype_arg(out_dtype, q.dtype, dtype))
     lse = _empty("lse", lead, dtype) if return_lse else None
-    _core.ring_attention(comm, *map(_core_view, (q, k, v, out)), lse, **kw)
-    return (out, lse) if return_lse else out
+    stats = _core.ring_attention(comm, *map(_core_view, (q, k, v, out)), lse, **kw)
+    result = (out,) + ((lse,) if return_lse else ()) + ((stats,) if return_stats else ())
+    return result[0] if len(result) == 1 else result
 
 
 def _ring_backward(dout, q, k, v, out, lse, comm, alibi_grad, causal, layout, scale, window, alibi_slopes, softcap,
@@ -221,14 +227,15 @@ def _ring_backward(dout, q, k, v, out, lse, comm, alibi_grad, causal, layout, sc
     dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
     dsinks = np.empty(kw["sinks"].shape, dtype) if kw["sinks"] is not None else None
     dalibi = np.empty(kw["alibi_slopes"].shape, dtype) if alibi_grad and kw["alibi_slopes"] is not None else None
-    _core.ring_attention_backward(comm, *map(_core_view, (q, k, v, out, lse, dout, dq, dk, dv)), dsinks=dsinks,
-                                  dalibi_slopes=dalibi, **kw)
-    return dq, dk, dv, dsinks, dalibi
+    stats = _core.ring_attention_backward(comm, *map(_core_view, (q, k, v, out, lse, dout, dq, dk, dv)),
+                                          dsinks=dsinks, dalibi_slopes=dalibi, **kw)
+    return dq, dk, dv, dsinks, dalibi, stats
 
 
 def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False, layout="zigzag", scale=None,
                             window=None, alibi_slopes=None, softcap=0.0, softcap_order="before_bias", dropout_p=0.0,
-                            seed=None, sinks=None, block_mask=None, block_size=128, precision=None, timeout=300.0):
+                            seed=None, sinks=None, block_mask=None, block_size=128, precision=None, timeout=300.0,
+                            return_stats=False):
     """Gradients of ``ring_attention`` for this rank's shards: returns ``(dq, dk, dv)`` shaped
     like this rank's q, k, v (in their dtypes), then ``dsinks`` when ``sinks`` is given: this
     rank's part, (Hq,) in the compute dtype, which sums over the ranks (an all-reduce) to the
@@ -237,12 +244,14 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
     dout, out and lse: this rank's shards, out and lse as ``ring_attention(...,
     return_lse=True)`` returned them for these inputs and options (the whole rows' lse). The
     options must be the forward's. dk and dv of a block are summed over the ranks in ring order,
-    in float32 (float64 for float64), rounded once. Errors as ``ring_attention``.
+    in float32 (float64 for float64), rounded once. ``return_stats``: also return (last) the
+    dict ``ring_attention`` describes (``bytes_sent`` counts the travelling dk, dv too). Errors
+    as ``ring_attention``.
     """
-    dq, dk, dv, dsinks, _ = _ring_backward(dout, q, k, v, out, lse, comm, False, causal, layout, scale, window,
+    dq, dk, dv, dsinks, _, stats = _ring_backward(dout, q, k, v, out, lse, comm, False, causal, layout, scale, window,
                                            alibi_slopes, softcap, softcap_order, dropout_p, seed, sinks, block_mask,
                                            block_size, precision, timeout)
-    return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
+    return (dq, dk, dv) + (() if dsinks is None else (dsinks,)) + ((stats,) if return_stats else ())
 
 
 # ---------------------------------------------------------------- shard, unshard

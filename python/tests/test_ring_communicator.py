@@ -69,6 +69,18 @@ def test_a_python_communicator_drives_the_ring(layout):
         np.testing.assert_allclose(got, ref, atol=1e-5)
 
 
+def test_return_stats_says_where_the_time_went():
+    q, k, v = _qkv()
+    out, stats = sd.ring_attention(q, k, v, Alone(), causal=True, return_stats=True)
+    np.testing.assert_array_equal(out, sd.ring_attention(q, k, v, Alone(), causal=True))
+    assert set(stats) == {"check_seconds", "compute_seconds", "wait_seconds", "bytes_sent"}
+    assert stats["compute_seconds"] > 0 and stats["check_seconds"] > 0
+    assert stats["bytes_sent"] == 0  # a world of one sends no block
+    out, lse = sd.ring_attention(q, k, v, Alone(), causal=True, return_lse=True)
+    *grads, bstats = sd.ring_attention_backward(out, q, k, v, out, lse, Alone(), causal=True, return_stats=True)
+    assert len(grads) == 3 and bstats["compute_seconds"] > 0
+
+
 def test_an_exception_of_the_communicator_names_the_rank_and_the_call():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=r"rank 0: .*Alone.*iallgather\(\d+ bytes\) raised ConnectionError: peer gone"):
@@ -104,3 +116,24 @@ def test_shard_and_unshard_invert_each_other():
 def test_importing_sdpa_distributed_does_not_import_mpi4py():
     code = "import sys, sdpa, sdpa.distributed; assert 'mpi4py' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _positions(layout, world, rank, n_local):
+    return [start + i for _, start, length in sd._chunks(layout, world, rank, n_local) for i in range(length)]
+
+
+def test_the_layout_pictures_of_docs_distributed_md():
+    """docs/DISTRIBUTED.md's pictures of the layouts are ring_chunks' (W = 2 and 4)."""
+    import os
+    import re
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "DISTRIBUTED.md")).read()
+    block = doc.split("## Layouts", 1)[1].split("```", 2)[1]
+    pictures = {"contiguous": re.search(r"^  contiguous +(rank 0:.*)$", block, re.M).group(1),
+                "zigzag": re.search(r"^  zigzag +(rank 0:.*)$", block, re.M).group(1)}
+    for layout, line in pictures.items():
+        ranks = [[int(t) for t in part.replace("|", " ").split()] for part in re.split(r"rank \d+:", line)[1:]]
+        assert ranks == [_positions(layout, 2, r, 4) for r in range(2)], layout
+    line = re.search(r"^  (rank 0: 0 1 \| 14 15.*)$", block, re.M).group(1)
+    ranks = [[int(t) for t in part.replace("|", " ").split()] for part in re.split(r"rank \d+:", line)[1:]]
+    assert ranks == [_positions("zigzag", 4, r, 4) for r in range(4)]
+
