@@ -99,6 +99,8 @@ struct RingStats {
 //               dq locally and its part of the head's whole dk, dv, and reduces those to their
 //               owners with a ring reduce-scatter (W - 1 steps of isend/irecv, after the head's
 //               compute). Refuses dropout_p > 0 and a block mask (Error).
+//               NOT IMPLEMENTED YET: kAllGather is refused (Error) on every rank; the above is
+//               its design.
 enum class RingStrategy : uint8_t { kRing, kAllGather };
 
 struct RingOptions {

@@ -178,6 +178,7 @@ Shard local_shard(const char* call, Communicator& comm, const Inputs& in, const 
     fail(c + ": RingOptions::strategy " + str(static_cast<int64_t>(ring.strategy)) + " is neither kRing nor kAllGather");
   }
   if (ring.strategy == RingStrategy::kAllGather) {
+    fail(c + ": RingStrategy::kAllGather is not implemented yet: use kRing");
     if (o.dropout_p != 0) {
       fail(c + ": dropout_p=" + str(o.dropout_p) + " is not supported with RingStrategy::kAllGather (its calls compute one kv head's query heads, which dropout would number from 0): use kRing");
     }
