@@ -38,6 +38,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "sdpa/attention.h"
@@ -82,12 +83,46 @@ struct RingStats {
   int64_t bytes_sent = 0;      // bytes this rank sent (blocks and, backward, gradients)
 };
 
+// How the keys and values reach the queries (both compute the same pairs, below; the results of
+// the two differ only by the order of their merges and sums, each fixed):
+//   kRing       K/V blocks travel the ring (rank r sends to r + 1): 2 (W - 1) blocks of N_local
+//               tokens (k and v) sent per rank, each transfer overlapped with the compute of the
+//               block before; memory O(N_local) per rank (two blocks). Long sequences with many
+//               kv heads: the default.
+//   kAllGather  every rank gathers the whole sequence's K/V, one (batch entry, kv head) at a time
+//               (Llama 3's context parallelism gathers K/V): the same bytes per rank as the ring,
+//               the next head's gather in flight while the current head is computed, but memory
+//               2 · N · (Dk + Dv) per rank for the gathered head (two heads' buffers, N = W ·
+//               N_local; N · D per tensor, not N · Hkv · D). For GQA / MQA (few kv heads: K/V
+//               small beside Q) and short K/V, where a head's gathered K/V is cheap and each rank
+//               then computes without waiting step by step. The backward gathers the same, computes
+//               dq locally and its part of the head's whole dk, dv, and reduces those to their
+//               owners with a ring reduce-scatter (W - 1 steps of isend/irecv, after the head's
+//               compute). Refuses dropout_p > 0 and a block mask (Error).
+//               NOT IMPLEMENTED YET: kAllGather is refused (Error) on every rank; the above is
+//               its design.
+enum class RingStrategy : uint8_t { kRing, kAllGather };
+
 struct RingOptions {
   RingLayout layout = RingLayout::kZigzag;
   // Each wait's deadline, from the start of that wait (a block's transfer and the peer's compute
   // on the block before it must fit in it). > 0.
   double timeout_seconds = 300.0;
   RingStats* stats = nullptr;  // when given, overwritten with this call's (also when it throws)
+  // Packed documents (sequences packed end to end in one row of tokens, as attention_varlen
+  // packs them): (D + 1,) int32 or int64 offsets over the WHOLE sequence's positions (not the
+  // rank's rows): 0, non-decreasing, ending at N = W · N_local (Error otherwise, naming the
+  // entry and its value); the same on every rank (compared). q's batch must be 1 (rank 4; ranks
+  // 2 and 3 have none). The result is attention_varlen's on the whole packed sequence with
+  // cu_seqlens_q = cu_seqlens_k = these offsets: a token attends only to keys of its own
+  // document, and causal, the window and ALiBi are the document's own (positions relative to
+  // its start); (D, Hq) ALiBi slopes give document d row d; a block mask is read per document
+  // as attention_varlen reads it (its leading dims broadcast to (D, Hq), each document the
+  // top-left corner of its row: ceil(longest document / block) blocks suffice); dropout draws
+  // as attention_varlen does (batch index = the document, positions inside it). Documents may
+  // span ranks and chunks and start anywhere in a chunk.
+  std::optional<TensorView> cu_seqlens = std::nullopt;
+  RingStrategy strategy = RingStrategy::kRing;
 };
 
 // One chunk of this rank's shard: rows [local, local + length) of the local tensors hold the

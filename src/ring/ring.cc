@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "../checks.h"
+#include "../packed.h"
 #include "../problem.h"
 #include "../storage.h"
 #include "sdpa/merge.h"
@@ -115,12 +116,21 @@ void store(const std::vector<T>& x, const TensorView& t) {
 
 // ---- The problem ----
 
+// The documents over the whole sequence's positions: RingOptions::cu_seqlens' D + 1 offsets, or
+// without it one document {0, N} (each pair is then one call on the whole chunks).
+struct Docs {
+  std::vector<int64_t> cu;
+  bool given = false;
+};
+
 struct Shard {
   int rank_dims = 0;  // of q (2 to 4)
   int n_dim = 0;      // the sequence's dim: rank - 2
   int64_t n_local = 0;
   int64_t n_total = 0;  // W · n_local
+  int64_t Hq = 1;       // q's heads (1 for rank 2)
   std::vector<RingChunk> chunks;
+  Docs docs;
 };
 
 Options positioned(Options o, int64_t q_start, int64_t k_start) {
@@ -163,7 +173,51 @@ Shard local_shard(const char* call, Communicator& comm, const Inputs& in, const 
   }
   s.chunks = ring_chunks(ring.layout, comm.size(), comm.rank(), s.n_local);
   s.n_total = s.n_local * comm.size();  // held: ring_chunks checked it
+  s.Hq = s.rank_dims >= 3 ? in.q.shape[s.rank_dims - 3] : 1;
+  if (ring.strategy != RingStrategy::kRing && ring.strategy != RingStrategy::kAllGather) {
+    fail(c + ": RingOptions::strategy " + str(static_cast<int64_t>(ring.strategy)) + " is neither kRing nor kAllGather");
+  }
+  if (ring.strategy == RingStrategy::kAllGather) {
+    fail(c + ": RingStrategy::kAllGather is not implemented yet: use kRing");
+    if (o.dropout_p != 0) {
+      fail(c + ": dropout_p=" + str(o.dropout_p) + " is not supported with RingStrategy::kAllGather (its calls compute one kv head's query heads, which dropout would number from 0): use kRing");
+    }
+    if (o.block_mask) fail(c + ": Options::block_mask is not supported with RingStrategy::kAllGather: use kRing");
+  }
+  s.docs.cu = {0, s.n_total};
+  if (ring.cu_seqlens) {
+    if (s.rank_dims == 4 && in.q.shape[0] != 1) {
+      fail(c + ": RingOptions::cu_seqlens needs q's batch B = 1 (packed documents are one row of tokens), but q has shape " +
+           in.q.shape_string());
+    }
+    s.docs.cu = internal::read_offsets("RingOptions::cu_seqlens", *ring.cu_seqlens, s.n_total,
+                                       ("the whole sequence (W · N_local = " + str(int64_t{comm.size()}) + " · " +
+                                        str(s.n_local) + ")").c_str());
+    s.docs.given = true;
+  }
   return s;
+}
+
+// The checks of every argument as attention() makes them, on this rank's whole shard (`check`
+// calls make_problem or make_backward_problem with the inputs' first `rows` rows and options):
+// without documents at the sequence's first and last positions (the block mask must cover the
+// whole sequence's blocks); with documents once with the options checked against every document
+// (internal::packed_options) and once as the longest document's own, at its last rows.
+template <typename Check>
+void check_calls(const Shard& sh, const Options& o, Check check) {
+  if (!sh.docs.given) {
+    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) check(sh.n_local, positioned(o, at, at));
+    return;
+  }
+  const std::vector<int64_t>& cu = sh.docs.cu;
+  const int64_t D = static_cast<int64_t>(cu.size()) - 1, longest = internal::longest_sequence(cu);
+  check(sh.n_local, positioned(internal::packed_options(o, D, sh.Hq, longest, longest), 0, 0));
+  for (int64_t d = 0; d < D; ++d) {
+    if (cu[d + 1] - cu[d] != longest || longest == 0) continue;
+    const int64_t rows = std::min(longest, sh.n_local);
+    check(rows, positioned(internal::sequence_options(o, d, longest, longest), longest - rows, longest - rows));
+    break;
+  }
 }
 
 // ---- The collective check ----
@@ -186,6 +240,9 @@ struct Descriptor {
   int64_t window_left = 0, window_right = 0, block_q = 0, block_k = 0;
   TensorDesc slopes, sinks, block_mask;
   uint64_t slopes_hash = 0, sinks_hash = 0, block_mask_hash = 0;
+  int32_t strategy = 0, has_cu = 0;
+  int64_t cu_count = 0;  // RingOptions::cu_seqlens: D + 1
+  uint64_t cu_hash = 0;  // of its values (as int64)
 };
 constexpr const char* kTensorNames[6] = {"q", "k", "v", "out", "lse", "dout"};
 
@@ -212,16 +269,19 @@ bool operator==(const TensorDesc& a, const TensorDesc& b) {
   return true;
 }
 
-// FNV-1a over the values of a float view (as float64 bits) or a bool view (0 / 1), in C order.
+// FNV-1a over the values of a float view (as float64 bits), a bool view (0 / 1) or an index
+// view (as int64), in C order.
 uint64_t hash_values(const std::optional<TensorView>& t) {
   uint64_t h = 1469598103934665603ULL;
   if (!t) return h;
   const auto* data = static_cast<const std::byte*>(t->data);
   const int64_t size = dtype_size(t->dtype);
-  for_each_element(*t, [&](int64_t at, int64_t) {
+  for_each_element(*t, [&](int64_t at, int64_t flat) {
     uint64_t bits;
     if (t->dtype == DType::kBool) {
       bits = std::to_integer<uint8_t>(data[at * size]) != 0;
+    } else if (t->dtype == DType::kInt32 || t->dtype == DType::kInt64) {
+      bits = static_cast<uint64_t>(internal::index_at(*t, flat));  // rank 1 (cu_seqlens)
     } else {
       bits = std::bit_cast<uint64_t>(internal::load_as<double>(t->dtype, data + at * size));
     }
@@ -258,6 +318,10 @@ Descriptor describe_call(int call, Communicator& comm, const TensorView* tensors
   d.slopes_hash = hash_values(o.alibi_slopes);
   d.sinks_hash = hash_values(o.sinks);
   d.block_mask_hash = hash_values(o.block_mask);
+  d.strategy = static_cast<int32_t>(ring.strategy);
+  d.has_cu = ring.cu_seqlens.has_value();
+  d.cu_count = ring.cu_seqlens ? ring.cu_seqlens->shape[0] : 0;
+  d.cu_hash = hash_values(ring.cu_seqlens);
   return d;
 }
 
@@ -279,6 +343,15 @@ std::string first_difference(const Descriptor& a, const Descriptor& b) {
   }
   const char* layouts[2] = {"kContiguous", "kZigzag"};
   if (a.layout != b.layout) return diff("RingOptions::layout", layouts[a.layout & 1], layouts[b.layout & 1]);
+  const char* strategies[2] = {"kRing", "kAllGather"};
+  if (a.strategy != b.strategy) {
+    return diff("RingOptions::strategy", strategies[a.strategy & 1], strategies[b.strategy & 1]);
+  }
+  const auto offsets = [](const Descriptor& x) {
+    return x.has_cu ? str(x.cu_count) + " offsets" : std::string("not given");
+  };
+  if (a.has_cu != b.has_cu || a.cu_count != b.cu_count) return diff("RingOptions::cu_seqlens", offsets(a), offsets(b));
+  if (a.cu_hash != b.cu_hash) return diff("RingOptions::cu_seqlens", "one set of values", "other values");
   if (a.has_scale != b.has_scale || bits(a.scale) != bits(b.scale)) {
     return diff("scale", a.has_scale ? str(a.scale) : "default", b.has_scale ? str(b.scale) : "default");
   }
@@ -434,15 +507,186 @@ constexpr DType dtype_of() {
 // dst's rows [first, first + n) += src's rows [0, n), each a C-order (lead..., rows, D) array of T
 // (dst of N rows, src of src_rows).
 template <typename T>
-void add_rows(std::vector<T>& dst, int64_t N, int64_t first, const std::vector<T>& src, int64_t n, int64_t src_rows,
-              int64_t D) {
+void add_rows(T* dst, int64_t N, int64_t first, const std::vector<T>& src, int64_t n, int64_t src_rows, int64_t D) {
   if (n == 0 || D == 0) return;
   const int64_t lead = static_cast<int64_t>(src.size()) / (src_rows * D);
   for (int64_t l = 0; l < lead; ++l) {
-    T* d = dst.data() + (l * N + first) * D;
+    T* d = dst + (l * N + first) * D;
     const T* s = src.data() + l * src_rows * D;
     for (int64_t e = 0; e < n * D; ++e) d[e] += s[e];
   }
+}
+
+// ---- The pair: what both strategies compute ----
+
+// Which query heads a pair's calls compute: all of them (kRing), or those of one kv head of one
+// batch entry (kAllGather: `count` heads from `head0` of entry `b`).
+struct Heads {
+  bool all = true;
+  int64_t b = 0, head0 = 0, count = 0;
+};
+
+struct PairSetup {
+  const Docs& docs;
+  const Options& o;
+  int nd;      // the sequence's dim of q, k, v, out (and of lse)
+  int64_t Hq;  // of the whole call
+  Heads heads;
+};
+
+// One document's part of a (query chunk, key chunk) pair: rows [row, row + n) of the query
+// chunk and keys [key, key + m) of the key chunk, with the options of the call.
+struct Part {
+  int64_t doc = 0;  // dropout's batch index (attention_varlen's: the document; 0 without documents)
+  int64_t row = 0, n = 0, key = 0, m = 0;
+  Options o;                // positions relative to the document's start; its slopes, block mask, heads
+  bool sinks = false;       // the call counts the sinks (o.sinks is then set)
+  int64_t slopes_base = 0;  // o.alibi_slopes' element i is element slopes_base + i (C order) of the whole slopes
+  int64_t sinks_base = 0;   // o.sinks' element i is element sinks_base + i of the whole sinks
+};
+
+// The options of document d (of `length` tokens) for the setup's heads, into p.
+void part_options(const PairSetup& ps, int64_t d, int64_t length, Part& p) {
+  const Options& o = ps.o;
+  p.o = ps.docs.given ? internal::sequence_options(o, d, length, length) : o;  // row d, the block mask's corner
+  if (ps.heads.all) {
+    if (ps.docs.given && o.alibi_slopes && o.alibi_slopes->rank == 2 && o.alibi_slopes->shape[0] != 1) {
+      p.slopes_base = d * ps.Hq;
+    }
+    return;
+  }
+  if (o.alibi_slopes) {
+    const TensorView& s = *o.alibi_slopes;
+    int64_t row = 0;
+    if (s.rank == 2 && s.shape[0] != 1) row = ps.docs.given ? d : ps.heads.b;
+    if (s.rank == 2 && !ps.docs.given) p.o.alibi_slopes = internal::sequence_options(o, row, 0, 0).alibi_slopes;
+    p.o.alibi_slopes = slice(*p.o.alibi_slopes, 0, ps.heads.head0, ps.heads.count);  // (Hq,) -> the heads'
+    p.slopes_base = row * ps.Hq + ps.heads.head0;
+  }
+  if (o.sinks) {
+    p.o.sinks = slice(*o.sinks, 0, ps.heads.head0, ps.heads.count);
+    p.sinks_base = ps.heads.head0;
+  }
+}
+
+// Calls f(part) for each document with rows in query chunk qc and keys in key chunk kc, in
+// document order, when some row of it can see some key (causal, window) or it counts the sinks
+// (sinks_here: each row counts them in exactly one pair, its own chunk with itself, where its
+// document always has a part: the row's own position).
+template <typename F>
+void for_each_part(const PairSetup& ps, const RingChunk& qc, const RingChunk& kc, bool sinks_here, F f) {
+  const std::vector<int64_t>& cu = ps.docs.cu;
+  const int64_t q_end = qc.start + qc.length, k_end = kc.start + kc.length;
+  if (qc.length == 0 || kc.length == 0) return;
+  size_t d = static_cast<size_t>(std::upper_bound(cu.begin(), cu.end(), qc.start) - cu.begin());  // cu[d - 1] <= start
+  for (d = d == 0 ? 0 : d - 1; d + 1 < cu.size() && cu[d] < q_end; ++d) {
+    const int64_t ds = cu[d], de = cu[d + 1];
+    const int64_t r0 = std::max(qc.start, ds), r1 = std::min(q_end, de);
+    const int64_t k0 = std::max(kc.start, ds), k1 = std::min(k_end, de);
+    if (r0 >= r1 || k0 >= k1) continue;
+    const bool sinks = sinks_here && ps.o.sinks.has_value();
+    if (!visible({0, r0 - ds, r1 - r0}, {0, k0 - ds, k1 - k0}, ps.o) && !sinks) continue;
+    Part p;
+    p.doc = static_cast<int64_t>(d);
+    p.row = r0 - qc.start, p.n = r1 - r0, p.key = k0 - kc.start, p.m = k1 - k0;
+    p.sinks = sinks;
+    part_options(ps, p.doc, de - ds, p);
+    p.o = positioned(p.o, r0 - ds, k0 - ds);
+    if (!sinks) p.o.sinks.reset();
+    f(p);
+  }
+}
+
+// attention() and attention_backward() of a part, with its document as dropout's batch index
+// (as attention_varlen runs sequence b).
+void run_part(const Inputs& in, const Outputs& out, const Part& p) {
+  internal::Problem problem = internal::make_problem(in, out, p.o);
+  problem.dropout.batch_offset = p.doc;
+  internal::run_forward(problem, p.o.backend);
+}
+void run_part_backward(const Inputs& in, const TensorView& out, const TensorView& lse, const TensorView& dout,
+                       const Gradients& g, const Part& p) {
+  internal::BackwardProblem problem = internal::make_backward_problem(in, out, lse, dout, g, p.o);
+  problem.fwd.dropout.batch_offset = p.doc;
+  internal::run_backward(problem, p.o.backend);
+}
+
+// The forward of a pair: q, acc_o, acc_l are query chunk qc's rows (its queries and their
+// accumulator, out 0 / lse -inf at first), k and v key chunk kc's; each part's partial (in
+// part_o, part_l: scratch of the compute type, at least qc.length rows) merged into its rows'
+// accumulator (merge_attention, in the compute type).
+void forward_pair(const PairSetup& ps, const RingChunk& qc, const RingChunk& kc, bool sinks_here, const TensorView& q,
+                  const TensorView& k, const TensorView& v, const TensorView& acc_o, const TensorView& acc_l,
+                  const TensorView& part_o, const TensorView& part_l) {
+  const int nd = ps.nd;
+  for_each_part(ps, qc, kc, sinks_here, [&](const Part& p) {
+    Outputs po;
+    po.out = slice(part_o, nd, 0, p.n);
+    po.lse = slice(part_l, nd, 0, p.n);
+    run_part(Inputs{slice(q, nd, p.row, p.n), slice(k, nd, p.key, p.m), slice(v, nd, p.key, p.m)}, po, p);
+    const TensorView ao = slice(acc_o, nd, p.row, p.n), al = slice(acc_l, nd, p.row, p.n);
+    const Partial parts[2] = {{ao, al}, {po.out, *po.lse}};
+    merge_attention(parts, ao, al);
+  });
+}
+
+// Where a pair's gradients add: a C-order (lead..., rows, D) array of T whose chunk starts at
+// row `first`.
+template <typename T>
+struct Rows {
+  T* data;
+  int64_t rows, first, D;
+};
+
+// A part's gradients (scratch, compute type): dq, dk, dv of at most max_len rows, C order with
+// the shapes of the pair's q, k, v (lead dims included); dalibi_slopes and dsinks in float64.
+template <typename T>
+struct PairGrads {
+  std::vector<T> dq, dk, dv;
+  TensorView dq_v, dk_v, dv_v;
+  int64_t max_len = 0;
+  std::vector<double> dalibi, dsinks;
+  PairGrads(DType ct, std::vector<int64_t> q_shape, std::vector<int64_t> k_shape, std::vector<int64_t> v_shape, int nd,
+            int64_t max_rows, size_t slopes, size_t sinks)
+      : max_len(max_rows), dalibi(slopes), dsinks(sinks) {
+    const size_t n = static_cast<size_t>(nd);
+    q_shape[n] = k_shape[n] = v_shape[n] = max_rows;
+    dq.resize(numel(q_shape)), dk.resize(numel(k_shape)), dv.resize(numel(v_shape));
+    const int R = static_cast<int>(q_shape.size());
+    dq_v = contiguous_view(dq.data(), ct, R, q_shape.data());
+    dk_v = contiguous_view(dk.data(), ct, R, k_shape.data());
+    dv_v = contiguous_view(dv.data(), ct, R, v_shape.data());
+  }
+};
+
+// The backward of a pair: q, out, lse, dout are query chunk qc's rows, k and v key chunk kc's;
+// each part's dq, dk, dv added to dq, dk, dv's rows, its dalibi_slopes and dsinks (when `grads`
+// asks for them) to the whole ones' (float64, C order of the slopes and sinks), part by part.
+template <typename T>
+void backward_pair(const PairSetup& ps, const RingChunk& qc, const RingChunk& kc, bool sinks_here, const TensorView& q,
+                   const TensorView& out, const TensorView& lse, const TensorView& dout, const TensorView& k,
+                   const TensorView& v, const Gradients& grads, PairGrads<T>& s, Rows<T> dq, Rows<T> dk, Rows<T> dv,
+                   std::vector<double>& dalibi, std::vector<double>& dsinks) {
+  const int nd = ps.nd;
+  for_each_part(ps, qc, kc, sinks_here, [&](const Part& p) {
+    Gradients g{slice(s.dq_v, nd, 0, p.n), slice(s.dk_v, nd, 0, p.m), slice(s.dv_v, nd, 0, p.m)};
+    if (grads.dalibi_slopes) {
+      g.dalibi_slopes = contiguous_view(s.dalibi.data(), DType::kFloat64, p.o.alibi_slopes->rank, p.o.alibi_slopes->shape);
+    }
+    if (grads.dsinks && p.sinks) g.dsinks = contiguous_view(s.dsinks.data(), DType::kFloat64, 1, p.o.sinks->shape);
+    run_part_backward(Inputs{slice(q, nd, p.row, p.n), slice(k, nd, p.key, p.m), slice(v, nd, p.key, p.m)},
+                      slice(out, nd, p.row, p.n), slice(lse, nd, p.row, p.n), slice(dout, nd, p.row, p.n), g, p);
+    add_rows(dq.data, dq.rows, dq.first + p.row, s.dq, p.n, s.max_len, dq.D);
+    add_rows(dk.data, dk.rows, dk.first + p.key, s.dk, p.m, s.max_len, dk.D);
+    add_rows(dv.data, dv.rows, dv.first + p.key, s.dv, p.m, s.max_len, dv.D);
+    if (g.dalibi_slopes) {
+      const int64_t n = g.dalibi_slopes->numel();
+      for (int64_t i = 0; i < n; ++i) dalibi[static_cast<size_t>(p.slopes_base + i)] += s.dalibi[static_cast<size_t>(i)];
+    }
+    if (g.dsinks) {
+      for (int64_t i = 0; i < g.dsinks->shape[0]; ++i) dsinks[static_cast<size_t>(p.sinks_base + i)] += s.dsinks[static_cast<size_t>(i)];
+    }
+  });
 }
 
 template <typename T>
@@ -463,6 +707,7 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
   const TensorView acc_l = contiguous_view(acc_lse.data(), ct, R - 1, out_shape.data());
   const TensorView part_o = contiguous_view(part_out.data(), ct, R, part_shape.data());
   const TensorView part_l = contiguous_view(part_lse.data(), ct, R - 1, part_shape.data());
+  const PairSetup ps{sh.docs, o, nd, sh.Hq, {}};
 
   Block cur = pack_block(in.k, in.v), next;
   next.k_bytes = cur.k_bytes;
@@ -479,21 +724,12 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, sh.n_local);
         for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
           const RingChunk& qc = sh.chunks[qi];
-          const TensorView q = slice(in.q, nd, qc.local, qc.length);
-          const TensorView ao = slice(acc_o, nd, qc.local, qc.length), al = slice(acc_l, nd, qc.local, qc.length);
           for (size_t ki = 0; ki < kchunks.size(); ++ki) {
             const RingChunk& kc = kchunks[ki];
-            // Sinks: with the pair of the chunk with itself (always visible), once per row.
-            const bool sinks_here = s == 0 && ki == qi;
-            if (!visible(qc, kc, o) && !(sinks_here && o.sinks)) continue;
-            Options po = positioned(o, qc.start, kc.start);
-            if (!sinks_here) po.sinks.reset();
-            Outputs po_out;
-            po_out.out = slice(part_o, nd, 0, qc.length);
-            po_out.lse = slice(part_l, nd, 0, qc.length);
-            attention(Inputs{q, slice(k, nd, kc.local, kc.length), slice(v, nd, kc.local, kc.length)}, po_out, po);
-            const Partial parts[2] = {{ao, al}, {po_out.out, *po_out.lse}};
-            merge_attention(parts, ao, al);
+            // Sinks: with the pair of the chunk with itself, once per row.
+            forward_pair(ps, qc, kc, s == 0 && ki == qi, slice(in.q, nd, qc.local, qc.length),
+                         slice(k, nd, kc.local, kc.length), slice(v, nd, kc.local, kc.length),
+                         slice(acc_o, nd, qc.local, qc.length), slice(acc_l, nd, qc.local, qc.length), part_o, part_l);
           }
         }
       } catch (...) {
@@ -547,23 +783,14 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
   for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
   const std::vector<int64_t> q_shape(in.q.shape, in.q.shape + R), k_shape(in.k.shape, in.k.shape + R),
       v_shape(in.v.shape, in.v.shape + R);
-  std::vector<int64_t> dq_part_shape = q_shape, dk_part_shape = k_shape, dv_part_shape = v_shape;
-  dq_part_shape[static_cast<size_t>(nd)] = dk_part_shape[static_cast<size_t>(nd)] =
-      dv_part_shape[static_cast<size_t>(nd)] = max_len;
   // dq: this rank's, summed over the pairs; dk, dv: this step's block, this rank's pairs summed
   // (added to the travelling sums after the compute); a pair's gradients.
   std::vector<T> dq(numel(q_shape), T(0)), dk_local(numel(k_shape)), dv_local(numel(v_shape));
-  std::vector<T> dq_part(numel(dq_part_shape)), dk_part(numel(dk_part_shape)), dv_part(numel(dv_part_shape));
-  const TensorView dq_p = contiguous_view(dq_part.data(), ct, R, dq_part_shape.data());
-  const TensorView dk_p = contiguous_view(dk_part.data(), ct, R, dk_part_shape.data());
-  const TensorView dv_p = contiguous_view(dv_part.data(), ct, R, dv_part_shape.data());
   // dalibi_slopes (this rank's part, summed over the pairs) and dsinks (one pair per row), float64.
-  const std::optional<TensorView>& slopes = o.alibi_slopes;
-  std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(slopes->numel()) : 0, 0.0), dalibi_part(dalibi.size());
-  const std::vector<int64_t> slopes_shape = slopes ? std::vector<int64_t>(slopes->shape, slopes->shape + slopes->rank)
-                                                   : std::vector<int64_t>{};
-  const int64_t Hq = R >= 3 ? in.q.shape[R - 3] : 1;
-  std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(Hq) : 0, 0.0), dsinks_part(dsinks.size());
+  std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(o.alibi_slopes->numel()) : 0, 0.0);
+  std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(sh.Hq) : 0, 0.0);
+  PairGrads<T> pg(ct, q_shape, k_shape, v_shape, nd, max_len, dalibi.size(), dsinks.size());
+  const PairSetup ps{sh.docs, o, nd, sh.Hq, {}};
 
   Block cur = pack_block(in.k, in.v), next;
   next.k_bytes = cur.k_bytes;
@@ -585,28 +812,14 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, N);
         for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
           const RingChunk& qc = sh.chunks[qi];
+          const auto rows = [&](const TensorView& t) { return slice(t, nd, qc.local, qc.length); };
           for (size_t ki = 0; ki < kchunks.size(); ++ki) {
             const RingChunk& kc = kchunks[ki];
-            const bool sinks_here = s == 0 && ki == qi;  // as in the forward
-            if (!visible(qc, kc, o) && !(sinks_here && o.sinks)) continue;
-            Options po = positioned(o, qc.start, kc.start);
-            if (!sinks_here) po.sinks.reset();
-            Gradients g{slice(dq_p, nd, 0, qc.length), slice(dk_p, nd, 0, kc.length), slice(dv_p, nd, 0, kc.length)};
-            if (grads.dalibi_slopes) {
-              g.dalibi_slopes = contiguous_view(dalibi_part.data(), DType::kFloat64, slopes->rank, slopes_shape.data());
-            }
-            if (grads.dsinks && sinks_here) g.dsinks = contiguous_view(dsinks_part.data(), DType::kFloat64, 1, &Hq);
-            attention_backward(Inputs{slice(in.q, nd, qc.local, qc.length), slice(k, nd, kc.local, kc.length),
-                                      slice(v, nd, kc.local, kc.length)},
-                               slice(out, nd, qc.local, qc.length), slice(lse, nd, qc.local, qc.length),
-                               slice(dout, nd, qc.local, qc.length), g, po);
-            add_rows(dq, N, qc.local, dq_part, qc.length, max_len, Dk);
-            add_rows(dk_local, N, kc.local, dk_part, kc.length, max_len, Dk);
-            add_rows(dv_local, N, kc.local, dv_part, kc.length, max_len, Dv);
-            for (size_t i = 0; i < dalibi.size(); ++i) dalibi[i] += dalibi_part[i];
-            if (g.dsinks) {
-              for (size_t i = 0; i < dsinks.size(); ++i) dsinks[i] += dsinks_part[i];
-            }
+            backward_pair(ps, qc, kc, s == 0 && ki == qi,  // sinks as in the forward
+                          rows(in.q), rows(out), rows(lse), rows(dout), slice(k, nd, kc.local, kc.length),
+                          slice(v, nd, kc.local, kc.length), grads, pg, Rows<T>{dq.data(), N, qc.local, Dk},
+                          Rows<T>{dk_local.data(), N, kc.local, Dk}, Rows<T>{dv_local.data(), N, kc.local, Dv}, dalibi,
+                          dsinks);
           }
         }
       } catch (const std::exception& e) {
@@ -690,9 +903,13 @@ void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& out
     if (internal::any_stats(outputs.stats)) fail("ring_attention: Outputs::stats are not supported (no rank holds a whole row's keys)");
     if (outputs.scores) fail("ring_attention: Outputs::scores is not supported (no rank holds a whole row's keys)");
     sh = local_shard("ring_attention", comm, inputs, options, ring);
-    // Every argument as attention() checks it, at the sequence's first and last positions (the
-    // block mask must cover the whole sequence's blocks).
-    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) internal::make_problem(inputs, outputs, positioned(options, at, at));
+    check_calls(sh, options, [&](int64_t rows, const Options& o) {
+      const auto first = [&](const TensorView& t) { return rows == sh.n_local ? t : slice(t, sh.n_dim, 0, rows); };
+      Outputs out = outputs;
+      out.out = first(outputs.out);
+      if (outputs.lse) out.lse = first(*outputs.lse);
+      internal::make_problem(Inputs{first(inputs.q), first(inputs.k), first(inputs.v)}, out, o);
+    });
   });
   if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
     forward<double>(comm, sh, inputs, outputs, options, ring);
@@ -718,9 +935,19 @@ void ring_attention_backward(Communicator& comm, const Inputs& inputs, const Ten
   collective_check("ring_attention_backward", 1, comm, tensors, options, ring, [&] {
     if (grads.dbias) fail("ring_attention_backward: Gradients::dbias is not supported (the ring takes no Inputs::mask)");
     sh = local_shard("ring_attention_backward", comm, inputs, options, ring);
-    for (int64_t at : {int64_t{0}, sh.n_total - sh.n_local}) {
-      internal::make_backward_problem(inputs, out, lse, dout, grads, positioned(options, at, at));
+    // With documents dalibi_slopes is checked against the slopes as given ((D, Hq): rows are
+    // documents), as attention_varlen_backward checks it; the calls below see one document's.
+    Gradients g = grads;
+    if (sh.docs.given && grads.dalibi_slopes) {
+      internal::check_alibi_gradient(*grads.dalibi_slopes, options);
+      g.dalibi_slopes.reset();
     }
+    check_calls(sh, options, [&](int64_t rows, const Options& o) {
+      const auto first = [&](const TensorView& t) { return rows == sh.n_local ? t : slice(t, sh.n_dim, 0, rows); };
+      internal::make_backward_problem(Inputs{first(inputs.q), first(inputs.k), first(inputs.v)}, first(out),
+                                      first(lse), first(dout),
+                                      {first(g.dq), first(g.dk), first(g.dv), g.dsinks, std::nullopt, g.dalibi_slopes}, o);
+    });
   });
   if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
     backward<double>(comm, sh, inputs, out, lse, dout, grads, options, ring);
