@@ -254,6 +254,29 @@ TEST_F(Ring, DocumentsRefusals) {
       EXPECT_TRUE(ranks[static_cast<size_t>(r)].lse.untouched());
     }
   };
+  // The backward with documents is not supported yet: refused on every rank, nothing written.
+  {
+    const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    std::vector<int64_t> cu = {0, 3, 8};
+    LocalWorld world(W);
+    std::vector<GuardedTensor> dq, dk, dv;
+    for (int r = 0; r < W; ++r) {
+      for (auto* g : {&dq, &dk, &dv}) g->emplace_back(kF32, std::vector<int64_t>{1, 2, n_local, 4});
+    }
+    const auto errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      RankData& d = ranks[static_cast<size_t>(r)];
+      sdpa::RingOptions ring{kCont, 5.0};
+      ring.cu_seqlens = sdpa::TensorView::contiguous(cu.data(), DType::kInt64, {3});
+      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, d.out.view(), d.lse.view(), d.out.view(),
+                                    {dq[r].view(), dk[r].view(), dv[r].view()}, {}, ring);
+    }));
+    for (int r = 0; r < W; ++r) {
+      EXPECT_NE(errors[static_cast<size_t>(r)].find("cu_seqlens (packed documents) is not supported yet"), std::string::npos)
+          << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+      EXPECT_TRUE(dq[r].untouched() && dk[r].untouched() && dv[r].untouched());
+    }
+  }
   // kAllGather is not implemented yet: refused on every rank.
   run([](int, std::vector<int64_t>&, sdpa::RingOptions& ring) { ring.strategy = RingStrategy::kAllGather; }, 1,
       "RingStrategy::kAllGather is not implemented yet");

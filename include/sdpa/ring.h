@@ -120,7 +120,8 @@ struct RingOptions {
   // as attention_varlen reads it (its leading dims broadcast to (D, Hq), each document the
   // top-left corner of its row: ceil(longest document / block) blocks suffice); dropout draws
   // as attention_varlen does (batch index = the document, positions inside it). Documents may
-  // span ranks and chunks and start anywhere in a chunk.
+  // span ranks and chunks and start anywhere in a chunk. Forward only for now:
+  // ring_attention_backward refuses it (Error on every rank).
   std::optional<TensorView> cu_seqlens = std::nullopt;
   RingStrategy strategy = RingStrategy::kRing;
 };
