@@ -15,7 +15,7 @@
 // e.g. W = 2, N = 8 (positions), causal:
 //   kContiguous  rank 0: 0 1 2 3          rank 1: 4 5 6 7
 //   kZigzag      rank 0: 0 1 | 6 7        rank 1: 2 3 | 4 5
-// Under causal, kContiguous gives rank W - 1 2W - 1 times rank 0's work; kZigzag gives every rank the
+// Under causal, kContiguous gives rank W - 1 (2W - 1) times rank 0's work; kZigzag gives every rank the
 // same work (each rank's early chunk sees few keys, its late chunk many).
 //
 // Results: bitwise the same from run to run for a given world size, layout, thread count choice
