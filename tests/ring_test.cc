@@ -227,15 +227,7 @@ void check_backward(const RingCase& c, DType dt) {
       sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
                                     x.dout.view(), g, o, {c.layout, 30.0});
     });
-    for (size_t r = 0; r < errors.size(); ++r) {
-      if (!errors[r]) continue;
-      try {
-        std::rethrow_exception(errors[r]);
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << r << ": " << e.what();
-      }
-      EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
-    }
+    expect_clean_run(world, errors);
     return rg;
   };
   const std::vector<RankGrads> rg = run_ring();

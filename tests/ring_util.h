@@ -85,6 +85,21 @@ inline std::vector<RankData> shards(const Tensors& t, int W, RingLayout layout, 
   return ranks;
 }
 
+// Every rank of a run that should succeed: no exception (each reported with its rank), and no
+// request left open (ring.h: a call waits for all of its requests before it returns).
+inline void expect_clean_run(LocalWorld& world, const std::vector<std::exception_ptr>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    if (errors[r]) {
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+    }
+    EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+  }
+}
+
 // Runs the ring forward on every rank (ring: its options, timeout 30 s in the tests); fails the test on any rank's exception.
 inline void run_forward(std::vector<RankData>& ranks, const Options& o, const sdpa::RingOptions& ring) {
   LocalWorld world(static_cast<int>(ranks.size()));
@@ -95,15 +110,7 @@ inline void run_forward(std::vector<RankData>& ranks, const Options& o, const sd
     out.lse = d.lse.view();
     sdpa::ring_attention(comm, {d.q.view(), d.k.view(), d.v.view()}, out, o, ring);
   });
-  for (size_t r = 0; r < errors.size(); ++r) {
-    if (!errors[r]) continue;
-    try {
-      std::rethrow_exception(errors[r]);
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "rank " << r << ": " << e.what();
-    }
-  }
-  for (size_t r = 0; r < ranks.size(); ++r) EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+  expect_clean_run(world, errors);
 }
 
 // The documented order, emulated on rank r's shards with the public calls: an accumulator of
