@@ -863,6 +863,19 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
   if (grads.dsinks) store(dsinks, *grads.dsinks);
 }
 
+// What both calls check before anything else (locally: the all-gather needs a valid world and
+// deadline), and their stats reset.
+void start_call(const char* call, Communicator& comm, const RingOptions& ring) {
+  const std::string c = call;
+  if (!(ring.timeout_seconds > 0)) fail(c + ": RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
+  if (ring.stats) *ring.stats = RingStats{};
+  const int W = comm.size();
+  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
+    fail(c + ": the communicator's rank " + str(int64_t{comm.rank()}) + " and size " + str(int64_t{W}) +
+         " are not a rank of a world");
+  }
+}
+
 }  // namespace
 
 std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64_t n_local) {
@@ -886,15 +899,7 @@ std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64
 
 void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& outputs, const Options& options,
                     const RingOptions& ring) {
-  if (!(ring.timeout_seconds > 0)) {
-    fail("ring_attention: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
-  }
-  if (ring.stats) *ring.stats = RingStats{};
-  const int W = comm.size();
-  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
-    fail("ring_attention: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " + str(int64_t{W}) +
-         " are not a rank of a world");
-  }
+  start_call("ring_attention", comm, ring);
   Shard sh;
   const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &outputs.out, outputs.lse ? &*outputs.lse : nullptr,
                                   nullptr};
@@ -921,15 +926,7 @@ void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& out
 void ring_attention_backward(Communicator& comm, const Inputs& inputs, const TensorView& out, const TensorView& lse,
                              const TensorView& dout, const Gradients& grads, const Options& options,
                              const RingOptions& ring) {
-  if (!(ring.timeout_seconds > 0)) {
-    fail("ring_attention_backward: RingOptions::timeout_seconds=" + str(ring.timeout_seconds) + " must be > 0");
-  }
-  if (ring.stats) *ring.stats = RingStats{};
-  const int W = comm.size();
-  if (W < 1 || comm.rank() < 0 || comm.rank() >= W) {
-    fail("ring_attention_backward: the communicator's rank " + str(int64_t{comm.rank()}) + " and size " +
-         str(int64_t{W}) + " are not a rank of a world");
-  }
+  start_call("ring_attention_backward", comm, ring);
   Shard sh;
   const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &out, &lse, &dout};
   collective_check("ring_attention_backward", 1, comm, tensors, options, ring, [&] {
