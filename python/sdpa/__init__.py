@@ -380,19 +380,24 @@ def inspect(q, k, v, mask=None, *, causal=False, scale=None, window=None, seqlen
     return Report(html)
 
 
-def _backward_arrays(dout, out, lse, q, k, v, dtype):
+def _backward_arrays(dout, out, lse, q, k, v, dtype, grad_dtype=None):
     """dout, out (q's dtype) and lse (the compute dtype `dtype`) ready for _core, and empty dq,
-    dk, dv shaped and typed like q, k, v: what both backward functions take and return."""
+    dk, dv shaped like q, k, v: typed like them, or all of grad_dtype (q's dtype or the compute
+    dtype, checked here) when it is given: what the backward functions take and return."""
     arrays = {name: _real_array(name, a) for name, a in (("dout", dout), ("out", out), ("lse", lse))}
+    grads = (q.dtype, k.dtype, v.dtype)
+    if grad_dtype is not None:
+        grads = (_out_dtype_arg(grad_dtype, q.dtype, dtype, "grad_dtype"),) * 3
     return (_prepared("dout", arrays["dout"], q.dtype), _prepared("out", arrays["out"], q.dtype),
             _prepared("lse", arrays["lse"], dtype, unit_last_stride=False),
-            _empty("dq", q.shape, q.dtype), _empty("dk", k.shape, k.dtype), _empty("dv", v.shape, v.dtype))
+            _empty("dq", q.shape, grads[0]), _empty("dk", k.shape, grads[1]), _empty("dv", v.shape, grads[2]))
 
 
 def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scale=None, window=None,
                        seqlens_k=None, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                        softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
-                       block_size=128, return_dbias=False, precision=None, q_start=None, k_start=None):
+                       block_size=128, return_dbias=False, precision=None, q_start=None, k_start=None,
+                       grad_dtype=None):
     """Gradients of ``attention`` with respect to q, k and v: returns ``(dq, dk, dv)``, then
     ``dsinks`` when ``sinks`` is given (dsinks (Hq,) in the compute dtype:
     ``dsinks[h] = -Σ_b Σ_i exp(sinks[h] - lse) · rowsum(dout * out)``), then ``dbias`` when
@@ -453,6 +458,11 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
             and dout: pass sinks to one key shard's call of each row. The "reference" and
             "naive" backends use the given lse only with positions set (without, they
             recompute each row's softmax over this call's keys): set them for a shard there.
+        grad_dtype: None (dq, dk, dv in q's, k's and v's dtypes, above) or the compute dtype:
+            "float32" (or np.float32) for float16 and bfloat16 inputs gives all three unrounded,
+            the float32 partials that sum over shards without rounding to 16 bits first
+            (rounded to the inputs' dtypes they are bit for bit the gradients of
+            grad_dtype=None); q's dtype is accepted too. Other dtypes raise TypeError.
 
     Results are bitwise reproducible, whatever the thread count.
 
@@ -467,7 +477,7 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
     mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
-    dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype)
+    dout, out, lse, dq, dk, dv = _backward_arrays(dout, out, lse, q, k, v, dtype, grad_dtype)
     dsinks = np.empty(mods["sinks"].shape, dtype) if sinks is not None else None
     dbias = None
     if return_dbias:

@@ -125,13 +125,14 @@ def _dtype_arg(name, dtype, allowed, names):
     return dt
 
 
-def _out_dtype_arg(out_dtype, dtype, compute):
-    """out's dtype for q of `dtype` computing in `compute`: `dtype` for None, else out_dtype when
-    it is `dtype` or `compute` (float32 partials of 16-bit q, unrounded), by _dtype_arg's rule."""
+def _out_dtype_arg(out_dtype, dtype, compute, name="out_dtype"):
+    """out's (or, named grad_dtype, the gradients') dtype for q of `dtype` computing in `compute`:
+    `dtype` for None, else out_dtype when it is `dtype` or `compute` (float32 partials of 16-bit
+    q, unrounded), by _dtype_arg's rule."""
     if out_dtype is None:
         return dtype
     allowed = (dtype, compute)
-    return _dtype_arg("out_dtype", out_dtype, allowed,
+    return _dtype_arg(name, out_dtype, allowed,
                       " or ".join(["None"] + [_STORAGE_NAME[d] for d in dict.fromkeys(allowed)]) + " (for these inputs)")
 
 

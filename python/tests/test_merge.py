@@ -1,5 +1,5 @@
-"""sdpa.merge_attention and attention's out_dtype (the float32 partials of 16-bit calls), through
-the NumPy front door, and sdpa.torch.merge_attention.
+"""sdpa.merge_attention, attention's out_dtype and attention_backward's grad_dtype (the float32
+partials of 16-bit calls), through the NumPy front door, and sdpa.torch.merge_attention.
 
 Key shards: each shard's attention call (k, v and the mask's key columns sliced alike) gives a
 partial in the compute dtype; merging them equals the one call within the tolerance rule of
@@ -116,6 +116,37 @@ def test_float32_out_rounds_to_the_sixteen_bit_out(name, precision):
     assert not np.array_equal(wide, wide.astype(dtype).astype(F32))  # it is not rounded
 
 
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_sixteen_bit_shard_gradients_sum_in_float32(name):
+    """The backward of key shards (positions, the whole rows' out and lse) with grad_dtype="float32":
+    the partials summed in float32 and rounded once are the gradients within the tolerance rule
+    (naive = the whole problem's backend="naive" gradients). grad_dtype="float32" rounded to the
+    16-bit dtype is grad_dtype=None's, bit for bit."""
+    dtype = DTYPES[name]
+    rng = np.random.default_rng(11)
+    B, Hq, Hkv, N, Dk, Dv = 2, 4, 2, 97, 16, 24
+    q, k, v = (rng.standard_normal((B, h, N, d)).astype(dtype) for h, d in ((Hq, Dk), (Hkv, Dk), (Hkv, Dv)))
+    out, lse = sdpa.attention(q, k, v, causal=True, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    ref = sdpa.attention_backward(dout, q, k, v, out, lse, causal=True, backend="reference")
+    naive = sdpa.attention_backward(dout, q, k, v, out, lse, causal=True, backend="naive")
+    sums = [np.zeros(t.shape, F32) for t in (q, k, v)]
+    bounds = [0, 1, 40, 97]
+    for q0, q1 in zip(bounds[:-1], bounds[1:]):
+        for k0, k1 in zip(bounds[:-1], bounds[1:]):
+            rows, keys = np.s_[..., q0:q1, :], np.s_[..., k0:k1, :]
+            args = (dout[rows], q[rows], k[keys], v[keys], out[rows], lse[..., q0:q1])
+            wide = sdpa.attention_backward(*args, causal=True, q_start=q0, k_start=k0, grad_dtype="float32")
+            narrow = sdpa.attention_backward(*args, causal=True, q_start=q0, k_start=k0)
+            for w, n in zip(wide, narrow):
+                assert w.dtype == F32 and w.astype(dtype).tobytes() == n.tobytes()
+            sums[0][rows] += wide[0]
+            sums[1][keys] += wide[1]
+            sums[2][keys] += wide[2]
+    for got, want, yard, label in zip(sums, ref, naive, ("dq", "dk", "dv")):
+        assert_close(got.astype(dtype), want, lowp_tolerance(yard, want, dtype), label)
+
+
 def test_out_dtype_errors():
     q, k, v, _ = _case(BF16, 1, Nq=3, Nk=4)
     with pytest.raises(TypeError, match="out_dtype must be None or bfloat16 or float32"):
@@ -124,6 +155,9 @@ def test_out_dtype_errors():
     with pytest.raises(TypeError, match="out_dtype must be None or float32"):
         sdpa.attention(q32, k.astype(F32), v.astype(F32), out_dtype=np.float64)
     assert sdpa.attention(q32, k.astype(F32), v.astype(F32), out_dtype="float32").dtype == F32
+    out, lse = sdpa.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="grad_dtype must be None or bfloat16 or float32"):
+        sdpa.attention_backward(out, q, k, v, out, lse, grad_dtype=np.float64)
 
 
 def test_merge_errors():
