@@ -215,7 +215,7 @@ bool supported(const DocCase& c, RingStrategy strategy) {
 }
 
 TEST_F(Ring, DocumentsForwardMatchVarlen) {
-  for (RingStrategy strategy : {RingStrategy::kRing}) {
+  for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
     for (const DocCase& c : kDocCases) {
       if (!supported(c, strategy)) continue;
       for (DType dt : {kF32, kF64, kBF16}) {
@@ -277,11 +277,8 @@ TEST_F(Ring, DocumentsRefusals) {
       EXPECT_TRUE(dq[r].untouched() && dk[r].untouched() && dv[r].untouched());
     }
   }
-  // kAllGather is not implemented yet: refused on every rank.
-  run([](int, std::vector<int64_t>&, sdpa::RingOptions& ring) { ring.strategy = RingStrategy::kAllGather; }, 1,
-      "RingStrategy::kAllGather is not implemented yet");
-  for (RingStrategy strategy : {RingStrategy::kRing}) {
-    SCOPED_TRACE("kRing");
+  for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
+    SCOPED_TRACE(strategy == RingStrategy::kRing ? "kRing" : "kAllGather");
     const auto with = [strategy](const std::function<void(int, std::vector<int64_t>&, sdpa::RingOptions&)>& f) {
       return [strategy, f](int r, std::vector<int64_t>& cu, sdpa::RingOptions& ring) {
         ring.strategy = strategy;

@@ -95,12 +95,14 @@ struct RingStats {
 //               2 · N · (Dk + Dv) per rank for the gathered head (two heads' buffers, N = W ·
 //               N_local; N · D per tensor, not N · Hkv · D). For GQA / MQA (few kv heads: K/V
 //               small beside Q) and short K/V, where a head's gathered K/V is cheap and each rank
-//               then computes without waiting step by step. The backward gathers the same, computes
-//               dq locally and its part of the head's whole dk, dv, and reduces those to their
-//               owners with a ring reduce-scatter (W - 1 steps of isend/irecv, after the head's
-//               compute). Refuses dropout_p > 0 and a block mask (Error).
-//               NOT IMPLEMENTED YET: kAllGather is refused (Error) on every rank; the above is
-//               its design.
+//               then computes without waiting step by step. The pairs are taken in the ring's step
+//               order: out and lse are kRing's. The backward gathers the same, computes dq locally
+//               and its part of the head's whole dk, dv (N · (Dk + Dv) more, float32 / float64),
+//               and reduces those to their owners with a ring reduce-scatter (W - 1 steps of
+//               isend/irecv per head, after the head's compute: rank o's rows summed over ranks
+//               o + 1, o + 2, ..., o in that order). Packed documents: the forward only (as
+//               kRing). Refuses dropout_p > 0 and a block mask (Error: its calls hold one kv
+//               head's query heads, which dropout and the mask would number from 0).
 enum class RingStrategy : uint8_t { kRing, kAllGather };
 
 struct RingOptions {

@@ -22,6 +22,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -178,7 +179,6 @@ Shard local_shard(const char* call, Communicator& comm, const Inputs& in, const 
     fail(c + ": RingOptions::strategy " + str(static_cast<int64_t>(ring.strategy)) + " is neither kRing nor kAllGather");
   }
   if (ring.strategy == RingStrategy::kAllGather) {
-    fail(c + ": RingStrategy::kAllGather is not implemented yet: use kRing");
     if (o.dropout_p != 0) {
       fail(c + ": dropout_p=" + str(o.dropout_p) + " is not supported with RingStrategy::kAllGather (its calls compute one kv head's query heads, which dropout would number from 0): use kRing");
     }
@@ -876,6 +876,15 @@ void start_call(const char* call, Communicator& comm, const RingOptions& ring) {
   }
 }
 
+// kAllGather (the section at the end of this file).
+template <typename T>
+void allgather_forward(Communicator& comm, const Shard& sh, const Inputs& in, const Outputs& outputs, const Options& o,
+                       const RingOptions& ring);
+template <typename T>
+void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, const TensorView& out,
+                        const TensorView& lse, const TensorView& dout, const Gradients& grads, const Options& o,
+                        const RingOptions& ring);
+
 }  // namespace
 
 std::vector<RingChunk> ring_chunks(RingLayout layout, int world, int rank, int64_t n_local) {
@@ -916,7 +925,11 @@ void ring_attention(Communicator& comm, const Inputs& inputs, const Outputs& out
       internal::make_problem(Inputs{first(inputs.q), first(inputs.k), first(inputs.v)}, out, o);
     });
   });
-  if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
+  const bool f64 = internal::compute_dtype(inputs.q.dtype) == DType::kFloat64;
+  if (ring.strategy == RingStrategy::kAllGather) {
+    f64 ? allgather_forward<double>(comm, sh, inputs, outputs, options, ring)
+        : allgather_forward<float>(comm, sh, inputs, outputs, options, ring);
+  } else if (f64) {
     forward<double>(comm, sh, inputs, outputs, options, ring);
   } else {
     forward<float>(comm, sh, inputs, outputs, options, ring);
@@ -952,11 +965,334 @@ void ring_attention_backward(Communicator& comm, const Inputs& inputs, const Ten
                                       {first(g.dq), first(g.dk), first(g.dv), g.dsinks, std::nullopt, g.dalibi_slopes}, o);
     });
   });
-  if (internal::compute_dtype(inputs.q.dtype) == DType::kFloat64) {
+  const bool f64 = internal::compute_dtype(inputs.q.dtype) == DType::kFloat64;
+  if (ring.strategy == RingStrategy::kAllGather) {
+    f64 ? allgather_backward<double>(comm, sh, inputs, out, lse, dout, grads, options, ring)
+        : allgather_backward<float>(comm, sh, inputs, out, lse, dout, grads, options, ring);
+  } else if (f64) {
     backward<double>(comm, sh, inputs, out, lse, dout, grads, options, ring);
   } else {
     backward<float>(comm, sh, inputs, out, lse, dout, grads, options, ring);
   }
 }
+
+// ---- kAllGather (ring.h's RingStrategy) ----
+//
+// The heads are taken one (batch entry, kv head) at a time, in C order: every rank all-gathers
+// its shard of that head's k and v (one Communicator::iallgather of [k | v], N_local rows each,
+// in their dtype), the next head's gather posted before the current head's compute (two heads'
+// buffers). The pairs are the ring's (forward_pair / backward_pair with PairSetup::heads the kv
+// head's query heads), taken in the ring's step order (the rank's own block first, then that of
+// rank r - 1, r - 2, ...), so each row merges its partials, and sums its dq, in kRing's order.
+// The backward's dk, dv of the head's whole sequence (W segments; segment o: rank o's rows) are
+// reduced to their owners by a ring reduce-scatter: at step s = 0 .. W - 2 rank r sends segment
+// (r - s - 1) mod W to rank r + 1 and receives segment (r - s - 2) mod W from rank r - 1, which
+// it adds to its own part (received + own): segment o is summed over the ranks o + 1, o + 2,
+// ..., o in that order and is complete at rank o after W - 1 steps. Each segment carries the
+// first Failure of the ranks it passed, as the ring's travelling gradients do.
+//
+// Failure safety: the buffers a transport touches live in one AllGatherOwner, which tracks the
+// outstanding requests. A wait that times out or throws leaks the buffers (a transport may still
+// write into them) and throws; any other exception with requests outstanding waits each for at
+// most kUnwindSeconds on unwind and leaks the buffers unless all completed.
+namespace {
+
+constexpr int kTagReduce = 2903;         // a segment of a head's dk, dv sums (kAllGather's backward)
+constexpr double kUnwindSeconds = 0.25;  // the unwind's wait for each outstanding request
+
+// Batch entry b's heads [h0, h0 + count) of a tensor whose leading dims are q's (rank R of q:
+// (B, H, ...), (H, ...) or one head); lse's too (its leading dims are q's).
+TensorView heads_of(const TensorView& t, int R, int64_t b, int64_t h0, int64_t count) {
+  if (R == 4) return slice(slice(t, 0, b, 1), 1, h0, count);
+  if (R == 3) return slice(t, 0, h0, count);
+  return t;
+}
+std::vector<int64_t> shape_of(const TensorView& t) { return std::vector<int64_t>(t.shape, t.shape + t.rank); }
+
+class AllGatherOwner {
+ public:
+  struct Buffers {
+    std::vector<std::byte> send[2], gathered[2];  // a head's [k | v] shard, and every rank's (head parity)
+    std::vector<std::byte> segments, incoming;    // backward: the head's W segments, one received
+  };
+  AllGatherOwner(Communicator& comm, double seconds, RingStats* stats)
+      : comm_(comm), seconds_(seconds), stats_(stats), buf_(std::make_unique<Buffers>()) {
+    open_.reserve(4);
+  }
+  ~AllGatherOwner() {
+    if (open_.empty() || !buf_) return;
+    for (const Communicator::Request q : open_) {
+      bool done = false;
+      try {
+        done = comm_.wait(q, std::min(seconds_, kUnwindSeconds));
+      } catch (...) {
+      }
+      if (!done) {
+        (void)buf_.release();  // leaked on purpose: the transport may still write into it
+        return;
+      }
+    }
+  }
+  AllGatherOwner(const AllGatherOwner&) = delete;
+  AllGatherOwner& operator=(const AllGatherOwner&) = delete;
+
+  Buffers& buf() { return *buf_; }
+  // Posts (and tracks) an operation; `sent` bytes count as sent.
+  Communicator::Request allgather(const void* in, void* out, size_t bytes) {
+    if (stats_) stats_->bytes_sent += static_cast<int64_t>(bytes) * (comm_.size() - 1);  // a ring all-gather's
+    open_.push_back(comm_.iallgather(in, out, bytes));
+    return open_.back();
+  }
+  Communicator::Request send(const void* data, size_t bytes, int to, int tag) {
+    if (stats_) stats_->bytes_sent += static_cast<int64_t>(bytes);
+    open_.push_back(comm_.isend(data, bytes, to, tag));
+    return open_.back();
+  }
+  Communicator::Request recv(void* data, size_t bytes, int from, int tag) {
+    open_.push_back(comm_.irecv(data, bytes, from, tag));
+    return open_.back();
+  }
+  // Waits for a tracked request with the call's deadline; on a timeout or a transport error the
+  // buffers are leaked, the other requests abandoned, and the Error (naming `what`) thrown.
+  void await(Communicator::Request q, const std::string& what) {
+    open_.erase(std::find(open_.begin(), open_.end(), q));
+    const Timed timed(stats_ ? &stats_->wait_seconds : nullptr);
+    try {
+      wait(comm_, q, seconds_, what);
+    } catch (...) {
+      (void)buf_.release();  // leaked on purpose
+      open_.clear();
+      throw;
+    }
+  }
+
+ private:
+  Communicator& comm_;
+  double seconds_;
+  RingStats* stats_;
+  std::unique_ptr<Buffers> buf_;
+  std::vector<Communicator::Request> open_;
+};
+
+// The (batch entry, kv head) heads of a call and their K/V all-gathers through an owner's buffers.
+struct KvGather {
+  AllGatherOwner& owner;
+  const Inputs& in;
+  const char* call;
+  double seconds;  // each wait's deadline (for the Error)
+  int R, rank;
+  int64_t Hkv, count;                       // kv heads per entry; heads in all (B · Hkv)
+  std::vector<int64_t> k_shape, v_shape;    // one kv head's shard
+  size_t k_bytes, each;                     // of one rank's [k | v]
+  Communicator::Request pending = 0;
+
+  KvGather(AllGatherOwner& o, const Inputs& inputs, const char* name, double timeout, int W, int r, int q_rank)
+      : owner(o), in(inputs), call(name), seconds(timeout), R(q_rank), rank(r) {
+    const int64_t B = R == 4 ? in.k.shape[0] : 1;
+    Hkv = R >= 3 ? in.k.shape[R - 3] : 1;
+    count = B * Hkv;
+    k_shape = shape_of(heads_of(in.k, R, 0, 0, 1));
+    v_shape = shape_of(heads_of(in.v, R, 0, 0, 1));
+    k_bytes = numel(k_shape) * static_cast<size_t>(dtype_size(in.k.dtype));
+    each = k_bytes + numel(v_shape) * static_cast<size_t>(dtype_size(in.v.dtype));
+    for (int p = 0; p < 2; ++p) {
+      owner.buf().send[p].resize(each);
+      owner.buf().gathered[p].resize(each * static_cast<size_t>(W));
+    }
+  }
+  int64_t b(int64_t i) const { return i / Hkv; }
+  int64_t kv_head(int64_t i) const { return i % Hkv; }
+  // Head i's shard packed and its all-gather posted.
+  void post(int64_t i) {
+    std::vector<std::byte>& s = owner.buf().send[i % 2];
+    pack(heads_of(in.k, R, b(i), kv_head(i), 1), s.data());
+    pack(heads_of(in.v, R, b(i), kv_head(i), 1), s.data() + k_bytes);
+    pending = owner.allgather(s.data(), owner.buf().gathered[i % 2].data(), each);
+  }
+  void await(int64_t i) {
+    owner.await(pending, std::string(call) + ": rank " + str(int64_t{rank}) + " waited " + str(seconds) +
+                             " s for the all-gather of the K/V of batch entry " +
+                             str(b(i)) + ", kv head " + str(kv_head(i)) + " (head " + str(i + 1) + " of " + str(count) + ")");
+  }
+  // Rank o's k, v of head i (once awaited).
+  TensorView k(int64_t i, int o) {
+    return contiguous_view(owner.buf().gathered[i % 2].data() + static_cast<size_t>(o) * each, in.k.dtype, R, k_shape.data());
+  }
+  TensorView v(int64_t i, int o) {
+    return contiguous_view(owner.buf().gathered[i % 2].data() + static_cast<size_t>(o) * each + k_bytes, in.v.dtype, R,
+                           v_shape.data());
+  }
+};
+
+}  // namespace
+
+namespace {
+
+template <typename T>
+void allgather_forward(Communicator& comm, const Shard& sh, const Inputs& in, const Outputs& outputs, const Options& o,
+                       const RingOptions& ring) {
+  const int W = comm.size(), r = comm.rank();
+  const int nd = sh.n_dim, R = sh.rank_dims;
+  const DType ct = dtype_of<T>();
+  // This rank's accumulator (all heads): out 0, lse -inf, merged into pair by pair.
+  const std::vector<int64_t> out_shape = with_dim(in.q, R - 1, in.v.shape[R - 1]);
+  std::vector<T> acc_out(numel(out_shape), T(0)), acc_lse(numel(out_shape, 1), -std::numeric_limits<T>::infinity());
+  const TensorView acc_o = contiguous_view(acc_out.data(), ct, R, out_shape.data());
+  const TensorView acc_l = contiguous_view(acc_lse.data(), ct, R - 1, out_shape.data());
+  AllGatherOwner owner(comm, ring.timeout_seconds, ring.stats);
+  KvGather kv(owner, in, "ring_attention", ring.timeout_seconds, W, r, R);
+  const int64_t G = sh.Hq / kv.Hkv;  // query heads per kv head
+  // A pair's partial: one kv head's query heads, the longest chunk's rows.
+  int64_t max_len = 0;
+  for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
+  std::vector<int64_t> part_shape = shape_of(heads_of(acc_o, R, 0, 0, G));
+  part_shape[static_cast<size_t>(nd)] = max_len;
+  std::vector<T> part_out(numel(part_shape)), part_lse(numel(part_shape, 1));
+  const TensorView part_o = contiguous_view(part_out.data(), ct, R, part_shape.data());
+  const TensorView part_l = contiguous_view(part_lse.data(), ct, R - 1, part_shape.data());
+
+  std::exception_ptr failed;
+  if (kv.count > 0) kv.post(0);
+  for (int64_t i = 0; i < kv.count; ++i) {
+    kv.await(i);
+    if (i + 1 < kv.count) kv.post(i + 1);
+    if (failed) continue;
+    const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
+    try {
+      const int64_t b = kv.b(i), h0 = kv.kv_head(i) * G;
+      const PairSetup ps{sh.docs, o, nd, sh.Hq, Heads{false, b, h0, G}};
+      const TensorView q = heads_of(in.q, R, b, h0, G), ao = heads_of(acc_o, R, b, h0, G), al = heads_of(acc_l, R, b, h0, G);
+      for (int s = 0; s < W; ++s) {
+        const int src = (r + W - s) % W;
+        const TensorView k = kv.k(i, src), v = kv.v(i, src);
+        const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, src, sh.n_local);
+        for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
+          const RingChunk& qc = sh.chunks[qi];
+          for (size_t ki = 0; ki < kchunks.size(); ++ki) {
+            const RingChunk& kc = kchunks[ki];
+            forward_pair(ps, qc, kc, s == 0 && ki == qi, slice(q, nd, qc.local, qc.length),
+                         slice(k, nd, kc.local, kc.length), slice(v, nd, kc.local, kc.length),
+                         slice(ao, nd, qc.local, qc.length), slice(al, nd, qc.local, qc.length), part_o, part_l);
+          }
+        }
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  if (failed) std::rethrow_exception(failed);
+  const Partial whole[1] = {{acc_o, acc_l}};
+  merge_attention(whole, outputs.out, outputs.lse ? *outputs.lse : acc_l);
+}
+
+template <typename T>
+void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, const TensorView& out,
+                        const TensorView& lse, const TensorView& dout, const Gradients& grads, const Options& o,
+                        const RingOptions& ring) {
+  const int W = comm.size(), r = comm.rank();
+  const int nd = sh.n_dim, R = sh.rank_dims;
+  const DType ct = dtype_of<T>();
+  const int64_t Dk = in.q.shape[R - 1], Dv = in.v.shape[R - 1], N = sh.n_local;
+  const std::vector<int64_t> q_shape = shape_of(in.q), k_shape = shape_of(in.k), v_shape = shape_of(in.v);
+  // dq, dk, dv of this rank's shard (all heads); dalibi_slopes and dsinks in float64, as kRing.
+  std::vector<T> dq(numel(q_shape), T(0)), dk(numel(k_shape), T(0)), dv(numel(v_shape), T(0));
+  std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(o.alibi_slopes->numel()) : 0, 0.0);
+  std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(sh.Hq) : 0, 0.0);
+  AllGatherOwner owner(comm, ring.timeout_seconds, ring.stats);
+  KvGather kv(owner, in, "ring_attention_backward", ring.timeout_seconds, W, r, R);
+  const int64_t G = sh.Hq / kv.Hkv;
+  int64_t max_len = 0;
+  for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
+  PairGrads<T> pg(ct, shape_of(heads_of(in.q, R, 0, 0, G)), kv.k_shape, kv.v_shape, nd, max_len, dalibi.size(),
+                  dsinks.size());
+  // The head's segments: W of [dk (N, Dk) | dv (N, Dv) | Failure], rank o's rows in segment o.
+  const size_t dk_n = static_cast<size_t>(N * Dk), dv_n = static_cast<size_t>(N * Dv);
+  const size_t seg_bytes = (dk_n + dv_n) * sizeof(T) + sizeof(Failure);
+  owner.buf().segments.resize(seg_bytes * static_cast<size_t>(W));
+  owner.buf().incoming.resize(seg_bytes);
+  const auto seg = [&](int j) { return owner.buf().segments.data() + static_cast<size_t>(j) * seg_bytes; };
+  const auto seg_dk = [&](std::byte* s) { return reinterpret_cast<T*>(s); };
+  const auto seg_failure = [&](std::byte* s) { return reinterpret_cast<Failure*>(s + (dk_n + dv_n) * sizeof(T)); };
+
+  std::exception_ptr failed;
+  Failure mine, reached;  // this rank's (its part failed); the first one its own segments carried
+  if (kv.count > 0) kv.post(0);
+  for (int64_t i = 0; i < kv.count; ++i) {
+    kv.await(i);
+    if (i + 1 < kv.count) kv.post(i + 1);
+    std::fill(owner.buf().segments.begin(), owner.buf().segments.end(), std::byte{0});
+    const int64_t b = kv.b(i), h0 = kv.kv_head(i) * G;
+    if (!failed) {
+      const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
+      try {
+        const PairSetup ps{sh.docs, o, nd, sh.Hq, Heads{false, b, h0, G}};
+        const auto h = [&](const TensorView& t) { return heads_of(t, R, b, h0, G); };
+        const TensorView q = h(in.q), ho = h(out), hl = h(lse), hd = h(dout);
+        T* dq_h = dq.data() + (b * sh.Hq + h0) * N * Dk;  // the heads' rows: C order, contiguous
+        for (int s = 0; s < W; ++s) {
+          const int src = (r + W - s) % W;
+          const TensorView k = kv.k(i, src), v = kv.v(i, src);
+          T* dk_s = seg_dk(seg(src));
+          const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, src, N);
+          for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
+            const RingChunk& qc = sh.chunks[qi];
+            const auto rows = [&](const TensorView& t) { return slice(t, nd, qc.local, qc.length); };
+            for (size_t ki = 0; ki < kchunks.size(); ++ki) {
+              const RingChunk& kc = kchunks[ki];
+              backward_pair(ps, qc, kc, s == 0 && ki == qi, rows(q), rows(ho), rows(hl), rows(hd),
+                            slice(k, nd, kc.local, kc.length), slice(v, nd, kc.local, kc.length), grads, pg,
+                            Rows<T>{dq_h, N, qc.local, Dk}, Rows<T>{dk_s, N, kc.local, Dk},
+                            Rows<T>{dk_s + dk_n, N, kc.local, Dv}, dalibi, dsinks);
+            }
+          }
+        }
+      } catch (const std::exception& e) {
+        failed = std::current_exception();
+        mine.rank_plus_1 = r + 1;
+        std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
+      }
+    }
+    if (failed) {
+      for (int j = 0; j < W; ++j) *seg_failure(seg(j)) = mine;
+    }
+    // The reduce-scatter of the head's segments (the next head's gather in flight meanwhile).
+    std::byte* incoming = owner.buf().incoming.data();
+    for (int s = 0; s + 1 < W; ++s) {
+      const int to_send = (r + 2 * W - s - 1) % W, to_add = (r + 2 * W - s - 2) % W;
+      const Communicator::Request rq = owner.recv(incoming, seg_bytes, (r + W - 1) % W, kTagReduce);
+      const Communicator::Request sq = owner.send(seg(to_send), seg_bytes, (r + 1) % W, kTagReduce);
+      const std::string what = "ring_attention_backward: rank " + str(int64_t{r}) + " waited " + str(ring.timeout_seconds) +
+                               " s ";
+      const std::string which = "the dk, dv sums of rank " + str(int64_t{to_add}) + "'s rows of batch entry " + str(b) +
+                                ", kv head " + str(kv.kv_head(i)) + " at reduce step " + str(int64_t{s + 1});
+      owner.await(rq, what + "for " + which + " from rank " + str(int64_t{(r + W - 1) % W}));
+      owner.await(sq, what + "to send on the dk, dv sums of rank " + str(int64_t{to_send}) + "'s rows at reduce step " +
+                          str(int64_t{s + 1}) + " to rank " + str(int64_t{(r + 1) % W}));
+      std::byte* acc = seg(to_add);
+      const T* got = seg_dk(incoming);
+      T* sum = seg_dk(acc);
+      for (size_t e = 0; e < dk_n + dv_n; ++e) sum[e] = got[e] + sum[e];  // received + own
+      if (seg_failure(incoming)->rank_plus_1 != 0) *seg_failure(acc) = *seg_failure(incoming);
+    }
+    // This rank's rows of the head, complete.
+    const T* own = seg_dk(seg(r));
+    std::copy(own, own + dk_n, dk.begin() + static_cast<std::ptrdiff_t>(i * static_cast<int64_t>(dk_n)));
+    std::copy(own + dk_n, own + dk_n + dv_n, dv.begin() + static_cast<std::ptrdiff_t>(i * static_cast<int64_t>(dv_n)));
+    if (reached.rank_plus_1 == 0) reached = *seg_failure(seg(r));
+  }
+  if (failed) std::rethrow_exception(failed);
+  if (reached.rank_plus_1 != 0) {
+    fail("ring_attention_backward: rank " + str(int64_t{reached.rank_plus_1 - 1}) +
+         " could not compute its part of this rank's dk and dv: " +
+         std::string(reached.message, strnlen(reached.message, sizeof reached.message)));
+  }
+  store(dq, grads.dq);
+  store(dk, grads.dk);
+  store(dv, grads.dv);
+  if (grads.dalibi_slopes) store(dalibi, *grads.dalibi_slopes);
+  if (grads.dsinks) store(dsinks, *grads.dsinks);
+}
+
+}  // namespace
 
 }  // namespace sdpa
