@@ -120,8 +120,11 @@ struct RingOptions {
   // as attention_varlen reads it (its leading dims broadcast to (D, Hq), each document the
   // top-left corner of its row: ceil(longest document / block) blocks suffice); dropout draws
   // as attention_varlen does (batch index = the document, positions inside it). Documents may
-  // span ranks and chunks and start anywhere in a chunk. Forward only for now:
-  // ring_attention_backward refuses it (Error on every rank).
+  // span ranks and chunks and start anywhere in a chunk. ring_attention_backward takes the same
+  // offsets and gives attention_varlen_backward's gradients on the whole packed sequence:
+  // dalibi_slopes has the slopes' shape ((D, Hq) slopes: row d is document d's; (Hq,) or
+  // (1, Hq): summed over the documents), dsinks (Hq,) sums every document's rows; both are this
+  // rank's part, to be summed over the ranks (tests/ring_docs_test.cc).
   std::optional<TensorView> cu_seqlens = std::nullopt;
   RingStrategy strategy = RingStrategy::kRing;
 };
