@@ -100,7 +100,7 @@ struct RingStats {
 //               and its part of the head's whole dk, dv (N · (Dk + Dv) more, float32 / float64),
 //               and reduces those to their owners with a ring reduce-scatter (W - 1 steps of
 //               isend/irecv per head, after the head's compute: rank o's rows summed over ranks
-//               o + 1, o + 2, ..., o in that order). Packed documents: the forward only (as
+//               o + 1, o + 2, ..., o in that order). Packed documents: forward and backward (as
 //               kRing). Refuses dropout_p > 0 and a block mask (Error: its calls hold one kv
 //               head's query heads, which dropout and the mask would number from 0).
 enum class RingStrategy : uint8_t { kRing, kAllGather };
@@ -122,8 +122,11 @@ struct RingOptions {
   // as attention_varlen reads it (its leading dims broadcast to (D, Hq), each document the
   // top-left corner of its row: ceil(longest document / block) blocks suffice); dropout draws
   // as attention_varlen does (batch index = the document, positions inside it). Documents may
-  // span ranks and chunks and start anywhere in a chunk. Forward only for now:
-  // ring_attention_backward refuses it (Error on every rank).
+  // span ranks and chunks and start anywhere in a chunk. ring_attention_backward takes the same
+  // offsets and gives attention_varlen_backward's gradients on the whole packed sequence:
+  // dalibi_slopes has the slopes' shape ((D, Hq) slopes: row d is document d's; (Hq,) or
+  // (1, Hq): summed over the documents), dsinks (Hq,) sums every document's rows; both are this
+  // rank's part, to be summed over the ranks (tests/ring_docs_test.cc).
   std::optional<TensorView> cu_seqlens = std::nullopt;
   RingStrategy strategy = RingStrategy::kRing;
 };

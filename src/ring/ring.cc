@@ -944,12 +944,6 @@ void ring_attention_backward(Communicator& comm, const Inputs& inputs, const Ten
   const TensorView* tensors[6] = {&inputs.q, &inputs.k, &inputs.v, &out, &lse, &dout};
   collective_check("ring_attention_backward", 1, comm, tensors, options, ring, [&] {
     if (grads.dbias) fail("ring_attention_backward: Gradients::dbias is not supported (the ring takes no Inputs::mask)");
-    // The backward's per-document pairs share the forward's code but have no test against
-    // attention_varlen_backward yet: refused until they do.
-    if (ring.cu_seqlens) {
-      fail("ring_attention_backward: RingOptions::cu_seqlens (packed documents) is not supported yet: the forward "
-           "takes documents, the backward does not");
-    }
     sh = local_shard("ring_attention_backward", comm, inputs, options, ring);
     // With documents dalibi_slopes is checked against the slopes as given ((D, Hq): rows are
     // documents), as attention_varlen_backward checks it; the calls below see one document's.
