@@ -293,9 +293,9 @@ def ring_attention(q, k, v, comm=None, *, causal=False, layout="zigzag", scale=N
     return result[0] if len(result) == 1 else result
 
 
-def _ring_backward(dout, q, k, v, out, lse, comm, alibi_grad, causal, layout, scale, window, alibi_slopes, softcap,
-                   softcap_order, dropout_p, seed, sinks, block_mask, block_size, precision, timeout, strategy,
-                   cu_seqlens):
+def _ring_backward(dout, q, k, v, out, lse, comm, alibi_grad, *, causal=False, layout="zigzag", scale=None, window=None,
+                   alibi_slopes=None, softcap=0.0, softcap_order="before_bias", dropout_p=0.0, seed=None, sinks=None,
+                   block_mask=None, block_size=128, precision=None, timeout=300.0, strategy="ring", cu_seqlens=None):
     """ring_attention_backward's gradients, and the slopes' (dalibi_slopes, this rank's part)
     when alibi_grad: (dq, dk, dv, dsinks or None, dalibi or None)."""
     from . import _backward_arrays
@@ -327,9 +327,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
     dict ``ring_attention`` describes (``bytes_sent`` counts the travelling dk, dv too). Errors
     as ``ring_attention``.
     """
-    dq, dk, dv, dsinks, _, stats = _ring_backward(dout, q, k, v, out, lse, comm, False, causal, layout, scale, window,
-                                           alibi_slopes, softcap, softcap_order, dropout_p, seed, sinks, block_mask,
-                                           block_size, precision, timeout, strategy, cu_seqlens)
+    dq, dk, dv, dsinks, _, stats = _ring_backward(
+        dout, q, k, v, out, lse, comm, False, causal=causal, layout=layout, scale=scale, window=window,
+        alibi_slopes=alibi_slopes, softcap=softcap, softcap_order=softcap_order, dropout_p=dropout_p, seed=seed,
+        sinks=sinks, block_mask=block_mask, block_size=block_size, precision=precision, timeout=timeout,
+        strategy=strategy, cu_seqlens=cu_seqlens)
     return (dq, dk, dv) + (() if dsinks is None else (dsinks,)) + ((stats,) if return_stats else ())
 
 
