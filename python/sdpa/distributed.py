@@ -391,14 +391,14 @@ def _allgather(comm, x, timeout):
                              f"have one shape and dtype")
     x = np.ascontiguousarray(x)
     out = np.empty((world,) + x.shape, x.dtype)
-    _gathered(comm, x.reshape(-1).view(np.uint8), out.reshape(-1).view(np.uint8), timeout, "unshard: the all-gather")
+    _gathered(comm, x, out, timeout, "unshard: the all-gather")
     return out
 
 
 def _gathered(comm, inbuf, outbuf, timeout, what):
     """comm's all-gather of inbuf into outbuf, waited on for timeout seconds (ValueError naming
     `what` and the rank when it does not complete)."""
-    request = comm.iallgather(inbuf.view(np.uint8), outbuf.view(np.uint8))
+    request = comm.iallgather(inbuf.reshape(-1).view(np.uint8), outbuf.reshape(-1).view(np.uint8))  # (1-dim, as the ring's)
     if not comm.wait(request, timeout):
         raise ValueError(f"rank {comm.rank()}: {what} did not complete within {timeout} s (a rank stopped?)")
 

@@ -9,7 +9,6 @@ argv[1]/rank{r}.pkl; the test checks them."""
 
 import os
 import sys
-import time
 import traceback
 
 import numpy as np
@@ -18,16 +17,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ring_util  # noqa: E402
 
 STOP_TIMEOUT = 1.0  # the ring's timeout in the stopped-rank case (s)
-
-
-def _error(fn):
-    """(None, elapsed) when fn() returns, else ("Type: message", elapsed)."""
-    start = time.monotonic()
-    try:
-        fn()
-        return None, time.monotonic() - start
-    except Exception as e:  # noqa: BLE001 (any error is what is looked for)
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
 
 
 def _run(case, sd, comm):
@@ -80,7 +69,7 @@ def main(outdir):
         result["wildcard"] = got.tolist()
         if world > 1:
             qm = np.zeros((1, 2, 4 if rank == world - 1 else 2, 8), np.float32)
-            result["mismatch"] = _error(lambda: sd.ring_attention(qm, qm, qm, comm, timeout=30))[0]
+            result["mismatch"] = ring_util.error(lambda: sd.ring_attention(qm, qm, qm, comm, timeout=30))[0]
 
             class Mute(sd.MPICommunicator):
                 """Sends nothing (a rank that stops after the arguments' all-gather)."""
@@ -90,7 +79,7 @@ def main(outdir):
 
             q1 = np.zeros((1, 2, 2, 8), np.float32)
             stopped = Mute(comm) if rank == world - 1 else comm
-            result["stopped"] = _error(lambda: sd.ring_attention(q1, q1, q1, stopped, timeout=STOP_TIMEOUT))
+            result["stopped"] = ring_util.error(lambda: sd.ring_attention(q1, q1, q1, stopped, timeout=STOP_TIMEOUT))
             # the caller's communicator after it: its own messages only
             comm.Sendrecv(mine, dest=(rank + 1) % world, sendtag=6, recvbuf=got, source=MPI.ANY_SOURCE,
                           recvtag=MPI.ANY_TAG)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import time
 
 import ml_dtypes
 import numpy as np
@@ -243,3 +244,14 @@ def check_cases(results, cases, world):
                 assert np.array_equal(other[0][name], runs[0][name]), \
                     f"W={world} {case['name']}: rank {r['rank']}'s {name} differs from rank 0's"
         check(case, runs, world)
+
+
+def error(fn):
+    """(None, elapsed) when fn() returns, else ("Type: message", elapsed): a rank's record of a
+    call expected to fail."""
+    start = time.monotonic()
+    try:
+        fn()
+        return None, time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 (any error is what is looked for)
+        return f"{type(e).__name__}: {e}", time.monotonic() - start

@@ -34,16 +34,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _error(fn):
-    """(None, elapsed) when fn() returns, else (its message, elapsed)."""
-    start = time.monotonic()
-    try:
-        fn()
-        return None, time.monotonic() - start
-    except Exception as e:  # noqa: BLE001 (any error is what is looked for)
-        return f"{type(e).__name__}: {e}", time.monotonic() - start
-
-
 def _run(case, sd, dist):
     """One run of a case on this rank: {name: the whole sequence's array}, unsharded."""
     q, k, v, dout, slopes, sinks = ring_util.inputs(case)
@@ -88,12 +78,12 @@ def _worker(rank, world, port, outdir):
         # dropout without a seed: rank 0's, all-gathered (the ring compares seeds: a different one
         # on any rank would be an error)
         qd = torch.randn(1, 2, 2 * world, 8, generator=torch.Generator().manual_seed(7))
-        result["no_seed"] = _error(lambda: sd.ring_attention(qd, qd, qd, dropout_p=0.5, timeout=60))[0]
+        result["no_seed"] = ring_util.error(lambda: sd.ring_attention(qd, qd, qd, dropout_p=0.5, timeout=60))[0]
         if world > 1:
             # a shape that differs on one rank: an error on every rank, before any block moves
             n = 4 if rank == world - 1 else 2
             qm = torch.zeros(1, 2, n, 8)
-            result["mismatch"] = _error(lambda: sd.ring_attention(qm, qm, qm, timeout=30))[0]
+            result["mismatch"] = ring_util.error(lambda: sd.ring_attention(qm, qm, qm, timeout=30))[0]
             # a rank that stops: the others' error within the timeout (the last rank sleeps, then exits)
             if rank == world - 1:
                 ring_util.save(os.path.join(outdir, f"rank{rank}.pkl"), result)
@@ -101,8 +91,8 @@ def _worker(rank, world, port, outdir):
                 os._exit(0)
             q1 = torch.zeros(1, 2, 2, 8)
             # dropout without a seed: its all-gather has the deadline too
-            result["stopped_seed"] = _error(lambda: sd.ring_attention(q1, q1, q1, dropout_p=0.5, timeout=STOP_TIMEOUT))
-            result["stopped"] = _error(lambda: sd.ring_attention(q1, q1, q1, timeout=STOP_TIMEOUT))
+            result["stopped_seed"] = ring_util.error(lambda: sd.ring_attention(q1, q1, q1, dropout_p=0.5, timeout=STOP_TIMEOUT))
+            result["stopped"] = ring_util.error(lambda: sd.ring_attention(q1, q1, q1, timeout=STOP_TIMEOUT))
     except BaseException:  # noqa: BLE001 (reported to the parent)
         result["crash"] = traceback.format_exc()
     ring_util.save(os.path.join(outdir, f"rank{rank}.pkl"), result)
@@ -166,3 +156,32 @@ def test_ring_allgather_torch(spawned):
     refusal ("RingStrategy::kAllGather is not implemented yet") until it is implemented."""
     world, results = spawned
     ring_util.check_cases(results, ring_util.ALLGATHER_CASES, world)
+
+
+class _Work:
+    """A gloo work whose wait times out after the deadline it is given (recorded)."""
+
+    def __init__(self):
+        self.deadlines = []
+
+    def wait(self, deadline):
+        self.deadlines.append(deadline)
+        time.sleep(deadline.total_seconds())
+        raise RuntimeError(f"Timed out waiting {deadline}")
+
+
+def test_torch_wait_rounds_the_deadline_up_and_names_the_one_used():
+    import datetime
+
+    import sdpa.distributed
+    import sdpa.torch.distributed as sd
+    comm = sd.TorchCommunicator.__new__(sd.TorchCommunicator)
+    sdpa.distributed.Communicator.__init__(comm)
+    work = _Work()
+    comm._works = {1: work, 2: work, 3: work}
+    assert comm.wait(1, 0.2) is False  # a whole number of ms: the ring names it
+    with pytest.raises(TimeoutError, match=r"no answer within 0\.002 s \(the timeout 0\.0015 s rounded up"):
+        comm.wait(2, 0.0015)
+    with pytest.raises(TimeoutError, match=r"no answer within 0\.001 s \(the timeout 0\.0001 s rounded up"):
+        comm.wait(3, 0.0001)
+    assert work.deadlines == [datetime.timedelta(milliseconds=ms) for ms in (200, 2, 1)]
