@@ -427,13 +427,11 @@ class PyCommunicator : public sdpa::Communicator {
   }
 };
 
-sdpa::RingOptions ring_options(sdpa::RingLayout layout, double timeout, sdpa::RingStats* stats) {
-  sdpa::RingOptions r;
-  r.layout = layout;
-  r.timeout_seconds = timeout;
-  r.stats = stats;
-  return r;
-}
+// The ring's names (sdpa.distributed's layout= and strategy=), parsed once here.
+constexpr sdpa::front::Name<sdpa::RingLayout> kRingLayoutNames[] = {{"zigzag", sdpa::RingLayout::kZigzag},
+                                                                    {"contiguous", sdpa::RingLayout::kContiguous}};
+constexpr sdpa::front::Name<sdpa::RingStrategy> kRingStrategyNames[] = {{"ring", sdpa::RingStrategy::kRing},
+                                                                        {"allgather", sdpa::RingStrategy::kAllGather}};
 
 // RingStats as the dict the ring calls return (sdpa.distributed's return_stats).
 nb::dict stats_dict(const sdpa::RingStats& s) {
@@ -445,25 +443,41 @@ nb::dict stats_dict(const sdpa::RingStats& s) {
   return d;
 }
 
+// What both ring calls do around their sdpa call: RingOptions from the ring's arguments (names
+// parsed, cu_seqlens viewed; its values are the ring's to check), run(ring) without the GIL, and
+// the call's stats as a dict.
+template <typename Run>
+nb::dict run_ring(const std::string& layout, const std::string& strategy, const std::optional<ConstArray>& cu_seqlens,
+                  double timeout, Run run) {
+  sdpa::RingStats stats;
+  sdpa::RingOptions ring;
+  ring.layout = sdpa::front::parse_name("layout", kRingLayoutNames, layout);
+  ring.strategy = sdpa::front::parse_name("strategy", kRingStrategyNames, strategy);
+  if (cu_seqlens) ring.cu_seqlens = to_view(*cu_seqlens, "cu_seqlens");
+  ring.timeout_seconds = timeout;
+  ring.stats = &stats;
+  {
+    nb::gil_scoped_release release;
+    run(ring);
+  }
+  return stats_dict(stats);
+}
+
 nb::dict ring_attention(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
                     const Array& out, const std::optional<Array>& lse, std::optional<double> scale,
                     const std::string& causal, int64_t window_left, int64_t window_right, const std::string& backend,
                     double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order,
                     const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
                     const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                    const std::string& precision, sdpa::RingLayout layout, double timeout) {
+                    const std::string& precision, const std::string& layout, const std::string& strategy,
+                    const std::optional<ConstArray>& cu_seqlens, double timeout) {
   const sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
   const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
                                       softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
-  sdpa::RingStats stats;
-  const sdpa::RingOptions ring = ring_options(layout, timeout, &stats);
-  {
-    nb::gil_scoped_release release;
-    sdpa::ring_attention(comm, in, outs, opt, ring);
-  }
-  return stats_dict(stats);
+  return run_ring(layout, strategy, cu_seqlens, timeout,
+                  [&](const sdpa::RingOptions& ring) { sdpa::ring_attention(comm, in, outs, opt, ring); });
 }
 
 nb::dict ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, const ConstArray& k, const ConstArray& v,
@@ -474,7 +488,8 @@ nb::dict ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, 
                              const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
                              const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                              const std::optional<Array>& dsinks, const std::optional<Array>& dalibi_slopes,
-                             const std::string& precision, sdpa::RingLayout layout, double timeout) {
+                             const std::string& precision, const std::string& layout, const std::string& strategy,
+                             const std::optional<ConstArray>& cu_seqlens, double timeout) {
   const sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   const sdpa::TensorView out_view = to_view(out, "out"), lse_view = to_view(lse, "lse"),
                          dout_view = to_view(dout, "dout");
@@ -483,13 +498,9 @@ nb::dict ring_attention_backward(sdpa::Communicator& comm, const ConstArray& q, 
   if (dalibi_slopes) grads.dalibi_slopes = to_view(*dalibi_slopes, "dalibi_slopes");
   const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap,
                                       softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
-  sdpa::RingStats stats;
-  const sdpa::RingOptions ring = ring_options(layout, timeout, &stats);
-  {
-    nb::gil_scoped_release release;
+  return run_ring(layout, strategy, cu_seqlens, timeout, [&](const sdpa::RingOptions& ring) {
     sdpa::ring_attention_backward(comm, in, out_view, lse_view, dout_view, grads, opt, ring);
-  }
-  return stats_dict(stats);
+  });
 }
 
 }  // namespace
@@ -605,12 +616,10 @@ NB_MODULE(_core, m) {
       .def(nb::init<>())
       .def("rank", &sdpa::Communicator::rank)
       .def("size", &sdpa::Communicator::size);
-  nb::enum_<sdpa::RingLayout>(m, "RingLayout")
-      .value("contiguous", sdpa::RingLayout::kContiguous)
-      .value("zigzag", sdpa::RingLayout::kZigzag);
-  m.def("ring_chunks", [](sdpa::RingLayout layout, int world, int rank, int64_t n_local) {
+  m.def("ring_chunks", [](const std::string& layout, int world, int rank, int64_t n_local) {
     std::vector<std::tuple<int64_t, int64_t, int64_t>> chunks;
-    for (const sdpa::RingChunk& c : sdpa::ring_chunks(layout, world, rank, n_local))
+    const sdpa::RingLayout l = sdpa::front::parse_name("layout", kRingLayoutNames, layout);
+    for (const sdpa::RingChunk& c : sdpa::ring_chunks(l, world, rank, n_local))
       chunks.emplace_back(c.local, c.start, c.length);
     return chunks;
   }, nb::arg("layout"), nb::arg("world"), nb::arg("rank"), nb::arg("n_local"));
@@ -619,14 +628,15 @@ NB_MODULE(_core, m) {
         nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(),
         nb::arg("softcap"), nb::arg("softcap_order"), nb::arg("alibi_slopes").none(), nb::arg("sinks").none(),
         nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"), nb::arg("precision"),
-        nb::arg("layout"), nb::arg("timeout"));
+        nb::arg("layout"), nb::arg("strategy"), nb::arg("cu_seqlens").none(), nb::arg("timeout"));
   m.def("ring_attention_backward", &ring_attention_backward, nb::arg("comm"), nb::arg("q"), nb::arg("k"),
         nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"), nb::arg("dv"),
         nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("backend"), nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap"),
         nb::arg("softcap_order"), nb::arg("alibi_slopes").none(), nb::arg("sinks").none(),
         nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"), nb::arg("dsinks").none(),
-        nb::arg("dalibi_slopes").none(), nb::arg("precision"), nb::arg("layout"), nb::arg("timeout"));
+        nb::arg("dalibi_slopes").none(), nb::arg("precision"), nb::arg("layout"), nb::arg("strategy"),
+        nb::arg("cu_seqlens").none(), nb::arg("timeout"));
   m.def("merge_attention", &merge_attention, nb::arg("outs"), nb::arg("lses"), nb::arg("out"), nb::arg("lse"));
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);

@@ -39,6 +39,26 @@ import sdpa.torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def check_context_parallel(attn, training):
+    """Refuses (ValueError) an attention module that Block.ring_attention would not compute
+    faithfully: it reads in_proj_weight / in_proj_bias with num_heads heads for q, k and v, then
+    causal ring attention with no dropout and no RoPE."""
+    if not isinstance(attn, sdpa.torch.MultiheadAttention):
+        raise ValueError(f"context parallelism needs sdpa.torch.MultiheadAttention, got {type(attn).__name__}")
+    if attn.num_kv_heads != attn.num_heads:
+        raise ValueError(f"context parallelism does not support GQA/MQA here: num_kv_heads {attn.num_kv_heads} != "
+                         f"num_heads {attn.num_heads}")
+    if attn.rope:
+        raise ValueError("context parallelism does not support rope=True here (its positions are the zigzag "
+                         "shard's, which the ring path does not rotate by)")
+    if attn.in_proj_weight is None:
+        raise ValueError(f"context parallelism needs one in_proj_weight (kdim {attn.kdim}, vdim {attn.vdim} must equal "
+                         f"embed_dim {attn.embed_dim})")
+    if training and attn.dropout > 0:
+        raise ValueError(f"context parallelism does not support attention dropout in training here "
+                         f"(dropout={attn.dropout})")
+
+
 class Block(nn.Module):
     def __init__(self, d, heads, attention):
         super().__init__()
@@ -64,6 +84,7 @@ class Block(nn.Module):
         import sdpa.torch.distributed as sdist
 
         attn = self.attn
+        check_context_parallel(attn, self.training)
         B, L, E = h.shape
         qkv = F.linear(h, attn.in_proj_weight, attn.in_proj_bias).view(B, L, 3, attn.num_heads, attn.head_dim)
         q, k, v = (qkv[:, :, i].transpose(1, 2).contiguous() for i in range(3))

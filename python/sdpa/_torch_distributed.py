@@ -24,6 +24,7 @@ every shard reads.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 import warnings
 
@@ -46,7 +47,9 @@ class TorchCommunicator(_numpy_ring.Communicator):
     group): ``dist.isend``/``dist.irecv`` with tags and an asynchronous ``dist.all_gather`` on
     tensors over the ring's own bytes (``torch.from_numpy``: no copies); ``wait`` is the work's
     wait with the deadline (False when it passes; the work's own error otherwise). After a timeout the work is
-    abandoned: do not use the group for another ring call."""
+    abandoned: do not use the group for another ring call. The backend counts whole
+    milliseconds: a deadline is rounded up to the next (a timeout that is not a whole number of
+    them is reported as TimeoutError naming the one used)."""
 
     def __init__(self, group=None):
         super().__init__()
@@ -92,24 +95,35 @@ class TorchCommunicator(_numpy_ring.Communicator):
         # waited on, so they cannot be polled; a timeout is an error there, told from a
         # transport error by the time it took.
         work = self._works.pop(request)
+        ms = max(1, math.ceil(round(seconds * 1e6) / 1000))  # whole ms, rounded up (never 0: no deadline)
+        used = ms / 1000
         start = time.monotonic()
         try:
-            work.wait(datetime.timedelta(seconds=max(seconds, 1e-3)))
+            work.wait(datetime.timedelta(milliseconds=ms))
         except RuntimeError:
-            if time.monotonic() - start >= seconds:
-                return False
-            raise  # a transport error (a peer that closed its connection)
+            if time.monotonic() - start < used:
+                raise  # a transport error (a peer that closed its connection)
+            if used != seconds:  # (the ring's own message would name `seconds`)
+                raise TimeoutError(f"no answer within {used:g} s (the timeout {seconds:g} s rounded up to the "
+                                   f"backend's whole milliseconds)") from None
+            return False
         return True
 
 
-def _seed(seed, dropout_p, group):
+def _seed(seed, dropout_p, group, timeout):
     """The dropout seed every rank uses: seed, or with dropout and none given one drawn from
-    torch's generator on the group's rank 0 and broadcast (torch.manual_seed there reproduces it)."""
+    torch's generator on the group's rank 0 (torch.manual_seed there reproduces it; the others'
+    generators are not used) and all-gathered with the ring's deadline: ValueError naming the
+    rank within ``timeout`` seconds when a peer does not take part, never a hang."""
     if seed is not None or not dropout_p > 0:
         return seed
-    s = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    dist.broadcast(s, _group_rank_to_global(group, 0), group=group)
-    return int(s.item())
+    comm = TorchCommunicator(group)
+    mine = np.zeros(1, np.int64)
+    if comm.rank() == 0:
+        mine[0] = torch.randint(0, 2**62, (1,), dtype=torch.int64).item()
+    seeds = np.empty(comm.size(), np.int64)
+    _numpy_ring._gathered(comm, mine, seeds, _numpy_ring._timeout_arg(timeout), "the dropout seed's all-gather")
+    return int(seeds[0])
 
 
 def _array(name, t):
@@ -147,7 +161,7 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q, k, v, *, group=None, causal=False, layout="zigzag", scale=None, window=None,
                    alibi_slopes=None, softcap=0.0, softcap_order="before_bias", dropout_p=0.0, seed=None, sinks=None,
-                   block_mask=None, block_size=128, precision=None, timeout=300.0):
+                   block_mask=None, block_size=128, precision=None, timeout=300.0, strategy="ring", cu_seqlens=None):
     """Ring attention over a torch.distributed group (None: the default one), with autograd:
     q (B, Hq, N_local, Dk), k (B, Hkv, N_local, Dk), v (B, Hkv, N_local, Dv), this rank's shards
     of the whole sequence in ``layout`` ("zigzag", default: rank r holds chunks r and 2W - 1 - r
@@ -157,21 +171,27 @@ def ring_attention(q, k, v, *, group=None, causal=False, layout="zigzag", scale=
     The options are ``sdpa.distributed.ring_attention``'s (causal: the whole sequence's positions;
     window, ALiBi, sinks and block_mask of the whole sequence; precision None takes the
     enclosing ``sdpa.precision(...)`` block's, else "exact"). dropout_p > 0 without a seed: one
-    is drawn on the group's rank 0 from torch's generator and broadcast, so that every rank uses
-    the same (the backward reuses it). Every rank must pass the same shapes and options (compared
+    is drawn on the group's rank 0 from torch's generator and all-gathered (with the deadline
+    ``timeout``), so that every rank uses the same (the backward reuses it). ``strategy``
+    ("ring" or "allgather") and ``cu_seqlens`` (packed documents: (D + 1,) integer offsets over
+    the whole sequence's positions, a tensor or a sequence; q's batch 1; the result is
+    ``sdpa.torch.attention_varlen``'s on the whole packed sequence) are
+    ``sdpa.distributed.ring_attention``'s. Every rank must pass the same shapes and options (compared
     before any block moves; ValueError on every rank otherwise); ``timeout`` bounds each wait for
     a peer (ValueError naming it, never a hang).
 
     Gradients flow to q, k, v (the ring backward: dK/dV travel back to their owners, summed in
     float32) and to sinks and alibi_slopes when they require one: this rank's part, which the
-    caller sums over the ranks (an all-reduce), as for any parameter the shards share.
+    caller sums over the ranks (an all-reduce), as for any parameter the shards share
+    (with cu_seqlens, the slopes' gradient has the slopes' shape: (D, Hq) or (Hq,)).
     First derivatives only.
     """
     from .torch import _check_tensors
     _check_tensors(("q", "k", "v"), (q, k, v))
     p, _ = _parsed_dropout(dropout_p, 0)  # (the seed is checked with the others)
     kw = dict(causal=causal, layout=layout, scale=scale, window=window, softcap=softcap, softcap_order=softcap_order,
-              dropout_p=p, seed=_seed(seed, p, group),
+              dropout_p=p, seed=_seed(seed, p, group, timeout), strategy=strategy,
+              cu_seqlens=cu_seqlens.detach().cpu().numpy() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
               block_mask=None if block_mask is None else _array("block_mask", block_mask), block_size=block_size,
               precision=_precision_arg(precision), timeout=timeout)  # (the block's now: the backward's too)
     tensors = []
@@ -193,7 +213,7 @@ def shard(x, dim=2, layout="zigzag", group=None):
 def unshard(x_local, dim=2, layout="zigzag", group=None, *, timeout=300.0):
     """The whole sequence from every rank's shard (``shard``'s inverse), on every rank (an
     all-gather over the group; no autograd). Every rank's shard must have one shape and dtype
-    (compared first: ValueError on every rank otherwise)."""
+    (compared first: ValueError on every rank otherwise, naming both)."""
     a = _numpy_ring.unshard(_numpy_of_tensor("x_local", x_local), dim, layout, TorchCommunicator(group),
                             timeout=timeout)
     return _tensor_of_numpy(a)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import time
 
 import ml_dtypes
 import numpy as np
@@ -32,9 +33,9 @@ B, D, N = 1, 8, 24  # N splits into 2W chunks for W = 1..4 (zigzag: N_local even
 
 
 def _case(name, dtype="float32", layout="zigzag", causal=True, hq=2, hkv=2, window=None, alibi=False, sinks=False,
-          dropout=0.0):
+          dropout=0.0, cu=None, strategy="ring", backward=True):
     return dict(name=name, dtype=dtype, layout=layout, causal=causal, hq=hq, hkv=hkv, window=window, alibi=alibi,
-                sinks=sinks, dropout=dropout)
+                sinks=sinks, dropout=dropout, cu=cu, strategy=strategy, backward=backward)
 
 
 CASES = [
@@ -51,6 +52,32 @@ CASES = [
     _case("zigzag_dropout", dropout=0.25),
     _case("contiguous_dropout_full", layout="contiguous", causal=False, dropout=0.25),
 ]
+# Packed documents (cu_seqlens over the whole sequence of N = 24): a 1-token document, an empty
+# one, documents that span ranks and start mid-chunk for every W. The reference is
+# sdpa.attention_varlen on the whole packed sequence.
+DOCS = [0, 1, 7, 7, 16, 24]
+_DOCS = [
+    ("zigzag_docs_causal", {}),
+    ("contiguous_docs_full_gqa", dict(layout="contiguous", causal=False, hq=4, hkv=2)),
+    ("zigzag_docs_window_sinks", dict(causal=False, window=(3, 1), sinks=True)),
+    ("contiguous_docs_bf16", dict(dtype="bfloat16", layout="contiguous")),
+]
+# Forward with documents: the C++ computes it today.
+DOC_FORWARD_CASES = [_case(name + "_fwd", cu=DOCS, backward=False, **kw) for name, kw in _DOCS]
+# Forward and backward with documents: ring_attention_backward refuses cu_seqlens until its
+# per-document backward is enabled in C++ (these fail with that refusal until then).
+DOC_BACKWARD_CASES = [_case(name, cu=DOCS, **kw) for name, kw in _DOCS]
+# strategy="allgather" forward and backward (GQA / MQA, the strategy's use): refused by the C++
+# until kAllGather is implemented (these fail with that refusal until then).
+ALLGATHER_CASES = [
+    _case("zigzag_allgather_causal_gqa", hq=4, hkv=2, strategy="allgather"),
+    _case("contiguous_allgather_full_mqa", layout="contiguous", causal=False, hq=4, hkv=1, strategy="allgather"),
+    _case("zigzag_allgather_window_alibi_sinks", causal=False, window=(5, 2), alibi=True, sinks=True,
+          strategy="allgather"),
+    _case("contiguous_allgather_bf16", dtype="bfloat16", layout="contiguous", strategy="allgather"),
+    _case("zigzag_allgather_docs", hq=4, hkv=1, cu=DOCS, strategy="allgather"),
+]
+ALL_CASES = CASES + DOC_FORWARD_CASES + DOC_BACKWARD_CASES + ALLGATHER_CASES
 SEED = 1234  # the dropout seed
 
 
@@ -71,6 +98,8 @@ def inputs(case):
 def options(case):
     """The keyword arguments of the ring call and the one-process sdpa.attention call alike."""
     kw = dict(causal=case["causal"], window=case["window"])
+    if case["cu"] is not None:
+        kw.update(cu_seqlens=np.array(case["cu"], np.int64))
     if case["dropout"]:
         kw.update(dropout_p=case["dropout"], seed=SEED)
     return kw
@@ -90,13 +119,36 @@ def _f64(a):
     return None if a is None else np.asarray(a, dtype=np.float64)
 
 
+def ring_options(case):
+    """The ring call's keyword arguments beyond options(case): the strategy."""
+    return dict(strategy=case["strategy"])
+
+
+def _packed(a):
+    """(1, H, N, D) as attention_varlen's token-major (N, H, D), and back."""
+    return np.ascontiguousarray(a[0].transpose(1, 0, 2))
+
+
+def _unpacked(a):
+    return np.ascontiguousarray(a.transpose(1, 0, 2))[None]
+
+
 def _one_process(case, backend, widen=False):
-    """(out, lse, dq, dk, dv, dsinks) of sdpa.attention and attention_backward on the whole sequence."""
+    """(out, lse, dq, dk, dv, dsinks) of sdpa.attention and attention_backward on the whole
+    sequence (with documents: attention_varlen and its backward on the whole packed sequence,
+    in the ring's (1, H, N, D) shapes)."""
     import sdpa
     q, k, v, dout, slopes, sinks = inputs(case)
     if widen:
         q, k, v, dout = (_f64(a) for a in (q, k, v, dout))
     mods = dict(options(case), alibi_slopes=slopes, sinks=sinks, backend=backend)
+    if case["cu"] is not None:
+        cu = mods.pop("cu_seqlens")
+        q, k, v, dout = (_packed(a) for a in (q, k, v, dout))
+        out, lse = sdpa.attention_varlen(q, k, v, cu, cu, return_lse=True, **mods)
+        grads = list(sdpa.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, **mods))
+        grads[:3] = (_unpacked(g) for g in grads[:3])
+        return (_unpacked(out), lse[None]) + tuple(grads) + ((None,) if sinks is None else ())
     out, lse = sdpa.attention(q, k, v, return_lse=True, **mods)
     grads = sdpa.attention_backward(dout, q, k, v, out, lse, **mods)
     return (out, lse) + tuple(grads) + ((None,) if sinks is None else ())
@@ -109,6 +161,7 @@ def _slope_grads(case, dtype):
     import sdpa.torch as st
     q, k, v, dout, slopes, sinks = inputs(case)
     t = [torch.from_numpy(np.asarray(a, dtype=dtype)) for a in (q, k, v, dout)]
+    assert case["cu"] is None, "the slopes' gradient with documents: not a case"
     s = torch.from_numpy(slopes.astype(dtype)).requires_grad_()
     sk = None if sinks is None else torch.from_numpy(sinks.astype(dtype)).requires_grad_()
     out = st.scaled_dot_product_attention(*t[:3], is_causal=case["causal"], enable_gqa=True, alibi_slopes=s, sinks=sk)
@@ -174,3 +227,31 @@ def check(case, runs, world):
             assert not np.isnan(got).any() and err <= tol + extra, \
                 f"{where}: {who} {name} off the float64 reference by {err:.3g} > tolerance {tol + extra:.3g}"
         assert math.isfinite(tol)
+
+
+def check_cases(results, cases, world):
+    """Every rank's results of `cases` (results: the ranks' dicts, each with "cases" (name: two
+    runs) and "errors" (name: the message of a case that raised)): no rank raised, every rank
+    unsharded the same whole arrays (so every rank's shard is checked), and check() holds."""
+    for case in cases:
+        for r in results:
+            err = r["errors"].get(case["name"])
+            assert err is None, f"W={world} rank {r['rank']} {case['name']} raised: {err}"
+        runs = results[0]["cases"][case["name"]]
+        for r in results[1:]:
+            other = r["cases"][case["name"]]
+            for name in runs[0]:
+                assert np.array_equal(other[0][name], runs[0][name]), \
+                    f"W={world} {case['name']}: rank {r['rank']}'s {name} differs from rank 0's"
+        check(case, runs, world)
+
+
+def error(fn):
+    """(None, elapsed) when fn() returns, else ("Type: message", elapsed): a rank's record of a
+    call expected to fail."""
+    start = time.monotonic()
+    try:
+        fn()
+        return None, time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 (any error is what is looked for)
+        return f"{type(e).__name__}: {e}", time.monotonic() - start

@@ -137,3 +137,39 @@ def test_the_layout_pictures_of_docs_distributed_md():
     ranks = [[int(t) for t in part.replace("|", " ").split()] for part in re.split(r"rank \d+:", line)[1:]]
     assert ranks == [_positions("zigzag", 4, r, 4) for r in range(4)]
 
+
+
+class Pair(Alone):
+    """Rank 0 of two, whose peer holds a float64 shard of the same shape (unshard's header)."""
+
+    def size(self):
+        return 2
+
+    def iallgather(self, inbuf, outbuf):
+        n = inbuf.size
+        outbuf[:n] = inbuf
+        other = np.array(inbuf).view(np.int64)
+        other[1:3] = np.frombuffer(b"float64".ljust(16), np.int64)
+        outbuf[n:] = other.view(np.uint8)
+        return 1
+
+
+def test_unshard_names_both_dtypes_and_shapes():
+    with pytest.raises(ValueError, match=r"^unshard: rank 1 holds a shard of shape \(2, 3\) and dtype float64 but "
+                                         r"rank 0 one of shape \(2, 3\) and dtype float32: every rank's shard must "
+                                         r"have one shape and dtype$"):
+        sd.unshard(np.zeros((2, 3), np.float32), 0, "contiguous", Pair())
+
+
+def test_layout_and_strategy_are_checked_once_by_name():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^strategy must be 'ring' or 'allgather', got 'tree'$"):
+        sd.ring_attention(q, k, v, Alone(), strategy="tree")
+    with pytest.raises(TypeError, match="strategy must be 'ring' or 'allgather', got 1"):
+        sd.ring_attention(q, k, v, Alone(), strategy=1)
+    with pytest.raises(ValueError, match=r"^layout must be 'zigzag' or 'contiguous', got 'spiral'$"):
+        sd.shard(q, -2, "spiral", Alone())
+    with pytest.raises(TypeError, match="cu_seqlens has dtype float64"):
+        sd.ring_attention(q, k, v, Alone(), cu_seqlens=[0.0, 6.0])
+    with pytest.raises(ValueError, match="RingOptions::cu_seqlens"):  # the C++'s check of the values
+        sd.ring_attention(q, k, v, Alone(), cu_seqlens=[0, 7])

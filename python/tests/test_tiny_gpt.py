@@ -64,3 +64,23 @@ def test_trains_and_the_cache_gives_the_full_forwards_logits(tmp_path):
     path = tmp_path / "heads.html"
     tiny.write_report(model, text[:200], {c: i for i, c in enumerate(chars)}, str(path))
     assert path.stat().st_size > 1000 and "<html" in path.read_text()[:200].lower()
+
+
+def test_context_parallel_refuses_what_its_ring_path_does_not_compute():
+    """Block.ring_attention computes causal attention of in_proj_weight's heads, no dropout, no
+    RoPE: other modules are refused by name, not silently computed otherwise."""
+    import sdpa.torch
+    mha = sdpa.torch.MultiheadAttention
+    tiny.check_context_parallel(mha(16, 4, batch_first=True), True)
+    tiny.check_context_parallel(mha(16, 4, dropout=0.1, batch_first=True), False)  # (eval: no dropout)
+    for attn, training, words in ((mha(16, 4, dropout=0.1), True, "dropout=0.1"),
+                                  (mha(16, 4, rope=True), True, "rope=True"),
+                                  (mha(16, 4, num_kv_heads=2), True, "num_kv_heads 2 != num_heads 4"),
+                                  (mha(16, 4, kdim=8), True, "kdim 8"),
+                                  (torch.nn.MultiheadAttention(16, 4), True, "got MultiheadAttention")):
+        try:
+            tiny.check_context_parallel(attn, training)
+        except ValueError as e:
+            assert words in str(e), str(e)
+        else:
+            raise AssertionError(f"no error for {words}")
