@@ -185,6 +185,23 @@ void check_backward(const AgCase& c, DType dt) {
   for (int x = 0; x < 3; ++x) {
     EXPECT_TRUE(all_near(kGradNames[x], got.g[x], ring.g[x], 2 * (e.tol[x] + (P - 1) * u * sums[x]))) << "against kRing";
   }
+  // dalibi_slopes and dsinks, summed over the ranks: kRing's (ring_test holds them to the
+  // reference) within the sums' reordering, 4 eps of the largest (float64 terms per rank).
+  const auto summed = [&](const std::vector<RankGrads>& g, bool slopes) {
+    std::vector<double> sum;
+    for (const RankGrads& x : g) {
+      const std::vector<double> a = slopes ? x.dalibi.values() : x.dsinks.values();
+      sum.resize(a.size(), 0.0);
+      for (size_t h = 0; h < a.size(); ++h) sum[h] += a[h];
+    }
+    return sum;
+  };
+  for (bool slopes : {true, false}) {
+    if (slopes ? !o.alibi_slopes : !o.sinks) continue;
+    const std::vector<double> a = summed(ag, slopes), b = summed(rg, slopes);
+    EXPECT_TRUE(all_near(slopes ? "dalibi_slopes" : "dsinks", a, b, 4 * eps(kF32) * std::max(1.0, max_abs_finite(b))))
+        << "against kRing";
+  }
   const std::vector<RankGrads> again = run(kAG);
   for (size_t r = 0; r < ag.size(); ++r) {
     EXPECT_TRUE(bitwise_equal(again[r].g, ag[r].g)) << "rank " << r;

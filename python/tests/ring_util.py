@@ -164,7 +164,19 @@ def _slope_grads(case, dtype):
     assert case["cu"] is None, "the slopes' gradient with documents: not a case"
     s = torch.from_numpy(slopes.astype(dtype)).requires_grad_()
     sk = None if sinks is None else torch.from_numpy(sinks.astype(dtype)).requires_grad_()
-    out = st.scaled_dot_product_attention(*t[:3], is_causal=case["causal"], enable_gqa=True, alibi_slopes=s, sinks=sk)
+    mask, causal = None, case["causal"]
+    if case["window"] is not None:  # sdpa.torch's function takes no window: the same as a bool mask
+        n = q.shape[-2]
+        i, j = np.arange(n)[:, None], np.arange(n)[None, :]
+        left, right = case["window"]
+        allowed = (j <= i) if causal else np.ones((n, n), bool)
+        if left >= 0:
+            allowed &= j >= i - left
+        if right >= 0:
+            allowed &= j <= i + right
+        mask, causal = torch.from_numpy(allowed), False
+    out = st.scaled_dot_product_attention(*t[:3], attn_mask=mask, is_causal=causal, enable_gqa=True, alibi_slopes=s,
+                                          sinks=sk)
     out.backward(t[3])
     return s.grad.numpy(), None if sk is None else sk.grad.numpy()
 
