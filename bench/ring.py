@@ -5,6 +5,7 @@ per-rank memory. Run under mpirun (loopback), e.g. (docs/DISTRIBUTED.md):
   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 --mca btl self,vader \\
       --mca oob_tcp_if_include lo .venv/bin/python bench/ring.py --n 32768 --heads 8 --dim 64
   mpirun ... -np 4 .venv/bin/python bench/ring.py --n 1048576 --heads 1 --dim 64 --no-baseline --reps 1
+  mpirun ... -np 2 .venv/bin/python bench/ring.py --n 8192 --heads 8 --kv-heads 1 --strategy allgather
 
 GFLOP/s = 2·B·Hq·N²·D (forward, causal: half of 4·B·Hq·N²·D) / time; backward 5·B·Hq·N²·D.
 The baseline runs on rank 0 alone (W·T threads) while the other ranks sleep in a polled barrier
@@ -61,6 +62,8 @@ def main():
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--precision", choices=("exact", "fast"), default="exact")
     p.add_argument("--layout", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--strategy", choices=("ring", "allgather"), default="ring",
+                   help="K/V passed around the ring, or all-gathered one kv head at a time (GQA / MQA)")
     p.add_argument("--non-causal", action="store_true")
     p.add_argument("--threads", type=int, default=1, help="threads per rank (the baseline gets W x this)")
     p.add_argument("--reps", type=int, default=3)
@@ -82,7 +85,7 @@ def main():
     say(f"bench/ring.py: W = {W} ranks x {a.threads} threads; CPU flags: "
         + " ".join(f for f in flags if "avx" in f or "amx" in f or f == "fma"))
     say(f"B {B}, Hq {H}, Hkv {kv}, N {N} (n = {n} per rank), D {D}, {a.dtype} {a.precision}, "
-        f"{'causal' if causal else 'non-causal'}, layout {a.layout}")
+        f"{'causal' if causal else 'non-causal'}, layout {a.layout}, strategy {a.strategy}")
     fwd_flops = (2 if causal else 4) * B * H * N * N * D
     bwd_flops = 2.5 * fwd_flops
 
@@ -96,7 +99,7 @@ def main():
     else:
         Q, K, V = whole(1, H), whole(2, kv), whole(3, kv)
         q, k, v = (sd.shard(x, -2, a.layout, comm) for x in (Q, K, V))
-    opts = dict(causal=causal, layout=a.layout, precision=a.precision)
+    opts = dict(causal=causal, layout=a.layout, precision=a.precision, strategy=a.strategy)
 
     # The ring: T threads per rank.
     sdpa.set_num_threads(a.threads)
