@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -471,6 +472,68 @@ TEST_F(Ring, RankStoppedBeforeTheGradientsLastHop) {
     for (int r : {0, 1}) {
       EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
       EXPECT_FALSE(grads[static_cast<size_t>(r)].dk.untouched()) << "rank " << r;
+    }
+  }
+}
+
+// The backward's pair failures travel with the gradients (ring.cc): no input makes a pair of
+// the backward throw once the collective check passed (an lse of +inf is refused there; a NaN
+// gives NaN gradients), so rank 1's failure is injected by its transport: from step 1 on, the
+// failure record that ends each of its gradients' messages says "rank 1 failed" (ring.cc's
+// Failure: int32 rank + 1, then 380 chars; tag kTagGradients = 2902). The sums that passed rank 1
+// then are those of every block but rank 1's own: their owners throw, naming rank 1, and write
+// nothing; rank 1 finishes.
+class InjectFailure : public sdpa::Communicator {
+ public:
+  explicit InjectFailure(sdpa::Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (tag != 2902 || gradients_++ == 0) return inner_.isend(data, bytes, to, tag);
+    std::vector<std::byte> m(static_cast<const std::byte*>(data), static_cast<const std::byte*>(data) + bytes);
+    const int32_t rank_plus_1 = rank() + 1;
+    char* record = reinterpret_cast<char*>(m.data() + bytes - 384);
+    std::memcpy(record, &rank_plus_1, 4);
+    std::snprintf(record + 4, 380, "%s", "injected");
+    return inner_.isend(m.data(), bytes, to, tag);  // LocalComm copies it at once
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override { return inner_.irecv(data, bytes, from, tag); }
+  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
+  bool wait(Request request, double seconds) override { return inner_.wait(request, seconds); }
+
+ private:
+  sdpa::Communicator& inner_;
+  int gradients_ = 0;
+};
+
+TEST_F(Ring, BackwardPairFailureReachesTheOwnersOfTheSums) {
+  const int W = 3;
+  const int64_t n_local = 4, N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+    SCOPED_TRACE(delivery == Delivery::kEager ? "kEager" : "kAtWait");
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    run_forward(ranks, {}, {kCont, 30.0});
+    std::vector<Grads> grads;
+    for (const RankData& d : ranks) {
+      grads.push_back({GuardedTensor(kF32, d.q.shape()), GuardedTensor(kF32, d.k.shape()), GuardedTensor(kF32, d.v.shape())});
+    }
+    LocalWorld world(W, delivery);
+    const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      InjectFailure injecting(comm);
+      sdpa::ring_attention_backward(r == 1 ? injecting : comm, {d.q.view(), d.k.view(), d.v.view()}, d.out.view(),
+                                    d.lse.view(), d.out.view(), grads[static_cast<size_t>(r)].gradients(), {},
+                                    {kCont, 0.5});
+    }));
+    expect_requests_settled(world);
+    EXPECT_EQ(errors[1], "");
+    EXPECT_FALSE(grads[1].dk.untouched());
+    for (int r : {0, 2}) {
+      EXPECT_EQ(errors[static_cast<size_t>(r)],
+                "ring_attention_backward: rank 1 could not compute its part of this rank's dk and dv: injected")
+          << "rank " << r;
+      EXPECT_TRUE(grads[static_cast<size_t>(r)].untouched()) << "rank " << r;
     }
   }
 }
