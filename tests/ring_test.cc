@@ -506,6 +506,60 @@ class InjectFailure : public sdpa::Communicator {
   int gradients_ = 0;
 };
 
+// A transport that fails on rank 1 (sdpa::Error from its second isend, just after the step's
+// irecv was posted; or from the wait of its second receive, with the step's send outstanding):
+// the ring throws that Error, and the requests it left behind are settled all the same (the
+// irecv / the send waited by the unwinding call, or their buffers leaked).
+class FaultyTransport : public sdpa::Communicator {
+ public:
+  FaultyTransport(sdpa::Communicator& inner, bool in_wait) : inner_(inner), in_wait_(in_wait) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (!in_wait_ && sends_++ == 1) throw sdpa::Error("FaultyTransport: isend refused");
+    return inner_.isend(data, bytes, to, tag);
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override {
+    const Request id = inner_.irecv(data, bytes, from, tag);
+    if (recvs_++ == 1) faulty_ = id;
+    return id;
+  }
+  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
+  bool wait(Request request, double seconds) override {
+    if (in_wait_ && request == faulty_) {
+      inner_.wait(request, 0.0);  // the request ends (abandoned), as a transport's failed one would
+      throw sdpa::Error("FaultyTransport: wait failed");
+    }
+    return inner_.wait(request, seconds);
+  }
+
+ private:
+  sdpa::Communicator& inner_;
+  bool in_wait_;
+  int sends_ = 0, recvs_ = 0;
+  Request faulty_ = -1;
+};
+
+TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
+  for (const bool in_wait : {false, true}) {
+    SCOPED_TRACE(in_wait ? "wait" : "isend");
+    const int W = 3;
+    const Tensors t = random_qkv(kF32, {1, 2, W * 4, 4}, {1, 2, W * 4, 4}, {1, 2, W * 4, 4}, 3);
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    LocalWorld world(W, Delivery::kEager);
+    const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      RankData& d = ranks[static_cast<size_t>(r)];
+      FaultyTransport faulty(comm, in_wait);
+      sdpa::Outputs out;
+      out.out = d.out.view();
+      sdpa::ring_attention(r == 1 ? faulty : comm, {d.q.view(), d.k.view(), d.v.view()}, out, {}, {kCont, 0.5});
+    }));
+    expect_requests_settled(world);
+    EXPECT_EQ(errors[1], in_wait ? "FaultyTransport: wait failed" : "FaultyTransport: isend refused");
+    EXPECT_TRUE(ranks[1].out.untouched());
+  }
+}
+
 TEST_F(Ring, BackwardPairFailureReachesTheOwnersOfTheSums) {
   const int W = 3;
   const int64_t n_local = 4, N = W * n_local;
