@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -164,9 +165,10 @@ void check_forward(const RingCase& c, DType dt) {
     EXPECT_TRUE(all_close("out (documented order)", d.out.values(), eo.values(), 0)) << "rank " << r;
     EXPECT_TRUE(all_close("lse (documented order)", d.lse.values(), el.values(), 0)) << "rank " << r;
   }
-  // Repeatable bit for bit.
+  // Repeatable bit for bit, also when each message lands as soon as it is sent (ring_local.h:
+  // kEager writes into a posted receive while the receiver computes).
   std::vector<RankData> again = shards(t, c.W, c.layout, dt);
-  run_forward(again, o, {c.layout, 30.0});
+  run_forward(again, o, {c.layout, 30.0}, Delivery::kEager);
   for (size_t r = 0; r < ranks.size(); ++r) {
     EXPECT_TRUE(all_close("out (second run)", again[r].out.values(), ranks[r].out.values(), 0));
     EXPECT_TRUE(all_close("lse (second run)", again[r].lse.values(), ranks[r].lse.values(), 0));
@@ -210,14 +212,14 @@ void check_backward(const RingCase& c, DType dt) {
   const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
   const Tensors& t = whole.t;
   std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
-  const auto run_ring = [&] {
+  const auto run_ring = [&](Delivery delivery) {
     std::vector<RankGrads> rg;
     for (const RankData& d : ranks) {
       rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
                     Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
                     GuardedTensor(kF64, {c.Hq}), GuardedTensor(kF32, {c.Hq})});
     }
-    LocalWorld world(c.W);
+    LocalWorld world(c.W, delivery);
     const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
       const RankData& d = ranks[static_cast<size_t>(r)];
       RankGrads& x = rg[static_cast<size_t>(r)];
@@ -230,7 +232,7 @@ void check_backward(const RingCase& c, DType dt) {
     expect_clean_run(world, errors);
     return rg;
   };
-  const std::vector<RankGrads> rg = run_ring();
+  const std::vector<RankGrads> rg = run_ring(Delivery::kAtWait);
   // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
   const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
   GradValues got;
@@ -292,8 +294,8 @@ void check_backward(const RingCase& c, DType dt) {
     if (o.alibi_slopes) check("dalibi_slopes", dalibi, ref.first, naive.first);
     if (o.sinks) check("dsinks", dsinks, ref.second, naive.second);
   }
-  // Repeatable bit for bit.
-  const std::vector<RankGrads> again = run_ring();
+  // Repeatable bit for bit, also with kEager delivery (as the forward).
+  const std::vector<RankGrads> again = run_ring(Delivery::kEager);
   for (size_t r = 0; r < rg.size(); ++r) {
     EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
     if (o.alibi_slopes) {
@@ -325,12 +327,14 @@ struct FailureRun {
   std::vector<std::string> errors;
   std::vector<double> seconds;
 };
+// After the run, every rank's requests settled (ring_util.h), whichever threw.
 FailureRun run_failing(int W, int64_t n_local, const std::function<void(LocalWorld&)>& setup,
-                       const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit) {
+                       const std::function<void(int, sdpa::Inputs&, Options&, sdpa::RingOptions&)>& edit,
+                       Delivery delivery = Delivery::kAtWait) {
   const int64_t N = W * n_local;
   const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
   FailureRun f{shards(t, W, kCont, kF32), {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
-  LocalWorld world(W);
+  LocalWorld world(W, delivery);
   setup(world);
   const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
     RankData& d = f.ranks[static_cast<size_t>(r)];
@@ -351,6 +355,7 @@ FailureRun run_failing(int W, int64_t n_local, const std::function<void(LocalWor
     }
   });
   f.errors = messages(errors);
+  expect_requests_settled(world);
   return f;
 }
 
@@ -384,11 +389,13 @@ TEST_F(Ring, MismatchIsTheSameErrorOnEveryRank) {
 }
 
 TEST_F(Ring, StoppedRankTimesOut) {
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+  SCOPED_TRACE(delivery == Delivery::kEager ? "kEager" : "kAtWait");
   // Rank 1 never sends a block: rank 2 gives up on it after 0.5 s naming it; the others, waiting
   // on ranks that gave up, within one deadline per step.
   const int W = 4;
   const FailureRun f = run_failing(W, 5, [](LocalWorld& w) { w.stop_sends(1, 0); },
-                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {});
+                                   [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {}, delivery);
   EXPECT_NE(f.errors[2].find("ring_attention: rank 2 waited 0.5 s for the block of rank 1 at step 1 from rank 1: no message"),
             std::string::npos)
       << f.errors[2];
@@ -409,6 +416,210 @@ TEST_F(Ring, StoppedRankTimesOut) {
   EXPECT_NE(g.errors[1].find("rank 1 waited 0.5 s for the all-gather of the ranks' arguments"), std::string::npos)
       << g.errors[1];
   EXPECT_TRUE(g.ranks[1].out.untouched());
+  }
+}
+
+// A rank that stops in the middle of the ring (rank 1 of 3 sends its own block at step 0, then
+// nothing): its successor, rank 2, gives up at step 2 naming it, and writes nothing; ranks 0
+// and 1 got every block and finish.
+TEST_F(Ring, RankStoppedMidRing) {
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+    SCOPED_TRACE(delivery == Delivery::kEager ? "kEager" : "kAtWait");
+    const FailureRun f = run_failing(3, 4, [](LocalWorld& w) { w.stop_sends(1, 1); },
+                                     [](int, sdpa::Inputs&, Options&, sdpa::RingOptions&) {}, delivery);
+    EXPECT_NE(f.errors[2].find("ring_attention: rank 2 waited 0.5 s for the block of rank 0 at step 2 from rank 1: "
+                               "no message"),
+              std::string::npos)
+        << f.errors[2];
+    EXPECT_TRUE(f.ranks[2].out.untouched());
+    EXPECT_TRUE(f.ranks[2].lse.untouched());
+    for (int r : {0, 1}) {
+      EXPECT_EQ(f.errors[static_cast<size_t>(r)], "") << "rank " << r;
+      EXPECT_FALSE(f.ranks[static_cast<size_t>(r)].out.untouched()) << "rank " << r;
+    }
+  }
+}
+
+// A rank that stops during the backward, before its last hop (the gradients of its successor's
+// own block): the successor gives up on them and writes nothing; the others finish.
+TEST_F(Ring, RankStoppedBeforeTheGradientsLastHop) {
+  const int W = 3;
+  const int64_t n_local = 4, N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  Options o;
+  o.causal = Causal::kTopLeft;
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+    SCOPED_TRACE(delivery == Delivery::kEager ? "kEager" : "kAtWait");
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    run_forward(ranks, o, {kCont, 30.0});
+    std::vector<Grads> grads;
+    for (const RankData& d : ranks) {
+      grads.push_back({GuardedTensor(kF32, d.q.shape()), GuardedTensor(kF32, d.k.shape()), GuardedTensor(kF32, d.v.shape())});
+    }
+    LocalWorld world(W, delivery);
+    world.stop_sends(1, 2 * W - 2);  // its sends: (block, gradients) at steps 0 .. W - 2, then gradients
+    const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, d.out.view(), d.lse.view(),
+                                    d.out.view(), grads[static_cast<size_t>(r)].gradients(), o, {kCont, 0.5});
+    }));
+    expect_requests_settled(world);
+    EXPECT_NE(errors[2].find("ring_attention_backward: rank 2 waited 0.5 s for the gradients of its own block at step 3 "
+                             "from rank 1: no message"),
+              std::string::npos)
+        << errors[2];
+    EXPECT_TRUE(grads[2].untouched());
+    for (int r : {0, 1}) {
+      EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
+      EXPECT_FALSE(grads[static_cast<size_t>(r)].dk.untouched()) << "rank " << r;
+    }
+  }
+}
+
+// The backward's pair failures travel with the gradients (ring.cc): no input makes a pair of
+// the backward throw once the collective check passed (an lse of +inf is refused there; a NaN
+// gives NaN gradients), so rank 1's failure is injected by its transport: from step 1 on, the
+// failure record that ends each of its gradients' messages says "rank 1 failed" (ring.cc's
+// Failure: int32 rank + 1, then 380 chars; tag kTagGradients = 2902). The sums that passed rank 1
+// then are those of every block but rank 1's own: their owners throw, naming rank 1, and write
+// nothing; rank 1 finishes.
+class InjectFailure : public sdpa::Communicator {
+ public:
+  explicit InjectFailure(sdpa::Communicator& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (tag != 2902 || gradients_++ == 0) return inner_.isend(data, bytes, to, tag);
+    std::vector<std::byte> m(static_cast<const std::byte*>(data), static_cast<const std::byte*>(data) + bytes);
+    const int32_t rank_plus_1 = rank() + 1;
+    char* record = reinterpret_cast<char*>(m.data() + bytes - 384);
+    std::memcpy(record, &rank_plus_1, 4);
+    std::snprintf(record + 4, 380, "%s", "injected");
+    return inner_.isend(m.data(), bytes, to, tag);  // LocalComm copies it at once
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override { return inner_.irecv(data, bytes, from, tag); }
+  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
+  bool wait(Request request, double seconds) override { return inner_.wait(request, seconds); }
+
+ private:
+  sdpa::Communicator& inner_;
+  int gradients_ = 0;
+};
+
+// A transport that fails on rank 1 (sdpa::Error from its second isend, just after the step's
+// irecv was posted; or from the wait of its second receive, with the step's send outstanding):
+// the ring throws that Error, and the requests it left behind are settled all the same (the
+// irecv / the send waited by the unwinding call, or their buffers leaked).
+class FaultyTransport : public sdpa::Communicator {
+ public:
+  FaultyTransport(sdpa::Communicator& inner, bool in_wait) : inner_(inner), in_wait_(in_wait) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (!in_wait_ && sends_++ == 1) throw sdpa::Error("FaultyTransport: isend refused");
+    return inner_.isend(data, bytes, to, tag);
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override {
+    const Request id = inner_.irecv(data, bytes, from, tag);
+    if (recvs_++ == 1) faulty_ = id;
+    return id;
+  }
+  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
+  bool wait(Request request, double seconds) override {
+    if (in_wait_ && request == faulty_) {
+      inner_.wait(request, 0.0);  // the request ends (abandoned), as a transport's failed one would
+      throw sdpa::Error("FaultyTransport: wait failed");
+    }
+    return inner_.wait(request, seconds);
+  }
+
+ private:
+  sdpa::Communicator& inner_;
+  bool in_wait_;
+  int sends_ = 0, recvs_ = 0;
+  Request faulty_ = -1;
+};
+
+TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
+  for (const bool in_wait : {false, true}) {
+    SCOPED_TRACE(in_wait ? "wait" : "isend");
+    const int W = 3;
+    const Tensors t = random_qkv(kF32, {1, 2, W * 4, 4}, {1, 2, W * 4, 4}, {1, 2, W * 4, 4}, 3);
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    LocalWorld world(W, Delivery::kEager);
+    const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      RankData& d = ranks[static_cast<size_t>(r)];
+      FaultyTransport faulty(comm, in_wait);
+      sdpa::Outputs out;
+      out.out = d.out.view();
+      sdpa::ring_attention(r == 1 ? faulty : comm, {d.q.view(), d.k.view(), d.v.view()}, out, {}, {kCont, 0.5});
+    }));
+    expect_requests_settled(world);
+    EXPECT_EQ(errors[1], in_wait ? "FaultyTransport: wait failed" : "FaultyTransport: isend refused");
+    EXPECT_TRUE(ranks[1].out.untouched());
+  }
+}
+
+TEST_F(Ring, BackwardPairFailureReachesTheOwnersOfTheSums) {
+  const int W = 3;
+  const int64_t n_local = 4, N = W * n_local;
+  const Tensors t = random_qkv(kF32, {1, 2, N, 4}, {1, 2, N, 4}, {1, 2, N, 4}, 3);
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+    SCOPED_TRACE(delivery == Delivery::kEager ? "kEager" : "kAtWait");
+    std::vector<RankData> ranks = shards(t, W, kCont, kF32);
+    run_forward(ranks, {}, {kCont, 30.0});
+    std::vector<Grads> grads;
+    for (const RankData& d : ranks) {
+      grads.push_back({GuardedTensor(kF32, d.q.shape()), GuardedTensor(kF32, d.k.shape()), GuardedTensor(kF32, d.v.shape())});
+    }
+    LocalWorld world(W, delivery);
+    const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
+      const RankData& d = ranks[static_cast<size_t>(r)];
+      InjectFailure injecting(comm);
+      sdpa::ring_attention_backward(r == 1 ? injecting : comm, {d.q.view(), d.k.view(), d.v.view()}, d.out.view(),
+                                    d.lse.view(), d.out.view(), grads[static_cast<size_t>(r)].gradients(), {},
+                                    {kCont, 0.5});
+    }));
+    expect_requests_settled(world);
+    EXPECT_EQ(errors[1], "");
+    EXPECT_FALSE(grads[1].dk.untouched());
+    for (int r : {0, 2}) {
+      EXPECT_EQ(errors[static_cast<size_t>(r)],
+                "ring_attention_backward: rank 1 could not compute its part of this rank's dk and dv: injected")
+          << "rank " << r;
+      EXPECT_TRUE(grads[static_cast<size_t>(r)].untouched()) << "rank " << r;
+    }
+  }
+}
+
+// A pair whose computation fails (a NaN in a query or key: the lse of every row that sees it is
+// NaN, which merge_attention refuses) is an Error on each rank that computed such a pair, after
+// the ring: that rank still passes every block on, so the other ranks finish (no deadline is
+// reached), and it writes nothing. Contiguous, causal, W = 3: a NaN in rank 1's queries fails
+// rank 1 alone (rank 2 still needs rank 1 to pass on rank 0's block at step 1); one in rank 1's
+// keys fails ranks 1 and 2 (rank 0 never sees them).
+TEST_F(Ring, PairFailureIsAnErrorAfterTheRing) {
+  for (Delivery delivery : {Delivery::kAtWait, Delivery::kEager}) {
+    for (const bool in_keys : {false, true}) {
+      SCOPED_TRACE(std::string(delivery == Delivery::kEager ? "kEager" : "kAtWait") + (in_keys ? ", keys" : ", queries"));
+      const FailureRun f = run_failing(3, 4, [](LocalWorld&) {}, [&](int r, sdpa::Inputs& in, Options&, sdpa::RingOptions&) {
+        if (r == 1) static_cast<float*>((in_keys ? in.k : in.q).data)[1 * 4 + 2] = std::numeric_limits<float>::quiet_NaN();
+      }, delivery);
+      for (int r = 0; r < 3; ++r) {
+        const std::string& e = f.errors[static_cast<size_t>(r)];
+        const RankData& d = f.ranks[static_cast<size_t>(r)];
+        if (r == 1 || (in_keys && r == 2)) {
+          EXPECT_NE(e.find("lse has NaN"), std::string::npos) << "rank " << r << ": " << e;
+          EXPECT_LT(f.seconds[static_cast<size_t>(r)], 0.5) << "rank " << r;
+          EXPECT_TRUE(d.out.untouched()) << "rank " << r;
+          EXPECT_TRUE(d.lse.untouched()) << "rank " << r;
+        } else {
+          EXPECT_EQ(e, "") << "rank " << r;
+          EXPECT_FALSE(d.out.untouched()) << "rank " << r;
+        }
+      }
+    }
+  }
 }
 
 TEST_F(Ring, Refusals) {

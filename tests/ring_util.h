@@ -85,8 +85,20 @@ inline std::vector<RankData> shards(const Tensors& t, int W, RingLayout layout, 
   return ranks;
 }
 
-// Every rank of a run that should succeed: no exception (each reported with its rank), and no
-// request left open (ring.h: a call waits for all of its requests before it returns).
+// After any run, every rank's requests (ring.h, Communicator): none left open (each was waited,
+// on completion or by the unwinding call's last waits), and no buffer freed that a request not
+// waited to completion (abandoned by a timed-out wait, or failed) may still touch: the ring
+// leaks those.
+inline void expect_requests_settled(LocalWorld& world) {
+  for (int r = 0; r < world.size(); ++r) {
+    EXPECT_EQ(world.open_requests(r), 0) << "rank " << r << ": requests left open";
+    EXPECT_EQ(world.freed_while_unfinished(r), 0) << "rank " << r << ": buffers freed under unfinished requests";
+  }
+}
+
+// Every rank of a run that should succeed: no exception (each reported with its rank), and
+// every request waited to completion (ring.h: a call waits for all of its requests before it
+// returns).
 inline void expect_clean_run(LocalWorld& world, const std::vector<std::exception_ptr>& errors) {
   for (size_t r = 0; r < errors.size(); ++r) {
     if (errors[r]) {
@@ -96,13 +108,16 @@ inline void expect_clean_run(LocalWorld& world, const std::vector<std::exception
         ADD_FAILURE() << "rank " << r << ": " << e.what();
       }
     }
-    EXPECT_EQ(world.open_requests(static_cast<int>(r)), 0) << "rank " << r;
+    EXPECT_EQ(world.abandoned_requests(static_cast<int>(r)), 0) << "rank " << r;
   }
+  expect_requests_settled(world);
 }
 
-// Runs the ring forward on every rank (ring: its options, timeout 30 s in the tests); fails the test on any rank's exception.
-inline void run_forward(std::vector<RankData>& ranks, const Options& o, const sdpa::RingOptions& ring) {
-  LocalWorld world(static_cast<int>(ranks.size()));
+// Runs the ring forward on every rank (ring: its options, timeout 30 s in the tests); fails the
+// test on any rank's exception.
+inline void run_forward(std::vector<RankData>& ranks, const Options& o, const sdpa::RingOptions& ring,
+                        Delivery delivery = Delivery::kAtWait) {
+  LocalWorld world(static_cast<int>(ranks.size()), delivery);
   const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
     RankData& d = ranks[static_cast<size_t>(r)];
     sdpa::Outputs out;

@@ -33,7 +33,9 @@
 // behind it fail in turn, each within one deadline per step it waited — never a hang. A pair whose
 // computation fails on a rank (an lse of +inf or NaN) is an Error on that rank after the ring has
 // finished (and, in the backward, on every rank whose dk, dv lack its part). Outputs are written
-// only after the last block arrived: a call that throws writes nothing.
+// only after the last block arrived: a call that throws writes nothing, leaves none of its
+// requests pending, and leaks (never frees) the message buffers of those that did not complete
+// (Communicator, below: at most its blocks, O(N_local)).
 #pragma once
 
 #include <cstddef>
@@ -47,9 +49,13 @@ namespace sdpa {
 
 // The transport a ring runs on: point-to-point messages of bytes and an all-gather, non-blocking,
 // waited on with a deadline. Adapters: sdpa::mpi::Communicator (sdpa/mpi.h, library sdpa_mpi),
-// Python's sdpa.distributed (mpi4py) and sdpa.torch.distributed (torch.distributed). One call's
-// requests are all waited on before the call returns or throws (except after a wait that timed
-// out: the ring then stops using the communicator and throws).
+// Python's sdpa.distributed (mpi4py) and sdpa.torch.distributed (torch.distributed). A call waits
+// every request it started before it returns. A call that throws first waits each request still
+// outstanding once more, all of them within min(0.25 s, RingOptions::timeout_seconds) together
+// (enough for one whose peer already matched it; one whose peer stopped never completes), and
+// then uses the communicator no more; the buffers of every request that did not complete (its
+// wait timed out or threw, or it was still outstanding) are leaked, never freed, since the
+// transport may still read or write them.
 class Communicator {
  public:
   using Request = int64_t;  // an adapter's handle of one non-blocking operation

@@ -401,12 +401,113 @@ class Timed {
   std::chrono::steady_clock::time_point t0_;
 };
 
-// A wait with the ring's deadline: Error (naming what was awaited) when it runs out.
-void wait(Communicator& comm, Communicator::Request request, double seconds, const std::string& what) {
-  if (!comm.wait(request, seconds)) {
-    fail(what + ": no message (a peer died, stopped or is slower than timeout_seconds)");
+// ---- The call's messages ----
+
+// The one owner of a ring call's message buffers and of its requests in flight (every strategy's:
+// the blocks, the gradients, the all-gather of the arguments). buffer() allocates a buffer that
+// lives as long as the Transfers; isend / irecv / iallgather start a request on such buffers and
+// keep it as outstanding until wait() completes it. The rules (ring.h, Communicator):
+// - Normal completion: the call waits every request it started (wait(); the destructor then
+//   finds none outstanding).
+// - A wait that ran out of time or threw (a transport Error): that request's buffers may still
+//   be read or written by the transport (an MPI_Cancel that did not take, a gloo receive that
+//   lands late), and so may those of every request still outstanding when the call unwinds.
+// - Unwinding (the call throws): the destructor waits every outstanding request, all of them
+//   within one short deadline, kUnwindSeconds (never more than the call's timeout): a request
+//   whose peer is alive and matched completes at once (a send already delivered, a block on its
+//   way), one whose peer stopped never will, and a full timeout per request would multiply the
+//   time each rank needs to fail (and the ranks behind it wait on it). Then every buffer that a
+//   request which did not complete may touch is released, deliberately leaked, never freed: a
+//   transport may still write into it. The call uses the communicator for nothing else after a
+//   wait failed: it throws, and the destructor's waits are its last use.
+class Transfers {
+ public:
+  static constexpr double kUnwindSeconds = 0.25;
+
+  Transfers(Communicator& comm, double timeout_seconds) : comm_(comm), timeout_(timeout_seconds) {}
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+  ~Transfers() {
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::min(timeout_, kUnwindSeconds));
+    for (const Open& q : open_) {
+      bool done = false;
+      try {
+        const double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+        done = comm_.wait(q.id, std::max(left, 0.0));  // 0: tests once
+      } catch (...) {
+        done = false;  // a transport Error: the request's state is unknown
+      }
+      if (!done) lost_.push_back(q);
+    }
+    for (Buffer& b : buffers_) {
+      for (const Open& q : lost_) {
+        if (q.touches(b.data.get(), b.bytes)) {
+          (void)b.data.release();  // leaked on purpose (above)
+          break;
+        }
+      }
+    }
   }
-}
+
+  // `bytes` bytes (uninitialized), alive until the Transfers ends (or leaked, above).
+  std::byte* buffer(size_t bytes) {
+    buffers_.push_back({std::make_unique_for_overwrite<std::byte[]>(std::max<size_t>(bytes, 1)), bytes});
+    return buffers_.back().data.get();
+  }
+  Communicator::Request isend(const std::byte* data, size_t bytes, int to, int tag) {
+    return started(comm_.isend(data, bytes, to, tag), {data, bytes}, {});
+  }
+  Communicator::Request irecv(std::byte* data, size_t bytes, int from, int tag) {
+    return started(comm_.irecv(data, bytes, from, tag), {data, bytes}, {});
+  }
+  Communicator::Request iallgather(const std::byte* in, std::byte* out, size_t bytes) {
+    return started(comm_.iallgather(in, out, bytes), {in, bytes}, {out, bytes * static_cast<size_t>(comm_.size())});
+  }
+  // Waits with the call's deadline: Error (naming what was awaited) when it runs out.
+  void wait(Communicator::Request request, const std::string& what) {
+    const auto it = std::find_if(open_.begin(), open_.end(), [&](const Open& q) { return q.id == request; });
+    const Open q = *it;
+    open_.erase(it);
+    bool done = false;
+    try {
+      done = comm_.wait(request, timeout_);
+    } catch (...) {
+      lost_.push_back(q);
+      throw;
+    }
+    if (!done) {
+      lost_.push_back(q);
+      fail(what + ": no message (a peer died, stopped or is slower than timeout_seconds)");
+    }
+  }
+  double timeout() const { return timeout_; }
+
+ private:
+  struct Span {
+    const std::byte* data = nullptr;
+    size_t bytes = 0;
+    bool overlaps(const std::byte* b, size_t n) const { return bytes > 0 && n > 0 && data < b + n && b < data + bytes; }
+  };
+  struct Open {
+    Communicator::Request id;
+    Span a, b;  // the buffers it reads or writes
+    bool touches(const std::byte* p, size_t n) const { return a.overlaps(p, n) || b.overlaps(p, n); }
+  };
+  struct Buffer {
+    std::unique_ptr<std::byte[]> data;
+    size_t bytes;
+  };
+  Communicator::Request started(Communicator::Request id, Span a, Span b) {
+    open_.push_back({id, a, b});
+    return id;
+  }
+  Communicator& comm_;
+  double timeout_;
+  std::vector<Buffer> buffers_;
+  std::vector<Open> open_;  // started, not yet waited
+  std::vector<Open> lost_;  // did not complete: their buffers are leaked
+};
 
 // Runs the local checks (`check`), then the all-gather; throws the same Error on every rank when
 // any rank refused its arguments or differs from rank 0. `tensors`: q, k, v, out, lse, dout (null
@@ -429,10 +530,16 @@ void collective_check(const char* call, int call_id, Communicator& comm, const T
   }
   const int W = comm.size();
   std::vector<Descriptor> all(static_cast<size_t>(W));
-  const Communicator::Request r = comm.iallgather(&mine, all.data(), sizeof(Descriptor));
-  wait(comm, r, ring.timeout_seconds,
-       std::string(call) + ": rank " + str(int64_t{comm.rank()}) + " waited " + str(ring.timeout_seconds) +
-           " s for the all-gather of the ranks' arguments");
+  {
+    Transfers tr(comm, ring.timeout_seconds);
+    std::byte* in = tr.buffer(sizeof(Descriptor));
+    std::byte* out = tr.buffer(sizeof(Descriptor) * all.size());
+    std::memcpy(in, &mine, sizeof(Descriptor));
+    tr.wait(tr.iallgather(in, out, sizeof(Descriptor)),
+            std::string(call) + ": rank " + str(int64_t{comm.rank()}) + " waited " + str(ring.timeout_seconds) +
+                " s for the all-gather of the ranks' arguments");
+    std::memcpy(static_cast<void*>(all.data()), out, sizeof(Descriptor) * all.size());
+  }
   for (int i = 0; i < W; ++i) {
     const Descriptor& d = all[static_cast<size_t>(i)];
     if (d.magic != Descriptor{}.magic || d.rank != i) {
@@ -460,43 +567,81 @@ struct Exchange {
   Communicator::Request send = 0, recv = 0;
   bool posted = false;
 };
-Exchange post(Communicator& comm, const void* send, void* recv, size_t bytes, int tag, RingStats* st) {
+Exchange post(Communicator& comm, Transfers& tr, const std::byte* send, std::byte* recv, size_t bytes, int tag,
+              RingStats* st) {
   const int W = comm.size(), r = comm.rank();
   if (st) st->bytes_sent += static_cast<int64_t>(bytes);
   Exchange x;
-  x.recv = comm.irecv(recv, bytes, (r + W - 1) % W, tag);
-  x.send = comm.isend(send, bytes, (r + 1) % W, tag);
+  x.recv = tr.irecv(recv, bytes, (r + W - 1) % W, tag);
+  x.send = tr.isend(send, bytes, (r + 1) % W, tag);
   x.posted = true;
   return x;
 }
 // Waits for both, naming `what` ("the block of rank O") and the step it is for.
-void finish(Communicator& comm, Exchange& x, double seconds, const char* call, const std::string& what, int step,
+void finish(Communicator& comm, Transfers& tr, Exchange& x, const char* call, const std::string& what, int step,
             RingStats* st) {
   if (!x.posted) return;
   const Timed timed(st ? &st->wait_seconds : nullptr);
   x.posted = false;
   const int W = comm.size(), r = comm.rank();
-  const std::string who = std::string(call) + ": rank " + str(int64_t{r}) + " waited " + str(seconds) + " s ";
-  wait(comm, x.recv, seconds, who + "for " + what + " at step " + str(int64_t{step}) + " from rank " + str(int64_t{(r + W - 1) % W}));
-  wait(comm, x.send, seconds, who + "to send on " + what + " at step " + str(int64_t{step}) + " to rank " + str(int64_t{(r + 1) % W}));
+  const std::string who = std::string(call) + ": rank " + str(int64_t{r}) + " waited " + str(tr.timeout()) + " s ";
+  tr.wait(x.recv, who + "for " + what + " at step " + str(int64_t{step}) + " from rank " + str(int64_t{(r + W - 1) % W}));
+  tr.wait(x.send, who + "to send on " + what + " at step " + str(int64_t{step}) + " to rank " + str(int64_t{(r + 1) % W}));
 }
 
-// The K/V block of one rank, packed: k then v, C order, their dtype.
+// The K/V block of one rank, packed: k then v, C order, their dtype (in a buffer of the call's
+// Transfers).
 struct Block {
-  std::vector<std::byte> bytes;
-  size_t k_bytes = 0;
-  TensorView k(const TensorView& like) { return contiguous_view(bytes.data(), like.dtype, like.rank, like.shape); }
-  TensorView v(const TensorView& like) {
-    return contiguous_view(bytes.data() + k_bytes, like.dtype, like.rank, like.shape);
+  std::byte* bytes = nullptr;
+  size_t size = 0, k_bytes = 0;
+  TensorView k(const TensorView& like) const { return contiguous_view(bytes, like.dtype, like.rank, like.shape); }
+  TensorView v(const TensorView& like) const {
+    return contiguous_view(bytes + k_bytes, like.dtype, like.rank, like.shape);
   }
 };
-Block pack_block(const TensorView& k, const TensorView& v) {
+Block pack_block(Transfers& tr, const TensorView& k, const TensorView& v) {
   Block b;
   b.k_bytes = static_cast<size_t>(k.numel() * dtype_size(k.dtype));
-  b.bytes.resize(b.k_bytes + static_cast<size_t>(v.numel() * dtype_size(v.dtype)));
-  pack(k, b.bytes.data());
-  pack(v, b.bytes.data() + b.k_bytes);
+  b.size = b.k_bytes + static_cast<size_t>(v.numel() * dtype_size(v.dtype));
+  b.bytes = tr.buffer(b.size);
+  pack(k, b.bytes);
+  pack(v, b.bytes + b.k_bytes);
   return b;
+}
+// A block of the same sizes, to receive into.
+Block like(Transfers& tr, const Block& b) { return {tr.buffer(b.size), b.size, b.k_bytes}; }
+
+// The ring's steps, the one loop of the forward and the backward: at step s (0 .. W - 1) `cur`
+// holds the block of rank (r - s) mod W; the next block is posted (sent on to rank + 1,
+// received from rank - 1) before compute(s, owner, cur) runs, which is skipped once a step's
+// compute threw (the first such exception is returned, after the ring: the peers never wait
+// for a rank that stopped computing); then after(s, owner, failed) (the backward's gradients),
+// then the next block is waited for and becomes `cur`.
+template <typename Compute, typename After>
+std::exception_ptr ring_steps(Communicator& comm, Transfers& tr, Block cur, const char* call, RingStats* st,
+                              Compute compute, After after) {
+  const int W = comm.size(), r = comm.rank();
+  Block next = like(tr, cur);
+  std::exception_ptr failed;
+  for (int s = 0; s < W; ++s) {
+    const int owner = (r + W - s) % W;
+    Exchange x;
+    if (s + 1 < W) x = post(comm, tr, cur.bytes, next.bytes, cur.size, kTagBlock, st);
+    if (!failed) {
+      const Timed timed(st ? &st->compute_seconds : nullptr);
+      try {
+        compute(s, owner, static_cast<const Block&>(cur));
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    }
+    after(s, owner, failed);
+    if (s + 1 < W) {
+      finish(comm, tr, x, call, "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1, st);
+      std::swap(cur, next);
+    }
+  }
+  return failed;
 }
 
 template <typename T>
@@ -692,7 +837,7 @@ void backward_pair(const PairSetup& ps, const RingChunk& qc, const RingChunk& kc
 template <typename T>
 void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Outputs& outputs, const Options& o,
              const RingOptions& ring) {
-  const int W = comm.size(), r = comm.rank();
+  const int W = comm.size();
   const int nd = sh.n_dim, R = sh.rank_dims;
   const DType ct = dtype_of<T>();
   // This rank's accumulator: out 0, lse -inf, merged into pair by pair.
@@ -709,17 +854,10 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
   const TensorView part_l = contiguous_view(part_lse.data(), ct, R - 1, part_shape.data());
   const PairSetup ps{sh.docs, o, nd, sh.Hq, {}};
 
-  Block cur = pack_block(in.k, in.v), next;
-  next.k_bytes = cur.k_bytes;
-  next.bytes.resize(cur.bytes.size());
-  std::exception_ptr failed;
-  for (int s = 0; s < W; ++s) {
-    const int owner = (r + W - s) % W;
-    Exchange x;
-    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock, ring.stats);
-    if (!failed) {
-      const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
-      try {
+  Transfers tr(comm, ring.timeout_seconds);
+  const std::exception_ptr failed = ring_steps(
+      comm, tr, pack_block(tr, in.k, in.v), "ring_attention", ring.stats,
+      [&](int s, int owner, const Block& cur) {
         const TensorView k = cur.k(in.k), v = cur.v(in.v);
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, sh.n_local);
         for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
@@ -732,22 +870,25 @@ void forward(Communicator& comm, const Shard& sh, const Inputs& in, const Output
                          slice(acc_o, nd, qc.local, qc.length), slice(acc_l, nd, qc.local, qc.length), part_o, part_l);
           }
         }
-      } catch (...) {
-        failed = std::current_exception();
-      }
-    }
-    if (s + 1 < W) {
-      finish(comm, x, ring.timeout_seconds, "ring_attention",
-             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1, ring.stats);
-      std::swap(cur, next);
-    }
-  }
+      },
+      [](int, int, const std::exception_ptr&) {});
   if (failed) std::rethrow_exception(failed);
   // One merge of one part: a copy rounded once to the outputs' dtypes (exact: its weight is 1).
   const Partial whole[1] = {{acc_o, acc_l}};
   merge_attention(whole, outputs.out, outputs.lse ? *outputs.lse : acc_l);
 }
 
+
+// An exception's message (what() of a std::exception).
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
 
 // The backward's message of a block's gradients: dk and dv (C order, T), then the first failure
 // any rank it passed met ({rank + 1, message}; 0: none), so that a rank whose part is missing
@@ -759,12 +900,14 @@ struct Failure {
 
 template <typename T>
 struct GradBlock {
-  std::vector<std::byte> bytes;
-  size_t dk_n = 0, dv_n = 0;
-  GradBlock(size_t dk, size_t dv) : bytes((dk + dv) * sizeof(T) + sizeof(Failure)), dk_n(dk), dv_n(dv) {}
-  T* dk() { return reinterpret_cast<T*>(bytes.data()); }
+  std::byte* bytes = nullptr;  // a buffer of the call's Transfers
+  size_t size = 0, dk_n = 0, dv_n = 0;
+  GradBlock(Transfers& tr, size_t dk, size_t dv)
+      : bytes(tr.buffer((dk + dv) * sizeof(T) + sizeof(Failure))), size((dk + dv) * sizeof(T) + sizeof(Failure)),
+        dk_n(dk), dv_n(dv) {}
+  T* dk() { return reinterpret_cast<T*>(bytes); }
   T* dv() { return dk() + dk_n; }
-  Failure* failure() { return reinterpret_cast<Failure*>(bytes.data() + (dk_n + dv_n) * sizeof(T)); }
+  Failure* failure() { return reinterpret_cast<Failure*>(bytes + (dk_n + dv_n) * sizeof(T)); }
   // += a rank's local contributions (T arrays of the same sizes).
   void add(const std::vector<T>& dk_local, const std::vector<T>& dv_local) {
     for (size_t i = 0; i < dk_n; ++i) dk()[i] += dk_local[i];
@@ -784,30 +927,21 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
   const std::vector<int64_t> q_shape(in.q.shape, in.q.shape + R), k_shape(in.k.shape, in.k.shape + R),
       v_shape(in.v.shape, in.v.shape + R);
   // dq: this rank's, summed over the pairs; dk, dv: this step's block, this rank's pairs summed
-  // (added to the travelling sums after the compute); a pair's gradients.
-  std::vector<T> dq(numel(q_shape), T(0)), dk_local(numel(k_shape)), dv_local(numel(v_shape));
+  // (added to the travelling sums after the compute, then zeroed); a pair's gradients.
+  std::vector<T> dq(numel(q_shape), T(0)), dk_local(numel(k_shape), T(0)), dv_local(numel(v_shape), T(0));
   // dalibi_slopes (this rank's part, summed over the pairs) and dsinks (one pair per row), float64.
   std::vector<double> dalibi(grads.dalibi_slopes ? static_cast<size_t>(o.alibi_slopes->numel()) : 0, 0.0);
   std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(sh.Hq) : 0, 0.0);
   PairGrads<T> pg(ct, q_shape, k_shape, v_shape, nd, max_len, dalibi.size(), dsinks.size());
   const PairSetup ps{sh.docs, o, nd, sh.Hq, {}};
 
-  Block cur = pack_block(in.k, in.v), next;
-  next.k_bytes = cur.k_bytes;
-  next.bytes.resize(cur.bytes.size());
-  GradBlock<T> sums(dk_local.size(), dv_local.size()), incoming(dk_local.size(), dv_local.size());
-  std::exception_ptr failed;
+  Transfers tr(comm, ring.timeout_seconds);
+  GradBlock<T> sums(tr, dk_local.size(), dv_local.size()), incoming(tr, dk_local.size(), dv_local.size());
   Failure mine;  // this rank's, if its part failed
   Exchange gx;   // the gradients' exchange of the step before
-  for (int s = 0; s < W; ++s) {
-    const int owner = (r + W - s) % W;
-    Exchange x;
-    if (s + 1 < W) x = post(comm, cur.bytes.data(), next.bytes.data(), cur.bytes.size(), kTagBlock, ring.stats);
-    std::fill(dk_local.begin(), dk_local.end(), T(0));
-    std::fill(dv_local.begin(), dv_local.end(), T(0));
-    if (!failed) {
-      const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
-      try {
+  const std::exception_ptr failed = ring_steps(
+      comm, tr, pack_block(tr, in.k, in.v), "ring_attention_backward", ring.stats,
+      [&](int s, int owner, const Block& cur) {
         const TensorView k = cur.k(in.k), v = cur.v(in.v);
         const std::vector<RingChunk> kchunks = ring_chunks(ring.layout, W, owner, N);
         for (size_t qi = 0; qi < sh.chunks.size(); ++qi) {
@@ -822,34 +956,32 @@ void backward(Communicator& comm, const Shard& sh, const Inputs& in, const Tenso
                           dsinks);
           }
         }
-      } catch (const std::exception& e) {
-        failed = std::current_exception();
-        mine.rank_plus_1 = r + 1;
-        std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
-      }
-    }
-    // The block's sums: zero at its owner (step 0), else those that arrived from rank - 1; plus
-    // this rank's part; then on to rank + 1 (the last hop brings them back to their owner).
-    if (s == 0) {
-      std::fill(sums.bytes.begin(), sums.bytes.end(), std::byte{0});
-    } else {
-      finish(comm, gx, ring.timeout_seconds, "ring_attention_backward",
-             "the gradients of the block of rank " + str(int64_t{owner}), s, ring.stats);
-    }
-    if (failed && sums.failure()->rank_plus_1 == 0) *sums.failure() = mine;
-    sums.add(dk_local, dv_local);
-    if (W > 1) {
-      gx = post(comm, sums.bytes.data(), incoming.bytes.data(), sums.bytes.size(), kTagGradients, ring.stats);
-      std::swap(sums, incoming);  // sums: the buffer receiving the next block's
-    }
-    if (s + 1 < W) {
-      finish(comm, x, ring.timeout_seconds, "ring_attention_backward",
-             "the block of rank " + str(int64_t{(r + W - s - 1) % W}), s + 1, ring.stats);
-      std::swap(cur, next);
-    }
-  }
+      },
+      [&](int s, int owner, const std::exception_ptr& failed) {
+        if (failed && mine.rank_plus_1 == 0) {
+          mine.rank_plus_1 = r + 1;
+          std::snprintf(mine.message, sizeof mine.message, "%s", message_of(failed).c_str());
+        }
+        // The block's sums: zero at its owner (step 0), else those that arrived from rank - 1;
+        // plus this rank's part; then on to rank + 1 (the last hop brings them back to their
+        // owner).
+        if (s == 0) {
+          std::memset(sums.bytes, 0, sums.size);
+        } else {
+          finish(comm, tr, gx, "ring_attention_backward", "the gradients of the block of rank " + str(int64_t{owner}), s,
+                 ring.stats);
+        }
+        if (failed && sums.failure()->rank_plus_1 == 0) *sums.failure() = mine;
+        sums.add(dk_local, dv_local);
+        std::fill(dk_local.begin(), dk_local.end(), T(0));  // zero for the next step's block
+        std::fill(dv_local.begin(), dv_local.end(), T(0));
+        if (W > 1) {
+          gx = post(comm, tr, sums.bytes, incoming.bytes, sums.size, kTagGradients, ring.stats);
+          std::swap(sums, incoming);  // sums: the buffer receiving the next block's
+        }
+      });
   // The last hop: this rank's own block's sums, from rank - 1.
-  finish(comm, gx, ring.timeout_seconds, "ring_attention_backward", "the gradients of its own block", W, ring.stats);
+  finish(comm, tr, gx, "ring_attention_backward", "the gradients of its own block", W, ring.stats);
   if (failed) std::rethrow_exception(failed);
   if (const Failure* f = sums.failure(); f->rank_plus_1 != 0) {
     fail("ring_attention_backward: rank " + str(int64_t{f->rank_plus_1 - 1}) +

@@ -15,6 +15,21 @@
 //                                     made before the rank stops): sdpa::ring_attention throws
 //                                     on the others within RingOptions::timeout_seconds + slack,
 //                                     naming the all-gather, with nothing written
+//   ring_mpi_test --stopped=step      (3+ ranks) rank W - 1 stops in the middle of the forward's
+//                                     ring, at its send of step 1: rank 0 throws within the
+//                                     timeout + slack, naming the block, the step and rank
+//                                     W - 1; each other rank finishes or throws "no message"
+//                                     within W timeouts + slack; whoever throws writes nothing
+//   ring_mpi_test --stopped=backward  rank W - 1 stops in the backward at its last send (the
+//                                     gradients' last hop, to rank 0): rank 0 throws within the
+//                                     timeout + slack naming its own block's gradients and
+//                                     writes nothing; each other rank finishes or throws "no
+//                                     message" as above (rank W - 2's last send to the stopped
+//                                     rank may never complete: MPI moves it only while both
+//                                     ranks call MPI)
+// In step and backward runs every rank's calls go through a Tracked communicator (below): a rank
+// that threw has no request left open and freed no buffer that a request not waited to
+// completion may still touch (ring.h; ring_local.h's watch of the frees).
 // A stopped run leaves MPI undefined (sdpa/mpi.h), so it is a run of its own: the ranks that
 // saw the Error agree on a verdict over a communicator of their own, and rank 0 ends the job
 // with MPI_Abort(verdict) (errorcode 0 is mpirun's exit status 0), as a program should.
@@ -25,6 +40,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -419,11 +435,98 @@ TEST(MpiRing, AShapeMismatchOnOneRankIsTheSameErrorOnEveryRank) {
   EXPECT_EQ(std::string(first.data()), what.substr(0, first.size() - 1));
 }
 
-// --stopped=dup and --stopped=ring: see the top of the file.
+// A Communicator over another that keeps account of its requests (ring.h's rule: each waited;
+// the buffers of one not waited to completion never freed, watched as ring_local.h watches
+// them), and that can stop its rank: at its send number stop_at (from 0) it hangs (sleeps), as
+// a process that stopped.
+class Tracked : public sdpa::Communicator {
+ public:
+  Tracked(sdpa::Communicator& inner, int64_t stop_at) : inner_(inner), stop_at_(stop_at) {}
+  ~Tracked() override { sdpa_test::forget_buffers(this); }
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (sends_++ == stop_at_) std::this_thread::sleep_for(std::chrono::seconds(60));  // MPI_Abort ends it
+    return track(inner_.isend(data, bytes, to, tag), {{const_cast<void*>(data), bytes}});
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override {
+    return track(inner_.irecv(data, bytes, from, tag), {{data, bytes}});
+  }
+  Request iallgather(const void* in, void* out, size_t bytes) override {
+    return track(inner_.iallgather(in, out, bytes),
+                 {{const_cast<void*>(in), bytes}, {out, bytes * static_cast<size_t>(size())}});
+  }
+  bool wait(Request request, double seconds) override {
+    const std::vector<int64_t> watches = open_.at(request);
+    open_.erase(request);  // waited: completed, abandoned or failed
+    if (!inner_.wait(request, seconds)) return false;  // (an exception: the same) its buffers stay watched
+    for (int64_t w : watches) sdpa_test::unwatch_buffer(w);
+    return true;
+  }
+  int64_t open_requests() const { return static_cast<int64_t>(open_.size()); }
+  int64_t freed_while_unfinished() const { return sdpa_test::watched_frees(this, rank()); }
+
+ private:
+  Request track(Request id, std::vector<std::pair<void*, size_t>> buffers) {
+    std::vector<int64_t>& w = open_[id];
+    for (const auto& [data, bytes] : buffers) w.push_back(sdpa_test::watch_buffer(this, rank(), data, bytes));
+    return id;
+  }
+  sdpa::Communicator& inner_;
+  int64_t stop_at_, sends_ = 0;
+  std::map<Request, std::vector<int64_t>> open_;
+};
+
+// --stopped=step and --stopped=backward on rank r (not the stopped one, which hangs in its
+// call): whether its outcome is the one the top of the file describes; what happened, in words.
+bool stopped_in_ring(const std::string& mode, int r, int w, double timeout, double slack, std::string& what) {
+  const int stopped = w - 1;
+  const RingCase c = {RingLayout::kContiguous, sdpa::Causal::kNone, DType::kFloat32, 4};
+  sdpa::mpi::Communicator mpi(MPI_COMM_WORLD);
+  Shard s = make_shard(c, w, r);
+  GuardedTensor dq(c.dtype, s.q.shape()), dk(c.dtype, s.k.shape()), dv(c.dtype, s.v.shape());
+  const bool backward = mode == "backward";
+  if (backward) sdpa::ring_attention(mpi, s.inputs(), s.outputs(), {}, {c.layout, kWait});  // every rank
+  // The stopped rank's sends: forward, one per step; backward, (block, gradients) per step and
+  // the last step's gradients alone.
+  Tracked comm(mpi, r != stopped ? -1 : backward ? 2 * w - 2 : 1);
+  const auto t0 = Clock::now();
+  bool threw = false;
+  try {
+    if (backward) {
+      sdpa::ring_attention_backward(comm, s.inputs(), s.out.view(), s.lse.view(), s.out.view(),
+                                    {dq.view(), dk.view(), dv.view()}, {}, {c.layout, timeout});
+    } else {
+      sdpa::ring_attention(comm, s.inputs(), s.outputs(), {}, {c.layout, timeout});
+    }
+    what = "no Error";
+  } catch (const Error& e) {
+    threw = true;
+    what = e.what();
+  }
+  const double took = seconds_since(t0);
+  what += " (after " + std::to_string(took) + " s; " + std::to_string(comm.open_requests()) + " requests open, " +
+          std::to_string(comm.freed_while_unfinished()) + " buffers freed under unfinished ones)";
+  const bool settled = comm.open_requests() == 0 && comm.freed_while_unfinished() == 0;
+  const bool untouched = backward ? dq.untouched() && dk.untouched() && dv.untouched() : s.out.untouched() && s.lse.untouched();
+  if (!threw) return r != 0 && !untouched && settled;
+  if (!settled || !untouched || what.find("no message") == std::string::npos) return false;
+  if (r != 0) return took < w * timeout + slack;
+  const std::string expected =  // timeout = 1 s
+      backward ? "waited 1 s for the gradients of its own block at step " + std::to_string(w) + " from rank " +
+                     std::to_string(stopped)
+               : "waited 1 s for the block of rank " + std::to_string(w - 2) + " at step 2 from rank " +
+                     std::to_string(stopped);
+  return took >= timeout && took < timeout + slack && what.find(expected) != std::string::npos;
+}
+
+int verdict(const std::string& mode, int r, int w, int ok, const std::string& what, MPI_Comm others);
+
+// --stopped=dup, ring, step and backward: see the top of the file.
 int stopped_run(const std::string& mode) {
   const int r = world_rank(), w = world_size();
-  if (w < 2) {
-    if (r == 0) std::printf("stopped-rank test needs 2+ ranks\n");
+  if (w < (mode == "step" ? 3 : 2)) {
+    if (r == 0) std::printf("stopped-rank test --stopped=%s needs %d+ ranks\n", mode.c_str(), mode == "step" ? 3 : 2);
     return 1;
   }
   const int stopped = w - 1;
@@ -433,6 +536,22 @@ int stopped_run(const std::string& mode) {
   std::unique_ptr<sdpa::mpi::Communicator> comm;
   if (mode == "ring") comm = std::make_unique<sdpa::mpi::Communicator>(MPI_COMM_WORLD);
   const double timeout = 1.0, slack = 2.0;
+  if (mode == "step" || mode == "backward") {
+    std::string what;
+    int ok = 0;
+    try {
+      ok = stopped_in_ring(mode, r, w, timeout, slack, what);  // the stopped rank never returns
+    } catch (const std::exception& e) {
+      what = std::string("unexpected: ") + e.what();
+    }
+    if (r == stopped) {  // only if it did not stop where it should
+      std::printf("rank %d (the stopped one) returned: %s\n", r, what.c_str());
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 1;
+    }
+    return verdict(mode, r, w, ok, what, others);
+  }
   if (r == stopped) {
     std::this_thread::sleep_for(std::chrono::seconds(60));  // MPI_Abort ends it sooner
     return 1;
@@ -462,6 +581,12 @@ int stopped_run(const std::string& mode) {
          (!shard || (shard->out.untouched() && shard->lse.untouched()));
     what += " (after " + std::to_string(took) + " s)";
   }
+  return verdict(mode, r, w, ok, what, others);
+}
+
+// Each rank but the stopped one prints its outcome; rank 0 gathers theirs and ends the job.
+int verdict(const std::string& mode, int r, int w, int ok, const std::string& what, MPI_Comm others) {
+  const int stopped = w - 1;
   std::printf("rank %d: %s: %s\n", r, ok ? "ok" : "FAILED", what.c_str());
   std::fflush(stdout);
   int all = 0;
