@@ -291,6 +291,7 @@ FailureRun run_failing(int W, bool backward, const std::function<void(LocalWorld
     }
   });
   f.errors = messages(errors);
+  expect_requests_settled(world);  // nothing left open, no buffer freed under an unfinished request
   return f;
 }
 

@@ -175,7 +175,8 @@ class MPICommunicator(Communicator):
         if _completed(req, seconds):
             return True
         self._abandoned = True
-        if receive:  # the ring's buffer is freed after it throws: no late write into it
+        if receive:  # cancelled so that no late message lands (the ring leaks the buffer of a request not
+            # waited to completion, so a late write would not hit freed memory either)
             try:
                 req.Cancel()
                 _completed(req, min(seconds, _CANCEL_SECONDS))  # a cancelled request must still complete

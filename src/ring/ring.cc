@@ -1117,14 +1117,13 @@ void ring_attention_backward(Communicator& comm, const Inputs& inputs, const Ten
 // ..., o in that order and is complete at rank o after W - 1 steps. Each segment carries the
 // first Failure of the ranks it passed, as the ring's travelling gradients do.
 //
-// Failure safety: the buffers a transport touches live in one AllGatherOwner, which tracks the
-// outstanding requests. A wait that times out or throws leaks the buffers (a transport may still
-// write into them) and throws; any other exception with requests outstanding waits each for at
-// most kUnwindSeconds on unwind and leaks the buffers unless all completed.
+// Failure safety: as the ring's, through the call's Transfers (AllGatherOwner below): every
+// buffer a transport touches is one of its buffers, every request is waited with the call's
+// deadline, and on unwind the outstanding ones are waited briefly and their buffers leaked
+// unless they completed.
 namespace {
 
 constexpr int kTagReduce = 2903;         // a segment of a head's dk, dv sums (kAllGather's backward)
-constexpr double kUnwindSeconds = 0.25;  // the unwind's wait for each outstanding request
 
 // Batch entry b's heads [h0, h0 + count) of a tensor whose leading dims are q's (rank R of q:
 // (B, H, ...), (H, ...) or one head); lse's too (its leading dims are q's).
@@ -1135,69 +1134,40 @@ TensorView heads_of(const TensorView& t, int R, int64_t b, int64_t h0, int64_t c
 }
 std::vector<int64_t> shape_of(const TensorView& t) { return std::vector<int64_t>(t.shape, t.shape + t.rank); }
 
+// kAllGather's transfers: the call's Transfers (its buffers and requests, and their unwind:
+// above) with the stats' bytes and waits counted.
 class AllGatherOwner {
  public:
   struct Buffers {
-    std::vector<std::byte> send[2], gathered[2];  // a head's [k | v] shard, and every rank's (head parity)
-    std::vector<std::byte> segments, incoming;    // backward: the head's W segments, one received
+    std::byte* send[2] = {};      // a head's [k | v] shard (head parity)
+    std::byte* gathered[2] = {};  // every rank's
+    std::byte* segments = nullptr;  // backward: the head's W segments
+    std::byte* incoming = nullptr;  // one received segment
   };
-  AllGatherOwner(Communicator& comm, double seconds, RingStats* stats)
-      : comm_(comm), seconds_(seconds), stats_(stats), buf_(std::make_unique<Buffers>()) {
-    open_.reserve(4);
-  }
-  ~AllGatherOwner() {
-    if (open_.empty() || !buf_) return;
-    for (const Communicator::Request q : open_) {
-      bool done = false;
-      try {
-        done = comm_.wait(q, std::min(seconds_, kUnwindSeconds));
-      } catch (...) {
-      }
-      if (!done) {
-        (void)buf_.release();  // leaked on purpose: the transport may still write into it
-        return;
-      }
-    }
-  }
-  AllGatherOwner(const AllGatherOwner&) = delete;
-  AllGatherOwner& operator=(const AllGatherOwner&) = delete;
+  AllGatherOwner(Communicator& comm, double seconds, RingStats* stats) : comm_(comm), tr_(comm, seconds), stats_(stats) {}
 
-  Buffers& buf() { return *buf_; }
-  // Posts (and tracks) an operation; `sent` bytes count as sent.
-  Communicator::Request allgather(const void* in, void* out, size_t bytes) {
+  Buffers& buf() { return buf_; }
+  std::byte* buffer(size_t bytes) { return tr_.buffer(bytes); }
+  Communicator::Request allgather(const std::byte* in, std::byte* out, size_t bytes) {
     if (stats_) stats_->bytes_sent += static_cast<int64_t>(bytes) * (comm_.size() - 1);  // a ring all-gather's
-    open_.push_back(comm_.iallgather(in, out, bytes));
-    return open_.back();
+    return tr_.iallgather(in, out, bytes);
   }
-  Communicator::Request send(const void* data, size_t bytes, int to, int tag) {
+  Communicator::Request send(const std::byte* data, size_t bytes, int to, int tag) {
     if (stats_) stats_->bytes_sent += static_cast<int64_t>(bytes);
-    open_.push_back(comm_.isend(data, bytes, to, tag));
-    return open_.back();
+    return tr_.isend(data, bytes, to, tag);
   }
-  Communicator::Request recv(void* data, size_t bytes, int from, int tag) {
-    open_.push_back(comm_.irecv(data, bytes, from, tag));
-    return open_.back();
-  }
-  // Waits for a tracked request with the call's deadline; on a timeout or a transport error the
-  // buffers are leaked, the other requests abandoned, and the Error (naming `what`) thrown.
+  Communicator::Request recv(std::byte* data, size_t bytes, int from, int tag) { return tr_.irecv(data, bytes, from, tag); }
+  // Waits with the call's deadline: Error naming `what` when it runs out.
   void await(Communicator::Request q, const std::string& what) {
-    open_.erase(std::find(open_.begin(), open_.end(), q));
     const Timed timed(stats_ ? &stats_->wait_seconds : nullptr);
-    try {
-      wait(comm_, q, seconds_, what);
-    } catch (...) {
-      (void)buf_.release();  // leaked on purpose
-      open_.clear();
-      throw;
-    }
+    tr_.wait(q, what);
   }
 
  private:
   Communicator& comm_;
-  double seconds_;
+  Transfers tr_;
   RingStats* stats_;
-  std::unique_ptr<Buffers> buf_;
-  std::vector<Communicator::Request> open_;
+  Buffers buf_;
 };
 
 // The (batch entry, kv head) heads of a call and their K/V all-gathers through an owner's buffers.
@@ -1222,18 +1192,18 @@ struct KvGather {
     k_bytes = numel(k_shape) * static_cast<size_t>(dtype_size(in.k.dtype));
     each = k_bytes + numel(v_shape) * static_cast<size_t>(dtype_size(in.v.dtype));
     for (int p = 0; p < 2; ++p) {
-      owner.buf().send[p].resize(each);
-      owner.buf().gathered[p].resize(each * static_cast<size_t>(W));
+      owner.buf().send[p] = owner.buffer(each);
+      owner.buf().gathered[p] = owner.buffer(each * static_cast<size_t>(W));
     }
   }
   int64_t b(int64_t i) const { return i / Hkv; }
   int64_t kv_head(int64_t i) const { return i % Hkv; }
   // Head i's shard packed and its all-gather posted.
   void post(int64_t i) {
-    std::vector<std::byte>& s = owner.buf().send[i % 2];
-    pack(heads_of(in.k, R, b(i), kv_head(i), 1), s.data());
-    pack(heads_of(in.v, R, b(i), kv_head(i), 1), s.data() + k_bytes);
-    pending = owner.allgather(s.data(), owner.buf().gathered[i % 2].data(), each);
+    std::byte* s = owner.buf().send[i % 2];
+    pack(heads_of(in.k, R, b(i), kv_head(i), 1), s);
+    pack(heads_of(in.v, R, b(i), kv_head(i), 1), s + k_bytes);
+    pending = owner.allgather(s, owner.buf().gathered[i % 2], each);
   }
   void await(int64_t i) {
     owner.await(pending, std::string(call) + ": rank " + str(int64_t{rank}) + " waited " + str(seconds) +
@@ -1242,10 +1212,10 @@ struct KvGather {
   }
   // Rank o's k, v of head i (once awaited).
   TensorView k(int64_t i, int o) {
-    return contiguous_view(owner.buf().gathered[i % 2].data() + static_cast<size_t>(o) * each, in.k.dtype, R, k_shape.data());
+    return contiguous_view(owner.buf().gathered[i % 2] + static_cast<size_t>(o) * each, in.k.dtype, R, k_shape.data());
   }
   TensorView v(int64_t i, int o) {
-    return contiguous_view(owner.buf().gathered[i % 2].data() + static_cast<size_t>(o) * each + k_bytes, in.v.dtype, R,
+    return contiguous_view(owner.buf().gathered[i % 2] + static_cast<size_t>(o) * each + k_bytes, in.v.dtype, R,
                            v_shape.data());
   }
 };
@@ -1334,9 +1304,9 @@ void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, c
   // The head's segments: W of [dk (N, Dk) | dv (N, Dv) | Failure], rank o's rows in segment o.
   const size_t dk_n = static_cast<size_t>(N * Dk), dv_n = static_cast<size_t>(N * Dv);
   const size_t seg_bytes = (dk_n + dv_n) * sizeof(T) + sizeof(Failure);
-  owner.buf().segments.resize(seg_bytes * static_cast<size_t>(W));
-  owner.buf().incoming.resize(seg_bytes);
-  const auto seg = [&](int j) { return owner.buf().segments.data() + static_cast<size_t>(j) * seg_bytes; };
+  owner.buf().segments = owner.buffer(seg_bytes * static_cast<size_t>(W));
+  owner.buf().incoming = owner.buffer(seg_bytes);
+  const auto seg = [&](int j) { return owner.buf().segments + static_cast<size_t>(j) * seg_bytes; };
   const auto seg_dk = [&](std::byte* s) { return reinterpret_cast<T*>(s); };
   const auto seg_failure = [&](std::byte* s) { return reinterpret_cast<Failure*>(s + (dk_n + dv_n) * sizeof(T)); };
 
@@ -1346,7 +1316,7 @@ void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, c
   for (int64_t i = 0; i < kv.count; ++i) {
     kv.await(i);
     if (i + 1 < kv.count) kv.post(i + 1);
-    std::fill(owner.buf().segments.begin(), owner.buf().segments.end(), std::byte{0});
+    std::fill(owner.buf().segments, owner.buf().segments + seg_bytes * static_cast<size_t>(W), std::byte{0});
     const int64_t b = kv.b(i), h0 = kv.kv_head(i) * G;
     if (!failed) {
       const Timed timed(ring.stats ? &ring.stats->compute_seconds : nullptr);
@@ -1382,7 +1352,7 @@ void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, c
       for (int j = 0; j < W; ++j) *seg_failure(seg(j)) = mine;
     }
     // The reduce-scatter of the head's segments (the next head's gather in flight meanwhile).
-    std::byte* incoming = owner.buf().incoming.data();
+    std::byte* incoming = owner.buf().incoming;
     for (int s = 0; s + 1 < W; ++s) {
       const int to_send = (r + 2 * W - s - 1) % W, to_add = (r + 2 * W - s - 2) % W;
       const Communicator::Request rq = owner.recv(incoming, seg_bytes, (r + W - 1) % W, kTagReduce);
