@@ -190,7 +190,10 @@ def _sinks(s_aux):
 def register(name="sdpa_cpu"):
     """Registers sdpa with transformers under ``name`` (an attention function and a mask
     function) and returns the name, for ``from_pretrained(..., attn_implementation=name)`` or
-    ``from_config(config, attn_implementation=name)``. Registering again replaces them."""
+    ``from_config(config, attn_implementation=name)``. Registering again replaces them.
+    transformers applies its check for PyTorch's function (the model's ``_supports_sdpa``) to
+    every name that contains "sdpa", and Gemma 2 and gpt-oss fail it although sdpa runs them
+    (softcap, sinks): register another name for those, e.g. ``register("exact_cpu")``."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     from transformers import AttentionInterface
