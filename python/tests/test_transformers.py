@@ -3,8 +3,10 @@ own attention ("sdpa", PyTorch's function; "eager" for the models that "sdpa" do
 Gemma 2's softcap, gpt-oss's sinks).
 
 Tolerance (derived, not guessed). Both implementations run the same float32 model; only the
-attention differs. Each is compared with the same model run in float64 (with the reference
-implementation), whose error is ~1e-16 relative and negligible here. Let e_ref be the reference
+attention differs. Each is compared with the same model run in float64 with
+_reference_attention (attention written out on transformers' own bool mask, the float64 twin;
+all-MiniLM-L6-v2's float64 run uses transformers' "sdpa"), whose error is ~1e-16 relative and
+negligible here. Let e_ref be the reference
 implementation's float32 error and e_ours ours, both max |logit - logit64| over the real
 (unpadded) positions. Both attentions are exact-mode float32 kernels whose rounding error is a
 few ulps of their outputs (docs/RELIABILITY.md for sdpa's bound); the float32 matmuls, norms and
