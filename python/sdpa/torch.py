@@ -118,14 +118,14 @@ def _dalibi(q, alibi_slopes, alibi_grad):
 
 @torch.library.register_fake("sdpa::attention")
 def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
-      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact"):
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact", seqlens_k=None):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
 
 
 @torch.library.register_fake("sdpa::attention_backward")
 def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
       softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
-      mask_grad=False, alibi_grad=False, precision="exact"):
+      mask_grad=False, alibi_grad=False, precision="exact", seqlens_k=None):
     dbias = mask.new_empty(mask.shape) if mask_grad else q.new_empty((0,))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks(q, sinks), dbias,
             _dalibi(q, alibi_slopes, alibi_grad))
