@@ -218,7 +218,9 @@ def register(name="sdpa_cpu"):
     ``from_config(config, attn_implementation=name)``. Registering again replaces them.
     transformers applies its check for PyTorch's function (the model's ``_supports_sdpa``) to
     every name that contains "sdpa", and Gemma 2 and gpt-oss fail it although sdpa runs them
-    (softcap, sinks): register another name for those, e.g. ``register("exact_cpu")``."""
+    (softcap, sinks): register another name for those, e.g. ``register("exact_cpu")``. transformers
+    (5.x) has no flag to skip that check for a registered function: it reads the model class's
+    ``_supports_sdpa`` whenever the name contains "sdpa"."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     from transformers import AttentionInterface
