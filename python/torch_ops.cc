@@ -27,7 +27,10 @@
 // when the mask requires grad (a learned bias: T5's, Swin's). Both backward operators end with
 // alibi_grad (default false): true returns the slopes' gradient (Gradients::dalibi_slopes) as
 // their last result (shaped like alibi_slopes, their dtype; (0,) otherwise), which the autograd
-// kernels ask for when the slopes require grad.
+// kernels ask for when the slopes require grad. attention and attention_backward end with
+// seqlens_k? (Inputs::seqlens_k: (B,) int32 or int64, each in [0, Nk]; the keys past a
+// sequence's length are never read, and causal and the window align to that length); the
+// autograd kernel gives the backward the forward's.
 // The arguments mean what they mean in sdpa/attention.h (causal: "none", "bottom_right" or
 // "top_left"; a window bound < 0 is unbounded; seed: a one-element int64 tensor, present when
 // dropout_p > 0 — a tensor, so that torch.compile can trace drawing it). Each kernel checks
@@ -166,11 +169,13 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
                                          double dropout_p, const std::optional<Tensor>& seed, double softcap,
                                          bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
                                          const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask,
-                                         int64_t block_q, int64_t block_k, c10::string_view precision) {
+                                         int64_t block_q, int64_t block_k, c10::string_view precision,
+                                         const std::optional<Tensor>& seqlens_k) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   auto [out, lse] = empty_outputs(q, v);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
+  if (seqlens_k) in.seqlens_k = view(*seqlens_k, "seqlens_k");
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
   const sdpa::Options opt =
       options(causal, scale, window_left, window_right, dropout_p, seed,
@@ -193,7 +198,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cp
     int64_t window_right, double dropout_p, const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
     const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
     const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, bool mask_grad, bool alibi_grad,
-    c10::string_view precision) {
+    c10::string_view precision, const std::optional<Tensor>& seqlens_k) {
   const Tensor dout = unit_last(dout_), q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), out = unit_last(out_);
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options()), dsinks = empty_dsinks(q, sinks);
@@ -203,6 +208,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> attention_backward_cp
   Tensor dalibi = empty_dalibi(q, alibi_slopes, alibi_grad);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
   if (mask) in.mask = view(*mask, "mask");
+  if (seqlens_k) in.seqlens_k = view(*seqlens_k, "seqlens_k");
   sdpa::Gradients grads{view(dq, "dq"), view(dk, "dk"), view(dv, "dv")};
   if (sinks) grads.dsinks = view(dsinks, "dsinks");
   if (mask_grad) grads.dbias = view(dbias, "dbias");
@@ -357,15 +363,17 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
                                const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
                                const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
-                               c10::string_view precision) {
+                               c10::string_view precision, const std::optional<Tensor>& seqlens_k) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                               seqlens_k);
     // Saved through autograd, so that an in-place change of an input or of the returned out
     // makes backward raise instead of using stale data.
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
-                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
+                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor()), block_mask.value_or(Tensor()),
+                            seqlens_k.value_or(Tensor())});
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias, precision);
     ctx->saved_data["block_q"] = block_q;
     ctx->saved_data["block_k"] = block_k;
@@ -385,14 +393,15 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [dq, dk, dv, dsinks, dbias, dalibi] = bwd.call(
         dout, s[0], s[1], s[2], s[3], s[4], optional(s[5]), o.causal, o.scale, o.window_left, o.window_right,
         o.dropout_p, optional(s[6]), o.softcap, o.softcap_after_bias, optional(s[7]), optional(s[8]), optional(s[9]),
-        ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad, alibi_grad, o.precision);
+        ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad, alibi_grad, o.precision,
+        optional(s[10]));
     // One gradient per forward argument: q, k, v, mask, causal .. softcap_after_bias (8),
-    // alibi_slopes, sinks, block_mask, block_q, block_k, precision.
+    // alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k.
     const Tensor none;
     return {dq,   dk,   dv,   mask_grad ? dbias : none,
             none, none, none, none, none, none, none, none,  // causal .. softcap_after_bias
             alibi_grad ? dalibi : none, s[8].defined() ? dsinks : none,
-            none, none, none, none};  // block_mask, block_q, block_k, precision
+            none, none, none, none, none};  // block_mask, block_q, block_k, precision, seqlens_k
   }
 };
 
@@ -412,17 +421,18 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
                                               const std::optional<Tensor>& sinks,
                                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
-                                              c10::string_view precision) {
+                                              c10::string_view precision, const std::optional<Tensor>& seqlens_k) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k);
   }
   const variable_list r =
       AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                               seqlens_k);
   return {r[0], r[1]};
 }
 
@@ -585,11 +595,12 @@ TORCH_LIBRARY(sdpa, m) {
   // flags too, so that older callers' positional arguments keep their meaning.
 #define SDPA_PRECISION ", str precision=\"exact\""
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
-        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
+        "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION
+        ", Tensor? seqlens_k=None) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         SDPA_BLOCKS ", bool mask_grad=False, bool alibi_grad=False" SDPA_PRECISION
-        ") -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        ", Tensor? seqlens_k=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");

@@ -14,9 +14,13 @@ call:
 
 - causal: sdpa's bottom-right causal on the keys the cache holds (a generation step's queries
   are the last rows), cut to the keys the queries can reach (a ``StaticCache`` holds more);
-- padding, right or left (batched ``generate()`` pads left): a bool key-padding mask of shape
-  (batch, 1, 1, Nk), broadcast by sdpa, only when some key is padding. Query rows that are
-  padding themselves and see no key give zeros, as PyTorch 2.15's function does;
+- padding, only when some key is padding: right padding (every row's real keys a prefix, as a
+  tokenizer pads a batch by default) as sdpa's ``seqlens_k`` (the kernels skip the padded keys
+  instead of masking them) where the queries are the keys' own positions (no cache before them)
+  or the layer is bidirectional, and no sliding window; otherwise, and for left padding (batched
+  ``generate()`` pads left), a bool key-padding mask of shape (batch, 1, 1, Nk), broadcast by
+  sdpa. Query rows that are padding themselves and see no key give zeros, as PyTorch 2.15's
+  function does;
 - sliding windows (Mistral, Gemma 2, Qwen2, gpt-oss): sdpa's window, ``window_left =
   sliding_window - 1`` as transformers' mask counts it (bidirectional: ``sliding_window`` on
   both sides);
@@ -53,21 +57,25 @@ class KeyMask:
             reach; the layer reads keys[:, :, :keys] (a view). The queries are the last rows of
             those keys' positions: query i is at position keys - Nq + i (bottom-right).
     valid   None (no padding) or a bool (batch, keys) tensor: True where the key is a real token.
+    lengths None, or when valid is right padding (each row's real keys a prefix) the (batch,)
+            int64 tensor of those prefixes' lengths (valid's row sums).
     causal  whether query i sees only keys at positions <= its own.
     window  None, or transformers' sliding_window: with causal, keys at positions > p - window
             (p the query's); without, keys within window of p on both sides."""
 
-    __slots__ = ("keys", "valid", "causal", "window", "shape")
+    __slots__ = ("keys", "valid", "causal", "window", "shape", "lengths")
     # It reads as 4-D, the (batch, 1, Nq, keys) mask it stands for, so that transformers passes it
     # on as a prepared mask (generate() builds the masks ahead of the forward for a StaticCache).
     ndim = 4
 
-    def __init__(self, keys, valid, causal, window, shape):
+    def __init__(self, keys, valid, causal, window, shape, lengths=None):
         self.keys, self.valid, self.causal, self.window, self.shape = keys, valid, causal, window, shape
+        self.lengths = lengths
 
     def __repr__(self):
         valid = None if self.valid is None else tuple(self.valid.shape)
-        return f"KeyMask(keys={self.keys}, valid={valid}, causal={self.causal}, window={self.window})"
+        return (f"KeyMask(keys={self.keys}, valid={valid}, causal={self.causal}, window={self.window}, "
+                f"right_padded={self.lengths is not None})")
 
     def __len__(self):
         return 4
@@ -127,12 +135,21 @@ def key_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_func
     if not 0 <= keys <= kv_length or (causal and keys < q_length):
         raise ValueError(f"the cache's keys (kv_length={kv_length} from position {kv_offset}) do not hold this call's "
                          f"{q_length} queries at position {q_offset}")
-    valid = None
+    valid = lengths = None
     if attention_mask is not None:
         padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)[:, kv_offset:kv_offset + keys]
         if not bool(padding.all()):
             valid = padding.to(torch.bool)
-    return KeyMask(keys, valid, causal, window, (batch_size, 1, q_length, keys))
+            lengths = _prefix_lengths(valid)
+    return KeyMask(keys, valid, causal, window, (batch_size, 1, q_length, keys), lengths)
+
+
+def _prefix_lengths(valid):
+    """The (batch,) int64 lengths of valid's rows when each row's True entries are a prefix
+    (right padding), else None."""
+    lengths = valid.sum(-1)
+    prefix = torch.arange(valid.shape[-1], device=valid.device) < lengths[:, None]
+    return lengths if bool((prefix == valid).all()) else None
 
 
 def _refuse(what):
@@ -152,10 +169,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 f"pass the 2-D padding mask (batch, positions) instead")
     if attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        window, keys, valid = sliding_window, key.shape[2], None
+        window, keys, valid, lengths = sliding_window, key.shape[2], None, None
     elif isinstance(attention_mask, KeyMask):
-        causal, window, keys, valid = (attention_mask.causal, attention_mask.window, attention_mask.keys,
-                                       attention_mask.valid)
+        causal, window, keys, valid, lengths = (attention_mask.causal, attention_mask.window, attention_mask.keys,
+                                                attention_mask.valid, attention_mask.lengths)
         if sliding_window is not None and window != sliding_window:
             raise ValueError(f"the layer's sliding_window={sliding_window} (config.sliding_window) is not the "
                              f"window of the mask the model built for it ({window})")
@@ -164,7 +181,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                         f"registers) or None, got {type(attention_mask).__name__}")
     if keys != key.shape[2]:
         key, value = key[:, :, :keys], value[:, :, :keys]
-    mask = None if valid is None else valid[:, None, None, :]
+    causal_name = "bottom_right" if causal else "none"
+    seqlens = None
+    # sdpa aligns causal and the window to each sequence's own length: that is the queries'
+    # positions when they are the keys' own (top-left then equals bottom-right over all keys) or
+    # when no causal mask or window looks at positions.
+    if lengths is not None and window is None and (not causal or query.shape[2] == keys):
+        mask, seqlens, causal_name = None, lengths, "top_left" if causal else "none"
+    else:
+        mask = None if valid is None else valid[:, None, None, :]
     if window is None:
         left, right = -1, -1
     else:
@@ -176,8 +201,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     mods = ()
     if softcap is not None or s_aux is not None:
         mods = (float(softcap or 0.0), False, None, None if s_aux is None else _sinks(s_aux))
-    out, _ = _attention(query, key, value, mask, "bottom_right" if causal else "none", scaling, left, right, dropout,
-                        seed, *mods)
+    extra = {"seqlens_k": seqlens} if seqlens is not None else {}
+    out, _ = _attention(query, key, value, mask, causal_name, scaling, left, right, dropout, seed, *mods, **extra)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -193,7 +218,9 @@ def register(name="sdpa_cpu"):
     ``from_config(config, attn_implementation=name)``. Registering again replaces them.
     transformers applies its check for PyTorch's function (the model's ``_supports_sdpa``) to
     every name that contains "sdpa", and Gemma 2 and gpt-oss fail it although sdpa runs them
-    (softcap, sinks): register another name for those, e.g. ``register("exact_cpu")``."""
+    (softcap, sinks): register another name for those, e.g. ``register("exact_cpu")``. transformers
+    (5.x) has no flag to skip that check for a registered function: it reads the model class's
+    ``_supports_sdpa`` whenever the name contains "sdpa"."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     from transformers import AttentionInterface

@@ -571,6 +571,64 @@ def _op_samples():
     ]
 
 
+def _seqlens_samples():
+    """(operator, args) of attention and attention_backward with seqlens_k (their last argument)."""
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64, requires_grad=True)
+               for s in ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6)))
+    lengths = torch.tensor([7, 3])
+    defaults = (0.0, False, None, None, None, 128, 128, "exact")  # softcap .. precision
+    out, lse = torch.ops.sdpa.attention(q, k, v, None, "top_left", None, -1, -1, 0.0, None, *defaults, lengths)
+    return [
+        (torch.ops.sdpa.attention.default, (q, k, v, None, "top_left", None, -1, -1, 0.0, None, *defaults, lengths)),
+        (torch.ops.sdpa.attention_backward.default,
+         (torch.randn(out.shape, dtype=out.dtype), q.detach(), k.detach(), v.detach(), out.detach(), lse, None,
+          "top_left", None, -1, -1, 0.0, None, *defaults[:-1], False, False, "exact", lengths)),
+    ]
+
+
+@pytest.mark.parametrize("sample", range(2))
+def test_seqlens_operators_pass_opcheck(sample):
+    op, args = _seqlens_samples()[sample]
+    torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+def test_operator_seqlens_k_is_sdpas(causal):
+    """attention's seqlens_k is sdpa.attention's, forward and backward (its autograd kernel
+    passes the lengths on): the same bits as the NumPy front door, keys past a length never read
+    (NaN there changes nothing) and given zero gradients."""
+    import sdpa
+    g = torch.Generator().manual_seed(32)
+    q, k, v = (torch.randn(s, generator=g) for s in ((3, 4, 6, 8), (3, 2, 9, 8), (3, 2, 9, 5)))
+    lengths = torch.tensor([9, 4, 0], dtype=torch.int32)
+    for b, n in enumerate(lengths.tolist()):
+        k[b, :, n:], v[b, :, n:] = float("nan"), float("nan")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = torch.ops.sdpa.attention(q, k, v, None, causal, None, -1, -1, 0.0, None, seqlens_k=lengths)
+    dout = torch.randn(out.shape, generator=g)
+    out.backward(dout)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    causal_arg = {"none": False, "top_left": "top_left", "bottom_right": "bottom_right"}[causal]
+    want, want_lse = sdpa.attention(*arrays, causal=causal_arg, seqlens_k=lengths.numpy(), return_lse=True)
+    grads = sdpa.attention_backward(dout.numpy(), *arrays, want, want_lse, causal=causal_arg,
+                                    seqlens_k=lengths.numpy())
+    np.testing.assert_array_equal(out.detach().numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    for t, w in zip((q, k, v), grads):
+        np.testing.assert_array_equal(t.grad.numpy(), w)
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    assert (out[2] == 0).all() and (k.grad[1, :, 4:] == 0).all() and (v.grad[2] == 0).all()
+
+
+def test_operator_seqlens_k_errors_name_it():
+    q = torch.randn(2, 2, 3, 4)
+    with pytest.raises(ValueError, match="seqlens_k"):
+        torch.ops.sdpa.attention(q, q, q, None, "none", None, -1, -1, 0.0, None, seqlens_k=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="seqlens_k"):
+        torch.ops.sdpa.attention(q, q, q, None, "none", None, -1, -1, 0.0, None, seqlens_k=torch.tensor([1, 4]))
+
+
 @pytest.mark.parametrize("sample", range(7))
 def test_operators_pass_opcheck(sample):
     # torch's own checks of a custom operator: its schema, its autograd registration, its fake

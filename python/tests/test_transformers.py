@@ -183,6 +183,49 @@ def test_logits_match(kind, side):
     _check(*_errors(ours, ref, ref64, mask.bool(), input_ids=ids, attention_mask=mask))
 
 
+@pytest.mark.parametrize("kind,side,path", [("bert", "right", "seqlens"), ("llama", "right", "seqlens"),
+                                             ("llama", "left", "mask"), ("mistral", "right", "mask"),
+                                             ("llama", "none", "neither")])
+def test_padding_path(kind, side, path, monkeypatch):
+    """Right padding reaches sdpa as seqlens_k (no mask; causal top-left, the queries being the
+    keys' own positions), left padding and sliding windows as the bool key-padding mask, no
+    padding as neither; the logits match either way (test_logits_match)."""
+    ours, _, _ = _models(kind)
+    calls, attention = [], st._attention
+
+    def recording(*args, **kwargs):
+        calls.append((args[3], kwargs.get("seqlens_k"), args[4]))  # mask, seqlens_k, causal
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(st, "_attention", recording)
+    ids, mask = _batch("right" if side == "none" else side, (9, 9) if side == "none" else (9, 5, 1))
+    with torch.no_grad():
+        _output(ours, input_ids=ids, attention_mask=mask)
+    assert len(calls) == 2  # one per layer
+    for m, seqlens, causal in calls:
+        if path == "seqlens":
+            assert m is None and seqlens.tolist() == [9, 5, 1]
+            assert causal == ("none" if kind == "bert" else "top_left")
+        else:
+            assert seqlens is None and (m is None) == (path == "neither")
+
+
+@pytest.mark.parametrize("causal,window,nq", [(True, None, 2), (True, None, 6), (False, None, 2), (True, 3, 6)])
+def test_right_padding_alignment(causal, window, nq):
+    """A right-padded KeyMask gives the bool mask's result: the lengths where sdpa's alignment
+    to each sequence's length is the queries' (the queries at the keys' own positions, or no
+    causal mask), the mask where it is not (queries after a cache; a sliding window)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=g) for s in ((2, 2, nq, 8), (2, 2, 6, 8), (2, 2, 6, 8)))
+    valid = torch.arange(6) < torch.tensor([[6], [3]])
+    as_mask = st.KeyMask(6, valid, causal, window, (2, 1, nq, 6))
+    as_lengths = st.KeyMask(6, valid, causal, window, (2, 1, nq, 6), st._prefix_lengths(valid))
+    assert as_lengths.lengths.tolist() == [6, 3] and st._prefix_lengths(valid.flip(-1)) is None
+    want, got = (st.attention_forward(None, q, k, v, m)[0] for m in (as_mask, as_lengths))
+    # (the same keys weighed, masked or skipped, in tiles that may split them differently: a few ulps)
+    torch.testing.assert_close(got, want, rtol=4 * EPS32, atol=4 * EPS32)
+
+
 def _greedy(model, ids, mask, steps, **kw):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                          do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kw)
