@@ -130,37 +130,6 @@ class StoppingComm : public sdpa::Communicator {
   int rank_, after_, gathers_ = 0;
 };
 
-class FaultyWait : public sdpa::Communicator {
- public:
-  FaultyWait(sdpa::Communicator& inner, bool backward) : inner_(inner), backward_(backward) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  Request isend(const void* d, size_t n, int to, int tag) override { return inner_.isend(d, n, to, tag); }
-  Request irecv(void* d, size_t n, int from, int tag) override {
-    const Request id = inner_.irecv(d, n, from, tag);
-    if (backward_ && recvs_++ == 0) faulty_ = id;
-    return id;
-  }
-  Request iallgather(const void* in, void* out, size_t n) override {
-    const Request id = inner_.iallgather(in, out, n);
-    if (!backward_ && gathers_++ == 1) faulty_ = id;
-    return id;
-  }
-  bool wait(Request request, double seconds) override {
-    if (request == faulty_) {
-      inner_.wait(request, 0.0);  // the request ends (unfinished, unless its data had come)
-      throw sdpa::Error("FaultyWait: wait failed");
-    }
-    return inner_.wait(request, seconds);
-  }
-
- private:
-  sdpa::Communicator& inner_;
-  bool backward_;
-  int recvs_ = 0, gathers_ = 0;
-  Request faulty_ = -1;
-};
-
 struct FailureRun {
   std::vector<RankData> ranks;
   std::vector<Grads> grads;
@@ -171,11 +140,11 @@ struct FailureRun {
 // W ranks of a small float32 GQA problem (B 2, Hq 4, Hkv 2: 4 heads to gather), kAllGather,
 // deadline 0.5 s, rank `stopper`'s all-gathers stopped after `stop_gathers_after` (>= 0) of the
 // call's (the collective check's is its first); `edit` changes rank r's call; rank `faulty`
-// (>= 0) calls through a FaultyWait. backward: the forward first (every rank, succeeding), then
+// (>= 0) calls through a FaultyTransport with `faults`. backward: the forward first (every rank, succeeding), then
 // ring_attention_backward (dout = out) under the stops.
 FailureRun run_failing(int W, bool backward, const std::function<void(LocalWorld&)>& setup, int stop_gathers_after,
                        const std::function<void(int, Options&, sdpa::RingOptions&)>& edit, int stopper = 1,
-                       int faulty = -1) {
+                       int faulty = -1, FaultyTransport::Faults faults = {}) {
   const int64_t n_local = 6, N = W * n_local;
   const Tensors t = random_qkv(kF32, {2, 4, N, 4}, {2, 2, N, 4}, {2, 2, N, 4}, 3);
   FailureRun f{shards(t, W, kCont, kF32), {}, {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
@@ -186,8 +155,8 @@ FailureRun run_failing(int W, bool backward, const std::function<void(LocalWorld
   setup(world);
   const auto errors = world.run([&](int r, sdpa::Communicator& local) {
     StoppingComm stopping(world, r, r == stopper ? stop_gathers_after : -1);
-    FaultyWait faulty_wait(stopping, backward);
-    sdpa::Communicator& comm = r == faulty ? static_cast<sdpa::Communicator&>(faulty_wait) : stopping;
+    FaultyTransport failing(stopping, faults);
+    sdpa::Communicator& comm = r == faulty ? static_cast<sdpa::Communicator&>(failing) : stopping;
     RankData& d = f.ranks[static_cast<size_t>(r)];
     Options o;
     o.causal = Causal::kTopLeft;
@@ -275,9 +244,10 @@ TEST_F(Ring, AllGatherStoppedRankTimesOut) {
         "ring_attention_backward: rank 0 waited 0.5 s for the all-gather of the K/V of batch entry 0, kv head 0");
 }
 
-// A transport that fails on rank 1: its wait of the K/V all-gather of the first head (the call's
-// second all-gather: the first is the collective check's) throws an sdpa::Error, the request
-// ended unfinished first (as a transport's failed one); or, in the backward, its wait of the
+// A transport that fails on rank 1 (ring_util.h's FaultyTransport): its wait of the K/V
+// all-gather of the first head (the call's second all-gather: the first is the collective
+// check's) throws an sdpa::Error, the request ended unfinished first (as a transport's failed
+// one); or, in the backward, its wait of the
 // first dk, dv segment it receives, with that step's send and the next head's all-gather
 // outstanding. The call throws that Error and unwinds through its Transfers: the outstanding
 // requests waited briefly, the buffers of those that did not finish leaked (ring.h), so no
@@ -290,8 +260,9 @@ TEST_F(Ring, AllGatherTransportErrorUnwinds) {
     SCOPED_TRACE(backward ? "backward" : "forward");
     // (run_failing checks every rank's requests settled)
     const FailureRun f = run_failing(W, backward, [](LocalWorld&) {}, backward ? -1 : 1,
-                                     [](int, Options&, sdpa::RingOptions&) {}, 0, 1);
-    EXPECT_EQ(f.errors[1], "FaultyWait: wait failed");
+                                     [](int, Options&, sdpa::RingOptions&) {}, 0, 1,
+                                     backward ? FaultyTransport::Faults{-1, 0, -1} : FaultyTransport::Faults{-1, -1, 1});
+    EXPECT_EQ(f.errors[1], "FaultyTransport: wait failed");
     for (int r : {0, 2}) {
       const std::string& e = f.errors[static_cast<size_t>(r)];
       EXPECT_NE(e.find("no message (a peer died, stopped or is slower than timeout_seconds)"), std::string::npos)

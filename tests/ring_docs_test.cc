@@ -257,18 +257,21 @@ bool supported(const DocCase& c, RingStrategy strategy) {
   return strategy == RingStrategy::kRing || (c.dropout == 0 && c.bq == 0);  // kAllGather refuses those
 }
 
-TEST_F(Ring, DocumentsForwardMatchVarlen) {
+// Every case the strategy takes, in each dtype, for both strategies.
+void for_each_case(void (*check)(const DocCase&, DType, RingStrategy)) {
   for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
     for (const DocCase& c : kDocCases) {
       if (!supported(c, strategy)) continue;
       for (DType dt : {kF32, kF64, kBF16}) {
         SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt) +
                      (strategy == RingStrategy::kRing ? " kRing" : " kAllGather"));
-        check_docs_forward(c, dt, strategy);
+        check(c, dt, strategy);
       }
     }
   }
 }
+
+TEST_F(Ring, DocumentsForwardMatchVarlen) { for_each_case(check_docs_forward); }
 
 // ---- Backward ----
 
@@ -395,18 +398,7 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
   }
 }
 
-TEST_F(Ring, DocumentsBackwardMatchVarlen) {
-  for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
-    for (const DocCase& c : kDocCases) {
-      if (!supported(c, strategy)) continue;
-      for (DType dt : {kF32, kF64, kBF16}) {
-        SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt) +
-                     (strategy == RingStrategy::kRing ? " kRing" : " kAllGather"));
-        check_docs_backward(c, dt, strategy);
-      }
-    }
-  }
-}
+TEST_F(Ring, DocumentsBackwardMatchVarlen) { for_each_case(check_docs_backward); }
 
 // A different cu_seqlens on one rank is the same Error on every rank (the values are compared,
 // as a hash, before any block moves); offsets that do not cover the sequence, and documents with

@@ -478,40 +478,11 @@ class InjectFailure : public sdpa::Communicator {
   int gradients_ = 0;
 };
 
-// A transport that fails on rank 1 (sdpa::Error from its second isend, just after the step's
-// irecv was posted; or from the wait of its second receive, with the step's send outstanding):
-// the ring throws that Error, and the requests it left behind are settled all the same (the
-// irecv / the send waited by the unwinding call, or their buffers leaked).
-class FaultyTransport : public sdpa::Communicator {
- public:
-  FaultyTransport(sdpa::Communicator& inner, bool in_wait) : inner_(inner), in_wait_(in_wait) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  Request isend(const void* data, size_t bytes, int to, int tag) override {
-    if (!in_wait_ && sends_++ == 1) throw sdpa::Error("FaultyTransport: isend refused");
-    return inner_.isend(data, bytes, to, tag);
-  }
-  Request irecv(void* data, size_t bytes, int from, int tag) override {
-    const Request id = inner_.irecv(data, bytes, from, tag);
-    if (recvs_++ == 1) faulty_ = id;
-    return id;
-  }
-  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
-  bool wait(Request request, double seconds) override {
-    if (in_wait_ && request == faulty_) {
-      inner_.wait(request, 0.0);  // the request ends (abandoned), as a transport's failed one would
-      throw sdpa::Error("FaultyTransport: wait failed");
-    }
-    return inner_.wait(request, seconds);
-  }
-
- private:
-  sdpa::Communicator& inner_;
-  bool in_wait_;
-  int sends_ = 0, recvs_ = 0;
-  Request faulty_ = -1;
-};
-
+// Rank 1's transport fails (ring_util.h's FaultyTransport: an sdpa::Error from its second isend,
+// just after the step's irecv was posted; or from the wait of its second receive, with the
+// step's send outstanding): the ring throws that Error, and the requests it left behind are
+// settled all the same (the irecv / the send waited by the unwinding call, or their buffers
+// leaked).
 TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
   for (const bool in_wait : {false, true}) {
     SCOPED_TRACE(in_wait ? "wait" : "isend");
@@ -521,7 +492,7 @@ TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
     LocalWorld world(W, Delivery::kEager);
     const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
       RankData& d = ranks[static_cast<size_t>(r)];
-      FaultyTransport faulty(comm, in_wait);
+      FaultyTransport faulty(comm, in_wait ? FaultyTransport::Faults{-1, 1, -1} : FaultyTransport::Faults{1, -1, -1});
       sdpa::Outputs out;
       out.out = d.out.view();
       sdpa::ring_attention(r == 1 ? faulty : comm, {d.q.view(), d.k.view(), d.v.view()}, out, {}, {kCont, 0.5});

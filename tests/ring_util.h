@@ -275,6 +275,47 @@ inline std::vector<RankGrads> run_backward(const std::vector<RankData>& ranks, c
   return rg;
 }
 
+// A transport that fails: sdpa::Error "FaultyTransport: isend refused" from its isend number
+// `send` (from 0), or "FaultyTransport: wait failed" from the wait of its irecv number `recv` or
+// its iallgather number `gather`, that request ended first (by a wait of 0 s: unfinished unless
+// its data had come), as a transport's failed one; -1: never.
+class FaultyTransport : public sdpa::Communicator {
+ public:
+  struct Faults {
+    int send = -1, recv = -1, gather = -1;
+  };
+  FaultyTransport(sdpa::Communicator& inner, Faults faults) : inner_(inner), faults_(faults) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Request isend(const void* data, size_t bytes, int to, int tag) override {
+    if (sends_++ == faults_.send) throw sdpa::Error("FaultyTransport: isend refused");
+    return inner_.isend(data, bytes, to, tag);
+  }
+  Request irecv(void* data, size_t bytes, int from, int tag) override {
+    const Request id = inner_.irecv(data, bytes, from, tag);
+    if (recvs_++ == faults_.recv) faulty_ = id;
+    return id;
+  }
+  Request iallgather(const void* in, void* out, size_t bytes) override {
+    const Request id = inner_.iallgather(in, out, bytes);
+    if (gathers_++ == faults_.gather) faulty_ = id;
+    return id;
+  }
+  bool wait(Request request, double seconds) override {
+    if (request == faulty_) {
+      inner_.wait(request, 0.0);
+      throw sdpa::Error("FaultyTransport: wait failed");
+    }
+    return inner_.wait(request, seconds);
+  }
+
+ private:
+  sdpa::Communicator& inner_;
+  Faults faults_;
+  int sends_ = 0, recvs_ = 0, gathers_ = 0;
+  Request faulty_ = -1;
+};
+
 // Each rank's exception message ("" when it returned).
 inline std::vector<std::string> messages(const std::vector<std::exception_ptr>& errors) {
   std::vector<std::string> m;

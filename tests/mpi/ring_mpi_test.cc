@@ -52,6 +52,7 @@
 #include <vector>
 
 #include "ring_local.h"
+#include "ring_util.h"
 #include "sdpa/mpi.h"
 #include "sdpa/ring.h"
 #include "test_util.h"
@@ -260,20 +261,6 @@ TEST(MpiCommunicator, RejectsBadArguments) {
 
 // ---- Ring attention over MPI ----------------------------------------------------------------
 
-// The rows of t (B, H, N, D) at `chunks`' positions, in order: a rank's shard.
-GuardedTensor shard_of(const GuardedTensor& t, const std::vector<sdpa::RingChunk>& chunks) {
-  std::vector<int64_t> shape = t.shape();
-  const int64_t N = shape[2], D = shape[3], outer = shape[0] * shape[1];
-  const std::vector<double> all = t.values();
-  std::vector<double> part;
-  for (int64_t o = 0; o < outer; ++o)
-    for (const sdpa::RingChunk& c : chunks)
-      part.insert(part.end(), all.begin() + (o * N + c.start) * D, all.begin() + (o * N + c.start + c.length) * D);
-  shape[2] = 0;
-  for (const sdpa::RingChunk& c : chunks) shape[2] += c.length;
-  return sdpa_test::tensor(t.dtype(), shape, part);
-}
-
 struct Shard {
   GuardedTensor q, k, v, out, lse;
   sdpa::Inputs inputs() const { return {q.view(), k.view(), v.view()}; }
@@ -298,7 +285,7 @@ Shard make_shard(const RingCase& c, int world, int rank, int64_t dk_change = 0) 
   const int64_t N = world * c.n_local;
   const sdpa_test::Tensors t = sdpa_test::random_qkv(c.dtype, {1, 4, N, 8}, {1, 2, N, 8}, {1, 2, N, 12}, 29);
   const auto chunks = sdpa::ring_chunks(c.layout, world, rank, c.n_local);
-  Shard s{shard_of(t.q, chunks), shard_of(t.k, chunks), shard_of(t.v, chunks),
+  Shard s{sdpa_test::cut(t.q, 2, chunks), sdpa_test::cut(t.k, 2, chunks), sdpa_test::cut(t.v, 2, chunks),
           GuardedTensor(c.dtype, {1, 4, c.n_local, 12}),
           GuardedTensor(sdpa_test::compute_dtype(c.dtype), {1, 4, c.n_local})};
   if (dk_change) {  // a wrong Dk on this rank: q and k (1, H, n, 8 + dk_change)
@@ -404,7 +391,7 @@ TEST(MpiRing, BackwardGivesTheInProcessRingsBits) {
     std::vector<Grads> local_grads;
     for (int i = 0; i < W; ++i) {
       local.push_back(make_shard(c, W, i));
-      douts.push_back(shard_of(whole_dout.q, sdpa::ring_chunks(c.layout, W, i, c.n_local)));
+      douts.push_back(sdpa_test::cut(whole_dout.q, 2, sdpa::ring_chunks(c.layout, W, i, c.n_local)));
       local_grads.push_back(grads(local.back()));
     }
     sdpa_test::LocalWorld world(W);
