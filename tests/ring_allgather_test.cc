@@ -1,11 +1,12 @@
-// RingStrategy::kAllGather (sdpa/ring.h) on the in-process communicator of ring_local.h: world
-// sizes 1-4, both layouts, GQA and MQA, against kReference on the whole sequence under the
-// tolerance rule plus the merges' and sums' bounds ring_test derives, and against kRing on the
-// same inputs (the same pairs and merge order: out and lse bit for bit; the gradients within
-// twice the bound, as dk, dv sum the same W terms in another order and a call of fewer heads may
-// take another kernel path); repeatable bit for bit; a mismatch, a stopped
-// rank and the refusals as Errors within the deadline, nothing written. Packed documents:
-// ring_docs_test runs both strategies.
+// RingStrategy::kAllGather (sdpa/ring.h) on the in-process communicator of ring_local.h: its
+// cases (world sizes 1-4, both layouts, GQA and MQA) through ring_test.cc's checks (kReference on
+// the whole sequence under the tolerance rule plus the merges' and sums' bounds; out and lse bit
+// for bit the documented order, which is kRing's; the gradients within twice the bound of
+// kRing's; repeatable bit for bit); what only kAllGather has: rank 3 and rank 2 tensors (its
+// per-head slicing) bit for bit the rank 4 call, forward and backward; a mismatch, a stopped rank,
+// a transport Error and the refusals as Errors within the deadline, nothing written, no request
+// left open and no buffer freed under one; its stats. Packed documents: ring_docs_test runs both
+// strategies.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,192 +34,75 @@ using sdpa::RingStrategy;
 constexpr RingLayout kZig = RingLayout::kZigzag, kCont = RingLayout::kContiguous;
 constexpr RingStrategy kAG = RingStrategy::kAllGather, kRingS = RingStrategy::kRing;
 
-struct AgCase {
-  const char* name;
-  int W;
-  RingLayout layout;
-  int64_t B, Hq, Hkv, n_local, Dk, Dv;
-  Causal causal = Causal::kNone;
-  sdpa::Window window = {};
-  bool alibi = false, batch_slopes = false, sinks = false, softcap = false;  // batch_slopes: (B, Hq)
-};
-
-const AgCase kCases[] = {
+// kAllGather's cases (GQA and MQA, the strategy's use; no dropout or block mask: it refuses
+// them), each checked by ring_test.cc's check_forward and check_backward as kRing's cases are.
+const RingCase kCases[] = {
     {"w1_mqa", 1, kZig, 1, 4, 1, 10, 8, 8},
     {"w2_zigzag_causal_gqa", 2, kZig, 1, 8, 2, 12, 16, 8, Causal::kBottomRight},
-    {"w2_contiguous_mqa_batch_slopes", 2, kCont, 2, 4, 1, 9, 8, 12, Causal::kNone, {}, true, true},
-    {"w3_zigzag_window_alibi_sinks", 3, kZig, 1, 4, 2, 14, 8, 8, Causal::kNone, {9, 4}, true, false, true},
-    {"w3_contiguous_causal_softcap_batch", 3, kCont, 2, 4, 2, 11, 8, 6, Causal::kTopLeft, {}, false, false, false, true},
-    {"w4_zigzag_causal_mqa_sinks", 4, kZig, 1, 2, 1, 16, 8, 8, Causal::kTopLeft, {}, true, true, true},
-    {"w4_contiguous_97_window", 4, kCont, 1, 2, 2, 97, 16, 16, Causal::kBottomRight, {40, -1}, true, false, true},
+    {"w2_contiguous_mqa_batch_slopes", 2, kCont, 2, 4, 1, 9, 8, 12, Causal::kNone, {}, true, false, false, 0, 0, 0,
+     false, true},
+    {"w3_zigzag_window_alibi_sinks", 3, kZig, 1, 4, 2, 14, 8, 8, Causal::kNone, {9, 4}, true, true},
+    {"w3_contiguous_causal_softcap_batch", 3, kCont, 2, 4, 2, 11, 8, 6, Causal::kTopLeft, {}, false, false, true},
+    {"w4_zigzag_causal_mqa_sinks", 4, kZig, 1, 2, 1, 16, 8, 8, Causal::kTopLeft, {}, true, true, false, 0, 0, 0, false,
+     true},
+    {"w4_contiguous_97_window", 4, kCont, 1, 2, 2, 97, 16, 16, Causal::kBottomRight, {40, -1}, true, true},
 };
-
-struct AgOptions {
-  GuardedTensor slopes, sinks;
-  Options o;
-  AgOptions(const AgCase& c, uint32_t seed)
-      : slopes(kF64, c.batch_slopes ? std::vector<int64_t>{c.B, c.Hq} : std::vector<int64_t>{c.Hq}), sinks(kF32, {c.Hq}) {
-    std::mt19937 rng(seed);
-    fill_uniform(slopes, rng, 0.01, 0.3);
-    fill_normal(sinks, rng);
-    o.causal = c.causal;
-    o.window = c.window;
-    if (c.alibi) o.alibi_slopes = slopes.view();
-    if (c.sinks) o.sinks = sinks.view();
-    if (c.softcap) o.softcap = 3;
-  }
-};
-
-sdpa::RingOptions ring_of(const AgCase& c, RingStrategy s, double timeout = 30.0) {
-  sdpa::RingOptions ring{c.layout, timeout};
-  ring.strategy = s;
-  return ring;
-}
-
-void check_forward(const AgCase& c, DType dt) {
-  const int64_t N = c.W * c.n_local;
-  const Tensors t = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 41);
-  const AgOptions co(c, 9);
-  const Options& o = co.o;
-  std::vector<RankData> ag = shards(t, c.W, c.layout, dt), rg = shards(t, c.W, c.layout, dt);
-  run_forward(ag, o, ring_of(c, kAG));
-  run_forward(rg, o, ring_of(c, kRingS));
-  std::vector<double> out(static_cast<size_t>(c.B * c.Hq * N * c.Dv)), lse(static_cast<size_t>(c.B * c.Hq * N));
-  for (size_t r = 0; r < ag.size(); ++r) {
-    const RankData& d = ag[r];
-    EXPECT_TRUE(d.out.guards_intact());
-    EXPECT_TRUE(d.lse.guards_intact());
-    place(out, N, d.out.values(), c.n_local, c.Dv, d.chunks);
-    place(lse, N, d.lse.values(), c.n_local, 1, d.chunks);
-    // kRing's pairs, merged in kRing's order: the same bits.
-    EXPECT_TRUE(all_close("out (kRing's)", d.out.values(), rg[r].out.values(), 0)) << "rank " << r;
-    EXPECT_TRUE(all_close("lse (kRing's)", d.lse.values(), rg[r].lse.values(), 0)) << "rank " << r;
-  }
-  ForwardExpected e;
-  ASSERT_TRUE(expected_forward(t, o, e));
-  const int64_t P = c.layout == kZig ? 2 * c.W : c.W;
-  const MergeBound mb = merge_bound(dt, P, max_abs_finite(t.v.values()), max_abs_finite(e.ref.lse));
-  EXPECT_TRUE(all_close("out", out, e.ref.out, e.tol.out + mb.out));
-  EXPECT_TRUE(all_close("lse", lse, e.ref.lse, e.tol.lse + mb.lse));
-  std::vector<RankData> again = shards(t, c.W, c.layout, dt);
-  run_forward(again, o, ring_of(c, kAG));
-  for (size_t r = 0; r < ag.size(); ++r) {
-    EXPECT_TRUE(all_close("out (second run)", again[r].out.values(), ag[r].out.values(), 0));
-    EXPECT_TRUE(all_close("lse (second run)", again[r].lse.values(), ag[r].lse.values(), 0));
-  }
-}
 
 TEST_F(Ring, AllGatherForwardMatchesWholeAndRing) {
-  for (const AgCase& c : kCases) {
+  for (const RingCase& c : kCases) {
     for (DType dt : {kF32, kF64, kBF16}) {
       SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
-      check_forward(c, dt);
-    }
-  }
-}
-
-struct RankGrads {
-  GuardedTensor out, lse, dout;
-  Grads g;
-  GuardedTensor dalibi, dsinks;
-};
-
-void check_backward(const AgCase& c, DType dt) {
-  const int64_t N = c.W * c.n_local;
-  Tensors inputs = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 43);
-  const AgOptions co(c, 10);
-  const Options& o = co.o;
-  const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
-  const Tensors& t = whole.t;
-  const std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
-  const auto run = [&](RingStrategy strategy) {
-    std::vector<RankGrads> rg;
-    for (const RankData& d : ranks) {
-      rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
-                    Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
-                    GuardedTensor(kF64, co.slopes.shape()), GuardedTensor(kF32, {c.Hq})});
-    }
-    LocalWorld world(c.W);
-    const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
-      const RankData& d = ranks[static_cast<size_t>(r)];
-      RankGrads& x = rg[static_cast<size_t>(r)];
-      sdpa::Gradients g = x.g.gradients();
-      if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
-      if (o.sinks) g.dsinks = x.dsinks.view();
-      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
-                                    x.dout.view(), g, o, ring_of(c, strategy));
-    });
-    expect_clean_run(world, errors);
-    return rg;
-  };
-  const std::vector<RankGrads> ag = run(kAG), rg = run(kRingS);
-  const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
-  GradValues got, ring;
-  for (GradValues* v : {&got, &ring}) {
-    v->g[0].resize(static_cast<size_t>(t.q.numel())), v->g[1].resize(static_cast<size_t>(t.k.numel())),
-        v->g[2].resize(static_cast<size_t>(t.v.numel()));
-  }
-  for (size_t r = 0; r < ag.size(); ++r) {
-    EXPECT_TRUE(ag[r].g.guards_intact());
-    const GradValues a = values(ag[r].g), b = values(rg[r].g);
-    for (int x = 0; x < 3; ++x) {
-      place(got.g[x], N, a.g[x], c.n_local, width[x], ranks[r].chunks);
-      place(ring.g[x], N, b.g[x], c.n_local, width[x], ranks[r].chunks);
-    }
-  }
-  // Against kReference as ring_test bounds kRing: dq sums P pair terms, dk and dv P terms, each
-  // sum of P - 1 additions erring by at most u times the sum of the terms' sizes (sums[x]).
-  Expected e;
-  ASSERT_TRUE(expected(whole, o, e));
-  const double u = eps(compute_dtype(dt)) / 2, P = static_cast<double>(c.layout == kZig ? 2 * c.W : c.W);
-  const double scale = 1 / std::sqrt(static_cast<double>(c.Dk));
-  const double dmax = max_abs_finite(whole.dout.values()), vmax = max_abs_finite(t.v.values()),
-               omax = max_abs_finite(whole.out.values()), kmax = max_abs_finite(t.k.values()),
-               qmax = max_abs_finite(t.q.values());
-  const double rows = static_cast<double>(c.Hq / c.Hkv * N);
-  const double term = scale * static_cast<double>(c.Dv) * dmax * (vmax + omax);
-  const double sums[3] = {term * kmax, term * qmax * rows, rows * dmax};
-  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g[x], e.ref.g[x], e.tol[x] + (P - 1) * u * sums[x]));
-  // Against kRing's (ring_test holds kRing to the same bound): each within its bound of
-  // kReference's, so within twice of each other. (Not bit for bit: a call of one kv head's query
-  // heads may take another kernel path than kRing's call of all heads, e.g. with softcap.)
-  for (int x = 0; x < 3; ++x) {
-    EXPECT_TRUE(all_near(kGradNames[x], got.g[x], ring.g[x], 2 * (e.tol[x] + (P - 1) * u * sums[x]))) << "against kRing";
-  }
-  // dalibi_slopes and dsinks, summed over the ranks: kRing's (ring_test holds them to the
-  // reference) within the sums' reordering, 4 eps of the largest (float64 terms per rank).
-  const auto summed = [&](const std::vector<RankGrads>& g, bool slopes) {
-    std::vector<double> sum;
-    for (const RankGrads& x : g) {
-      const std::vector<double> a = slopes ? x.dalibi.values() : x.dsinks.values();
-      sum.resize(a.size(), 0.0);
-      for (size_t h = 0; h < a.size(); ++h) sum[h] += a[h];
-    }
-    return sum;
-  };
-  for (bool slopes : {true, false}) {
-    if (slopes ? !o.alibi_slopes : !o.sinks) continue;
-    const std::vector<double> a = summed(ag, slopes), b = summed(rg, slopes);
-    EXPECT_TRUE(all_near(slopes ? "dalibi_slopes" : "dsinks", a, b, 4 * eps(kF32) * std::max(1.0, max_abs_finite(b))))
-        << "against kRing";
-  }
-  const std::vector<RankGrads> again = run(kAG);
-  for (size_t r = 0; r < ag.size(); ++r) {
-    EXPECT_TRUE(bitwise_equal(again[r].g, ag[r].g)) << "rank " << r;
-    if (o.alibi_slopes) {
-      EXPECT_TRUE(all_close("dalibi (second run)", again[r].dalibi.values(), ag[r].dalibi.values(), 0));
-    }
-    if (o.sinks) {
-      EXPECT_TRUE(all_close("dsinks (second run)", again[r].dsinks.values(), ag[r].dsinks.values(), 0));
+      check_forward(c, dt, kAG);
     }
   }
 }
 
 TEST_F(Ring, AllGatherBackwardMatchesWholeAndRing) {
-  for (const AgCase& c : kCases) {
+  for (const RingCase& c : kCases) {
     for (DType dt : {kF32, kF64, kBF16}) {
       SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
-      check_backward(c, dt);
+      check_backward(c, dt, kAG);
+    }
+  }
+}
+
+// Rank 3 (H, N, D) and rank 2 (N, D) tensors: kAllGather slices its heads by the tensors' rank
+// (ring.cc's heads_of, KvGather): the bits of the same problem as rank 4 (1, H, N, D), forward
+// (out, lse) and backward (dq, dk, dv, dalibi_slopes, dsinks), which the cases above check.
+// Rank 3 with GQA (2 kv heads of 2 query heads), ALiBi and sinks; rank 2 a single head.
+TEST_F(Ring, AllGatherRank3And2TensorsAreTheRank4Call) {
+  for (const int drop : {1, 2}) {
+    SCOPED_TRACE(drop == 1 ? "rank 3" : "rank 2");
+    const RingCase c = drop == 1 ? RingCase{"rank3", 3, kZig, 1, 4, 2, 6, 8, 6, Causal::kTopLeft, {}, true, true}
+                                 : RingCase{"rank2", 3, kCont, 1, 1, 1, 5, 8, 6, Causal::kBottomRight, {4, 1}};
+    const int64_t N = c.W * c.n_local;
+    Tensors inputs = random_qkv(kF32, {1, c.Hq, N, c.Dk}, {1, c.Hkv, N, c.Dk}, {1, c.Hkv, N, c.Dv}, 47);
+    const CaseOptions co(c, 11);
+    const Options& o = co.o;
+    const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
+    std::vector<RankData> four = shards(whole.t, c.W, c.layout, kF32), low = shards(whole.t, c.W, c.layout, kF32);
+    run_forward(four, o, ring_options(c.layout, kAG));
+    run_forward(low, o, ring_options(c.layout, kAG), Delivery::kAtWait, drop);
+    for (size_t r = 0; r < four.size(); ++r) {
+      EXPECT_TRUE(low[r].out.guards_intact() && low[r].lse.guards_intact());
+      EXPECT_TRUE(all_close("out", low[r].out.values(), four[r].out.values(), 0)) << "rank " << r;
+      EXPECT_TRUE(all_close("lse", low[r].lse.values(), four[r].lse.values(), 0)) << "rank " << r;
+    }
+    const auto backward = [&](int d) {
+      return run_backward(four, whole.out, whole.lse, whole.dout, o, ring_options(c.layout, kAG), co.slopes.shape(), kF32,
+                          Delivery::kAtWait, d);
+    };
+    const std::vector<RankGrads> g4 = backward(0), gl = backward(drop);
+    for (size_t r = 0; r < g4.size(); ++r) {
+      EXPECT_TRUE(gl[r].g.guards_intact()) << "rank " << r;
+      EXPECT_TRUE(bitwise_equal(gl[r].g, g4[r].g)) << "rank " << r;
+      EXPECT_FALSE(gl[r].g.dk.untouched()) << "rank " << r;
+      if (o.alibi_slopes) {
+        EXPECT_TRUE(all_close("dalibi_slopes", gl[r].dalibi.values(), g4[r].dalibi.values(), 0));
+      }
+      if (o.sinks) {
+        EXPECT_TRUE(all_close("dsinks", gl[r].dsinks.values(), g4[r].dsinks.values(), 0));
+      }
     }
   }
 }
@@ -254,11 +138,13 @@ struct FailureRun {
 };
 
 // W ranks of a small float32 GQA problem (B 2, Hq 4, Hkv 2: 4 heads to gather), kAllGather,
-// deadline 0.5 s, rank 1's all-gathers stopped after `stop_gathers_after` (>= 0) of the call's
-// (the collective check's is its first); `edit` changes rank r's call. backward: the forward
-// first (every rank, succeeding), then ring_attention_backward (dout = out) under the stops.
+// deadline 0.5 s, rank `stopper`'s all-gathers stopped after `stop_gathers_after` (>= 0) of the
+// call's (the collective check's is its first); `edit` changes rank r's call; rank `faulty`
+// (>= 0) calls through a FaultyTransport with `faults`. backward: the forward first (every rank, succeeding), then
+// ring_attention_backward (dout = out) under the stops.
 FailureRun run_failing(int W, bool backward, const std::function<void(LocalWorld&)>& setup, int stop_gathers_after,
-                       const std::function<void(int, Options&, sdpa::RingOptions&)>& edit) {
+                       const std::function<void(int, Options&, sdpa::RingOptions&)>& edit, int stopper = 1,
+                       int faulty = -1, FaultyTransport::Faults faults = {}) {
   const int64_t n_local = 6, N = W * n_local;
   const Tensors t = random_qkv(kF32, {2, 4, N, 4}, {2, 2, N, 4}, {2, 2, N, 4}, 3);
   FailureRun f{shards(t, W, kCont, kF32), {}, {}, std::vector<double>(static_cast<size_t>(W), 0.0)};
@@ -268,7 +154,9 @@ FailureRun run_failing(int W, bool backward, const std::function<void(LocalWorld
   LocalWorld world(W);
   setup(world);
   const auto errors = world.run([&](int r, sdpa::Communicator& local) {
-    StoppingComm comm(world, r, r == 1 ? stop_gathers_after : -1);
+    StoppingComm stopping(world, r, r == stopper ? stop_gathers_after : -1);
+    FaultyTransport failing(stopping, faults);
+    sdpa::Communicator& comm = r == faulty ? static_cast<sdpa::Communicator&>(failing) : stopping;
     RankData& d = f.ranks[static_cast<size_t>(r)];
     Options o;
     o.causal = Causal::kTopLeft;
@@ -354,6 +242,35 @@ TEST_F(Ring, AllGatherStoppedRankTimesOut) {
   // The backward: rank 1's all-gathers stop after the check.
   check(run_failing(W, true, [](LocalWorld&) {}, 1, [](int, Options&, sdpa::RingOptions&) {}), true, 1,
         "ring_attention_backward: rank 0 waited 0.5 s for the all-gather of the K/V of batch entry 0, kv head 0");
+}
+
+// A transport that fails on rank 1 (ring_util.h's FaultyTransport): its wait of the K/V
+// all-gather of the first head (the call's second all-gather: the first is the collective
+// check's) throws an sdpa::Error, the request ended unfinished first (as a transport's failed
+// one); or, in the backward, its wait of the
+// first dk, dv segment it receives, with that step's send and the next head's all-gather
+// outstanding. The call throws that Error and unwinds through its Transfers: the outstanding
+// requests waited briefly, the buffers of those that did not finish leaked (ring.h), so no
+// request is left open and no buffer freed under one; the other ranks give up within their
+// deadlines; nobody writes. The forward's all-gather is kept unfinished by rank 0, whose
+// all-gathers stop after the check.
+TEST_F(Ring, AllGatherTransportErrorUnwinds) {
+  const int W = 3;
+  for (const bool backward : {false, true}) {
+    SCOPED_TRACE(backward ? "backward" : "forward");
+    // (run_failing checks every rank's requests settled)
+    const FailureRun f = run_failing(W, backward, [](LocalWorld&) {}, backward ? -1 : 1,
+                                     [](int, Options&, sdpa::RingOptions&) {}, 0, 1,
+                                     backward ? FaultyTransport::Faults{-1, 0, -1} : FaultyTransport::Faults{-1, -1, 1});
+    EXPECT_EQ(f.errors[1], "FaultyTransport: wait failed");
+    for (int r : {0, 2}) {
+      const std::string& e = f.errors[static_cast<size_t>(r)];
+      EXPECT_NE(e.find("no message (a peer died, stopped or is slower than timeout_seconds)"), std::string::npos)
+          << "rank " << r << ": " << e;
+      EXPECT_LT(f.seconds[static_cast<size_t>(r)], W * 0.5 + 0.4) << "rank " << r;
+    }
+    expect_nothing_written(f, backward);
+  }
 }
 
 TEST_F(Ring, AllGatherRefusals) {

@@ -3,10 +3,11 @@
 // packed sequence, which are attention() / attention_backward() of each document on its own rows
 // (include/sdpa/attention.h), so each document is held to the tolerance rule of its own call
 // (expected_forward / expected of the document's tensors) plus the merges' and sums' bounds
-// ring_test derives; repeatable bit for bit; the refusals and the collective check of the offsets.
+// ring_util.h derives; repeatable bit for bit; the refusals and the collective check of the offsets.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -256,61 +257,29 @@ bool supported(const DocCase& c, RingStrategy strategy) {
   return strategy == RingStrategy::kRing || (c.dropout == 0 && c.bq == 0);  // kAllGather refuses those
 }
 
-TEST_F(Ring, DocumentsForwardMatchVarlen) {
+// Every case the strategy takes, in each dtype, for both strategies.
+void for_each_case(void (*check)(const DocCase&, DType, RingStrategy)) {
   for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
     for (const DocCase& c : kDocCases) {
       if (!supported(c, strategy)) continue;
       for (DType dt : {kF32, kF64, kBF16}) {
         SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt) +
                      (strategy == RingStrategy::kRing ? " kRing" : " kAllGather"));
-        check_docs_forward(c, dt, strategy);
+        check(c, dt, strategy);
       }
     }
   }
 }
 
+TEST_F(Ring, DocumentsForwardMatchVarlen) { for_each_case(check_docs_forward); }
+
 // ---- Backward ----
-
-// A rank's backward: its shards of the whole out, lse and dout, its gradients, and its parts of
-// dalibi_slopes (the slopes' shape) and dsinks (float64).
-struct DocRankGrads {
-  GuardedTensor out, lse, dout;
-  Grads g;
-  GuardedTensor dalibi, dsinks;
-};
-
-std::vector<DocRankGrads> run_docs_backward(const DocCase& c, const std::vector<RankData>& ranks, const GuardedTensor& out,
-                                            const GuardedTensor& lse, const GuardedTensor& dout, const DocOptions& co,
-                                            RingStrategy strategy) {
-  const Options& o = co.o;
-  std::vector<DocRankGrads> rg;
-  for (const RankData& d : ranks) {
-    rg.push_back({cut(out, 2, d.chunks), cut(lse, 1, d.chunks), cut(dout, 2, d.chunks),
-                  Grads{GuardedTensor(d.q.dtype(), d.q.shape()), GuardedTensor(d.k.dtype(), d.k.shape()),
-                        GuardedTensor(d.v.dtype(), d.v.shape())},
-                  GuardedTensor(kF64, co.slopes.shape()), GuardedTensor(kF64, {c.Hq})});
-  }
-  std::vector<int64_t> cu = c.cu;
-  const sdpa::RingOptions ring = ring_options(c, strategy, cu);
-  LocalWorld world(c.W);
-  const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
-    const RankData& d = ranks[static_cast<size_t>(r)];
-    DocRankGrads& x = rg[static_cast<size_t>(r)];
-    sdpa::Gradients g = x.g.gradients();
-    if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
-    if (o.sinks) g.dsinks = x.dsinks.view();
-    sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(), x.dout.view(),
-                                  g, o, ring);
-  });
-  expect_clean_run(world, errors);
-  return rg;
-}
 
 // The ranks' dq, dk, dv against attention_varlen_backward (kReference) of the whole packed
 // sequence, given the out and lse of attention_varlen (kAuto) and a normal dout. Each document's
 // rows are held to the backward's rule of the document's own dense call (backward_util's
 // expected: its rows, options and dropout draws, as in the forward above) plus the ring's sums
-// as ring_test derives them: a row's dq sums at most P pair terms (P key chunks: a row's
+// as ring_util.h's sums_bound derives them: a row's dq sums at most P pair terms (P key chunks: a row's
 // document meets a pair in one part), a key's dk and dv at most P (one per query chunk), P - 1
 // additions in the compute type, each within u times the terms' sizes, bounded with the
 // document's own maxima and its own rows (group · length rows read a key of the document).
@@ -332,7 +301,10 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
   std::mt19937 rng(41);
   fill_normal(dout, rng);
   const std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
-  const std::vector<DocRankGrads> rg = run_docs_backward(c, ranks, out, lse, dout, co, strategy);
+  const auto run = [&] {  // dsinks in float64
+    return run_backward(ranks, out, lse, dout, o, ring_options(c, strategy, cu), co.slopes.shape(), kF64);
+  };
+  const std::vector<RankGrads> rg = run();
   // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
   const int64_t width[3] = {c.Dk, c.Dk, c.Dv}, heads[3] = {c.Hq, c.Hkv, c.Hkv};
   GradValues got;
@@ -351,7 +323,7 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
   const VarlenGrads ref = varlen_backward(t, out, lse, dout, cu, ro);
   // Each document's tolerance.
   const int64_t P = c.layout == kZig ? 2 * c.W : c.W;
-  const double u = eps(compute_dtype(dt)) / 2, z = 1 / (1 - o.dropout_p), scale = 1 / std::sqrt(static_cast<double>(c.Dk));
+  const double u = eps(compute_dtype(dt)) / 2;  // (dsinks' order bound, below)
   std::vector<double> tol[3];
   for (int x = 0; x < 3; ++x) tol[x].assign(got.g[x].size(), 0.0);
   for (int64_t d = 0; d < D; ++d) {
@@ -366,15 +338,13 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
     Expected e;
     ASSERT_TRUE(expected(pd, call.o, e)) << "document " << d;
     const auto doc_max = [&](const GuardedTensor& x) { return max_abs_finite(doc_rows(x, 2, cu, d).values()); };
-    const double rows = static_cast<double>(c.Hq / c.Hkv * length);
-    const double term = scale * static_cast<double>(c.Dv) * doc_max(dout) * (doc_max(t.v) * z + doc_max(out));
-    const double sums[3] = {term * doc_max(t.k), term * doc_max(t.q) * rows, rows * doc_max(dout) * z};
+    const std::array<double, 3> sums =
+        sums_bound(dt, P, c.Dk, c.Dv, static_cast<double>(c.Hq / c.Hkv * length), o.dropout_p,
+                   {doc_max(dout), doc_max(t.v), doc_max(out), doc_max(t.k), doc_max(t.q)});
     for (int x = 0; x < 3; ++x)
       for (int64_t h = 0; h < heads[x]; ++h)
         for (int64_t i = cu[d]; i < cu[d + 1]; ++i)
-          for (int64_t w = 0; w < width[x]; ++w) {
-            tol[x][static_cast<size_t>((h * N + i) * width[x] + w)] = e.tol[x] + static_cast<double>(P - 1) * u * sums[x];
-          }
+          for (int64_t w = 0; w < width[x]; ++w) tol[x][static_cast<size_t>((h * N + i) * width[x] + w)] = e.tol[x] + sums[x];
   }
   for (int x = 0; x < 3; ++x) {
     for (size_t i = 0; i < got.g[x].size(); ++i) {
@@ -416,7 +386,7 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
     if (o.sinks) modifier_check("dsinks", dsinks, ref.dsinks, naive.dsinks, sink_sum);
   }
   // Repeatable bit for bit.
-  const std::vector<DocRankGrads> again = run_docs_backward(c, ranks, out, lse, dout, co, strategy);
+  const std::vector<RankGrads> again = run();
   for (size_t r = 0; r < rg.size(); ++r) {
     EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
     if (o.alibi_slopes) {
@@ -428,18 +398,7 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
   }
 }
 
-TEST_F(Ring, DocumentsBackwardMatchVarlen) {
-  for (RingStrategy strategy : {RingStrategy::kRing, RingStrategy::kAllGather}) {
-    for (const DocCase& c : kDocCases) {
-      if (!supported(c, strategy)) continue;
-      for (DType dt : {kF32, kF64, kBF16}) {
-        SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt) +
-                     (strategy == RingStrategy::kRing ? " kRing" : " kAllGather"));
-        check_docs_backward(c, dt, strategy);
-      }
-    }
-  }
-}
+TEST_F(Ring, DocumentsBackwardMatchVarlen) { for_each_case(check_docs_backward); }
 
 // A different cu_seqlens on one rank is the same Error on every rank (the values are compared,
 // as a hash, before any block moves); offsets that do not cover the sequence, and documents with

@@ -5,6 +5,7 @@
 // deadlines and the refusals, each with nothing written.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -34,19 +35,6 @@ using sdpa::RingChunk;
 using sdpa::RingLayout;
 
 
-struct RingCase {
-  const char* name;
-  int W;
-  RingLayout layout;
-  int64_t B, Hq, Hkv, n_local, Dk, Dv;
-  Causal causal = Causal::kNone;
-  sdpa::Window window = {};
-  bool alibi = false, sinks = false, softcap = false;
-  double dropout = 0;
-  int64_t bq = 0, bk = 0;  // block mask when > 0
-  bool fast = false;       // Precision::kFast
-};
-
 constexpr RingLayout kZig = RingLayout::kZigzag, kCont = RingLayout::kContiguous;
 
 // The world sizes and layouts, with the options spread over them (each dtype runs every case).
@@ -63,32 +51,9 @@ const RingCase kCases[] = {
     {"w2_zigzag_sinks_window", 2, kZig, 1, 2, 2, 20, 8, 8, Causal::kNone, {3, 3}, false, true},
 };
 
-// The case's options and the tensors they point to (whole-sequence block mask, slopes, sinks).
-struct CaseOptions {
-  GuardedTensor bm, slopes, sinks;
-  Options o;
-  CaseOptions(const RingCase& c, uint32_t seed)
-      : bm(DType::kBool, {c.B, c.Hq, c.bq ? (c.W * c.n_local + c.bq - 1) / c.bq : 1,
-                          c.bk ? (c.W * c.n_local + c.bk - 1) / c.bk : 1}),
-        slopes(kF64, {c.Hq}),
-        sinks(kF32, {c.Hq}) {
-    std::mt19937 rng(seed);
-    fill_mask(bm, rng, 0.6, 0.0);
-    fill_uniform(slopes, rng, 0.01, 0.3);
-    fill_normal(sinks, rng);
-    o.causal = c.causal;
-    o.window = c.window;
-    if (c.alibi) o.alibi_slopes = slopes.view();
-    if (c.sinks) o.sinks = sinks.view();
-    if (c.softcap) o.softcap = 3;
-    if (c.bq > 0) o.block_mask = bm.view(), o.block_q = c.bq, o.block_k = c.bk;
-    if (c.dropout > 0) o.dropout_p = c.dropout, o.seed = 1234;
-    if (c.fast) o.precision = sdpa::Precision::kFast;
-  }
-  CaseOptions(const CaseOptions&) = delete;
-  CaseOptions& operator=(const CaseOptions&) = delete;
-};
-
+// The documented order, emulated on rank r's shards with the public calls: an accumulator of
+// out 0, lse -inf in the compute type; for each step s the block of rank (r - s) mod W, for each
+// query chunk, each key chunk of that block, attention() at the chunks' positions (sinks only
 // at step 0 with the query chunk's own chunk) merged in place; then rounded once. Every pair is
 // computed here (the ring skips those no row sees: merging them changes no bit).
 void emulate(const std::vector<RankData>& ranks, int r, const Options& o, GuardedTensor& out,
@@ -134,13 +99,15 @@ void emulate(const std::vector<RankData>& ranks, int r, const Options& o, Guarde
 }
 
 
-void check_forward(const RingCase& c, DType dt) {
+}  // namespace
+
+void sdpa_test::check_forward(const RingCase& c, DType dt, RingStrategy strategy) {
   const int64_t N = c.W * c.n_local;
   const Tensors t = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 17);
   const CaseOptions co(c, 5);
   const Options& o = co.o;
   std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
-  run_forward(ranks, o, {c.layout, 30.0});
+  run_forward(ranks, o, ring_options(c.layout, strategy));
   // The whole sequence's out and lse from the ranks' shards.
   std::vector<double> out(static_cast<size_t>(c.B * c.Hq * N * c.Dv)), lse(static_cast<size_t>(c.B * c.Hq * N));
   for (const RankData& d : ranks) {
@@ -157,7 +124,8 @@ void check_forward(const RingCase& c, DType dt) {
       merge_bound(dt, P, max_abs_finite(t.v.values()) / (1 - o.dropout_p), max_abs_finite(e.ref.lse));
   EXPECT_TRUE(all_close("out", out, e.ref.out, e.tol.out + mb.out));
   EXPECT_TRUE(all_close("lse", lse, e.ref.lse, e.tol.lse + mb.lse));
-  // Bit for bit the documented order, on every rank.
+  // Bit for bit the documented order, on every rank (kAllGather: its pairs and merges are
+  // kRing's, ring.h).
   for (int r = 0; r < c.W; ++r) {
     const RankData& d = ranks[static_cast<size_t>(r)];
     GuardedTensor eo(d.out.dtype(), d.out.shape()), el(d.lse.dtype(), d.lse.shape());
@@ -168,108 +136,90 @@ void check_forward(const RingCase& c, DType dt) {
   // Repeatable bit for bit, also when each message lands as soon as it is sent (ring_local.h:
   // kEager writes into a posted receive while the receiver computes).
   std::vector<RankData> again = shards(t, c.W, c.layout, dt);
-  run_forward(again, o, {c.layout, 30.0}, Delivery::kEager);
+  run_forward(again, o, ring_options(c.layout, strategy), Delivery::kEager);
   for (size_t r = 0; r < ranks.size(); ++r) {
     EXPECT_TRUE(all_close("out (second run)", again[r].out.values(), ranks[r].out.values(), 0));
     EXPECT_TRUE(all_close("lse (second run)", again[r].lse.values(), ranks[r].lse.values(), 0));
   }
 }
 
+namespace {
+
 TEST_F(Ring, ForwardMatchesWhole) {
   for (const RingCase& c : kCases) {
     for (DType dt : {kF32, kF64, kBF16}) {
       SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
-      check_forward(c, dt);
+      check_forward(c, dt, RingStrategy::kRing);
     }
   }
   // float16 and kFast once each.
   RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
   {
     SCOPED_TRACE("float16");
-    check_forward(c, kF16);
+    check_forward(c, kF16, RingStrategy::kRing);
   }
   c.name = "w2_fast", c.W = 2, c.fast = true;
   {
     SCOPED_TRACE("kFast bfloat16");
-    check_forward(c, kBF16);
+    check_forward(c, kBF16, RingStrategy::kRing);
   }
 }
 
 // ---- Backward ----
 
-// The ranks' gradients, each rank's shards of the whole problem's out, lse (kAuto's) and dout.
-struct RankGrads {
-  GuardedTensor out, lse, dout;
-  Grads g;
-  GuardedTensor dalibi, dsinks;
-};
+}  // namespace
 
-void check_backward(const RingCase& c, DType dt) {
+void sdpa_test::check_backward(const RingCase& c, DType dt, RingStrategy strategy) {
   const int64_t N = c.W * c.n_local;
   Tensors inputs = random_qkv(dt, {c.B, c.Hq, N, c.Dk}, {c.B, c.Hkv, N, c.Dk}, {c.B, c.Hkv, N, c.Dv}, 23);
   const CaseOptions co(c, 6);
   const Options& o = co.o;
+  // The ranks' shards of the whole problem's out, lse (kAuto's) and dout.
   const Problem whole = make_problem(std::move(inputs), o, Layout::kContiguous, 7);
   const Tensors& t = whole.t;
-  std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
-  const auto run_ring = [&](Delivery delivery) {
-    std::vector<RankGrads> rg;
-    for (const RankData& d : ranks) {
-      rg.push_back({cut(whole.out, 2, d.chunks), cut(whole.lse, 1, d.chunks), cut(whole.dout, 2, d.chunks),
-                    Grads{GuardedTensor(dt, d.q.shape()), GuardedTensor(dt, d.k.shape()), GuardedTensor(dt, d.v.shape())},
-                    GuardedTensor(kF64, {c.Hq}), GuardedTensor(kF32, {c.Hq})});
-    }
-    LocalWorld world(c.W, delivery);
-    const auto errors = world.run([&](int r, sdpa::Communicator& comm) {
-      const RankData& d = ranks[static_cast<size_t>(r)];
-      RankGrads& x = rg[static_cast<size_t>(r)];
-      sdpa::Gradients g = x.g.gradients();
-      if (o.alibi_slopes) g.dalibi_slopes = x.dalibi.view();
-      if (o.sinks) g.dsinks = x.dsinks.view();
-      sdpa::ring_attention_backward(comm, {d.q.view(), d.k.view(), d.v.view()}, x.out.view(), x.lse.view(),
-                                    x.dout.view(), g, o, {c.layout, 30.0});
-    });
-    expect_clean_run(world, errors);
-    return rg;
+  const std::vector<RankData> ranks = shards(t, c.W, c.layout, dt);
+  const auto run = [&](RingStrategy s, Delivery delivery) {
+    return run_backward(ranks, whole.out, whole.lse, whole.dout, o, ring_options(c.layout, s), co.slopes.shape(), kF32,
+                        delivery);
   };
-  const std::vector<RankGrads> rg = run_ring(Delivery::kAtWait);
   // The whole gradients from the ranks' shards; dalibi_slopes and dsinks summed over the ranks.
   const int64_t width[3] = {c.Dk, c.Dk, c.Dv};
-  GradValues got;
-  got.g[0].resize(static_cast<size_t>(t.q.numel())), got.g[1].resize(static_cast<size_t>(t.k.numel())),
-      got.g[2].resize(static_cast<size_t>(t.v.numel()));
-  std::vector<double> dalibi(static_cast<size_t>(c.Hq), 0.0), dsinks(static_cast<size_t>(c.Hq), 0.0);
-  for (size_t r = 0; r < rg.size(); ++r) {
-    EXPECT_TRUE(rg[r].g.guards_intact());
-    const GradValues v = values(rg[r].g);
-    for (int x = 0; x < 3; ++x) place(got.g[x], N, v.g[x], c.n_local, width[x], ranks[r].chunks);
-    if (o.alibi_slopes) {
-      const std::vector<double> a = rg[r].dalibi.values();
-      for (size_t h = 0; h < a.size(); ++h) dalibi[h] += a[h];
+  struct Whole {
+    GradValues g;
+    std::vector<double> dalibi, dsinks;
+  };
+  const auto gather = [&](const std::vector<RankGrads>& rg) {
+    Whole w;
+    w.g.g[0].resize(static_cast<size_t>(t.q.numel())), w.g.g[1].resize(static_cast<size_t>(t.k.numel())),
+        w.g.g[2].resize(static_cast<size_t>(t.v.numel()));
+    w.dalibi.assign(static_cast<size_t>(co.slopes.numel()), 0.0), w.dsinks.assign(static_cast<size_t>(c.Hq), 0.0);
+    for (size_t r = 0; r < rg.size(); ++r) {
+      EXPECT_TRUE(rg[r].g.guards_intact()) << "rank " << r;
+      const GradValues v = values(rg[r].g);
+      for (int x = 0; x < 3; ++x) place(w.g.g[x], N, v.g[x], c.n_local, width[x], ranks[r].chunks);
+      if (o.alibi_slopes) {
+        const std::vector<double> a = rg[r].dalibi.values();
+        for (size_t h = 0; h < a.size(); ++h) w.dalibi[h] += a[h];
+      }
+      if (o.sinks) {
+        const std::vector<double> a = rg[r].dsinks.values();
+        for (size_t h = 0; h < a.size(); ++h) w.dsinks[h] += a[h];
+      }
     }
-    if (o.sinks) {
-      const std::vector<double> a = rg[r].dsinks.values();
-      for (size_t h = 0; h < a.size(); ++h) dsinks[h] += a[h];
-    }
-  }
-  // Against kReference under the backward's rule, plus the ring's sums: dq sums P pair terms
-  // (P key chunks), dk and dv P terms (one per query chunk of the sequence), one after the other
-  // in the compute type: P - 1 additions each erring by at most u times the sum of the terms'
-  // sizes, which the pairs' own terms bound: per element of dq, |scale| Σ_j p_ij (|z dP_ij| +
-  // |D_i|) |k_j| <= |scale| Dv max|dout| (max|v| / (1 - p) + max|out|) max|k| (Σ_j p_ij <= 1);
-  // of dk the same with max|q| over the group · N rows that read a key (each p <= 1); of dv
-  // Σ_i |z| p_ij |dout_i| <= group N max|dout| / (1 - p).
+    return w;
+  };
+  const std::vector<RankGrads> rg = run(strategy, Delivery::kAtWait);
+  const Whole got = gather(rg);
+  // Against kReference under the backward's rule, plus the ring's sums (ring_util.h's sums_bound;
+  // kAllGather sums the same terms in another order, which the bound allows).
   Expected e;
   ASSERT_TRUE(expected(whole, o, e));
-  const double u = eps(compute_dtype(dt)) / 2, P = static_cast<double>(c.layout == kZig ? 2 * c.W : c.W);
-  const double z = 1 / (1 - o.dropout_p), scale = 1 / std::sqrt(static_cast<double>(c.Dk));
-  const double dmax = max_abs_finite(whole.dout.values()), vmax = max_abs_finite(t.v.values()),
-               omax = max_abs_finite(whole.out.values()), kmax = max_abs_finite(t.k.values()),
-               qmax = max_abs_finite(t.q.values());
-  const double rows = static_cast<double>(c.Hq / c.Hkv * N);
-  const double term = scale * static_cast<double>(c.Dv) * dmax * (vmax * z + omax);
-  const double sums[3] = {term * kmax, term * qmax * rows, rows * dmax * z};
-  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g[x], e.ref.g[x], e.tol[x] + (P - 1) * u * sums[x]));
+  const int64_t P = c.layout == kZig ? 2 * c.W : c.W;
+  const std::array<double, 3> sums = sums_bound(
+      dt, P, c.Dk, c.Dv, static_cast<double>(c.Hq / c.Hkv * N), o.dropout_p,
+      {max_abs_finite(whole.dout.values()), max_abs_finite(t.v.values()), max_abs_finite(whole.out.values()),
+       max_abs_finite(t.k.values()), max_abs_finite(t.q.values())});
+  for (int x = 0; x < 3; ++x) EXPECT_TRUE(all_near(kGradNames[x], got.g.g[x], e.ref.g[x], e.tol[x] + sums[x]));
   // dalibi_slopes and dsinks (float32: kNaive's error is measured in float32) as positions_test
   // checks the pairs' sums: 2 |kNaive - kReference| of the whole call + 4 eps max(1, max|ref|).
   if (dt == kF32 && (o.alibi_slopes || o.sinks)) {
@@ -278,7 +228,7 @@ void check_backward(const RingCase& c, DType dt) {
       ro.backend = backend;
       Grads g = empty_grads(t, Layout::kContiguous);
       sdpa::Gradients grads = g.gradients();
-      GuardedTensor da(kF64, {c.Hq}), ds(kF64, {c.Hq});
+      GuardedTensor da(kF64, co.slopes.shape()), ds(kF64, {c.Hq});
       if (o.alibi_slopes) grads.dalibi_slopes = da.view();
       if (o.sinks) grads.dsinks = ds.view();
       sdpa::attention_backward(t.inputs(), whole.out.view(), whole.lse.view(), whole.dout.view(), grads, ro);
@@ -291,11 +241,31 @@ void check_backward(const RingCase& c, DType dt) {
       for (size_t i = 0; i < want.size(); ++i) err = std::max(err, std::abs(yardstick[i] - want[i]));
       EXPECT_TRUE(all_near(what, g, want, 2 * err + 4 * eps(kF32) * std::max(1.0, max_abs_finite(want))));
     };
-    if (o.alibi_slopes) check("dalibi_slopes", dalibi, ref.first, naive.first);
-    if (o.sinks) check("dsinks", dsinks, ref.second, naive.second);
+    if (o.alibi_slopes) check("dalibi_slopes", got.dalibi, ref.first, naive.first);
+    if (o.sinks) check("dsinks", got.dsinks, ref.second, naive.second);
+  }
+  // kAllGather against kRing (held to the same bounds by the kRing cases): each within its bound
+  // of kReference's, so within twice of each other (not bit for bit: dk, dv sum the same W terms
+  // in another order, and a call of one kv head's query heads may take another kernel path than
+  // kRing's call of all heads, e.g. with softcap); dalibi_slopes and dsinks within the sums'
+  // reordering, 4 eps of the largest (float64 terms per rank), in every dtype.
+  if (strategy == RingStrategy::kAllGather) {
+    const Whole ring = gather(run(RingStrategy::kRing, Delivery::kAtWait));
+    for (int x = 0; x < 3; ++x) {
+      EXPECT_TRUE(all_near(kGradNames[x], got.g.g[x], ring.g.g[x], 2 * (e.tol[x] + sums[x]))) << "against kRing";
+    }
+    if (o.alibi_slopes) {
+      EXPECT_TRUE(all_near("dalibi_slopes", got.dalibi, ring.dalibi,
+                           4 * eps(kF32) * std::max(1.0, max_abs_finite(ring.dalibi))))
+          << "against kRing";
+    }
+    if (o.sinks) {
+      EXPECT_TRUE(all_near("dsinks", got.dsinks, ring.dsinks, 4 * eps(kF32) * std::max(1.0, max_abs_finite(ring.dsinks))))
+          << "against kRing";
+    }
   }
   // Repeatable bit for bit, also with kEager delivery (as the forward).
-  const std::vector<RankGrads> again = run_ring(Delivery::kEager);
+  const std::vector<RankGrads> again = run(strategy, Delivery::kEager);
   for (size_t r = 0; r < rg.size(); ++r) {
     EXPECT_TRUE(bitwise_equal(again[r].g, rg[r].g)) << "rank " << r;
     if (o.alibi_slopes) {
@@ -307,16 +277,18 @@ void check_backward(const RingCase& c, DType dt) {
   }
 }
 
+namespace {
+
 TEST_F(Ring, BackwardMatchesWhole) {
   for (const RingCase& c : kCases) {
     for (DType dt : {kF32, kF64, kBF16}) {
       SCOPED_TRACE(std::string(c.name) + " " + sdpa::dtype_name(dt));
-      check_backward(c, dt);
+      check_backward(c, dt, RingStrategy::kRing);
     }
   }
   RingCase c = {"w3_zigzag_f16", 3, kZig, 1, 4, 2, 10, 8, 8, Causal::kTopLeft, {}, true, true};
   SCOPED_TRACE("float16");
-  check_backward(c, kF16);
+  check_backward(c, kF16, RingStrategy::kRing);
 }
 
 // ---- Failures: every rank throws, nothing is written ----
@@ -506,40 +478,11 @@ class InjectFailure : public sdpa::Communicator {
   int gradients_ = 0;
 };
 
-// A transport that fails on rank 1 (sdpa::Error from its second isend, just after the step's
-// irecv was posted; or from the wait of its second receive, with the step's send outstanding):
-// the ring throws that Error, and the requests it left behind are settled all the same (the
-// irecv / the send waited by the unwinding call, or their buffers leaked).
-class FaultyTransport : public sdpa::Communicator {
- public:
-  FaultyTransport(sdpa::Communicator& inner, bool in_wait) : inner_(inner), in_wait_(in_wait) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
-  Request isend(const void* data, size_t bytes, int to, int tag) override {
-    if (!in_wait_ && sends_++ == 1) throw sdpa::Error("FaultyTransport: isend refused");
-    return inner_.isend(data, bytes, to, tag);
-  }
-  Request irecv(void* data, size_t bytes, int from, int tag) override {
-    const Request id = inner_.irecv(data, bytes, from, tag);
-    if (recvs_++ == 1) faulty_ = id;
-    return id;
-  }
-  Request iallgather(const void* in, void* out, size_t bytes) override { return inner_.iallgather(in, out, bytes); }
-  bool wait(Request request, double seconds) override {
-    if (in_wait_ && request == faulty_) {
-      inner_.wait(request, 0.0);  // the request ends (abandoned), as a transport's failed one would
-      throw sdpa::Error("FaultyTransport: wait failed");
-    }
-    return inner_.wait(request, seconds);
-  }
-
- private:
-  sdpa::Communicator& inner_;
-  bool in_wait_;
-  int sends_ = 0, recvs_ = 0;
-  Request faulty_ = -1;
-};
-
+// Rank 1's transport fails (ring_util.h's FaultyTransport: an sdpa::Error from its second isend,
+// just after the step's irecv was posted; or from the wait of its second receive, with the
+// step's send outstanding): the ring throws that Error, and the requests it left behind are
+// settled all the same (the irecv / the send waited by the unwinding call, or their buffers
+// leaked).
 TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
   for (const bool in_wait : {false, true}) {
     SCOPED_TRACE(in_wait ? "wait" : "isend");
@@ -549,7 +492,7 @@ TEST_F(Ring, TransportErrorsLeaveNoRequestBehind) {
     LocalWorld world(W, Delivery::kEager);
     const std::vector<std::string> errors = messages(world.run([&](int r, sdpa::Communicator& comm) {
       RankData& d = ranks[static_cast<size_t>(r)];
-      FaultyTransport faulty(comm, in_wait);
+      FaultyTransport faulty(comm, in_wait ? FaultyTransport::Faults{-1, 1, -1} : FaultyTransport::Faults{1, -1, -1});
       sdpa::Outputs out;
       out.out = d.out.view();
       sdpa::ring_attention(r == 1 ? faulty : comm, {d.q.view(), d.k.view(), d.v.view()}, out, {}, {kCont, 0.5});

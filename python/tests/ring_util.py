@@ -64,11 +64,9 @@ _DOCS = [
 ]
 # Forward with documents: the C++ computes it today.
 DOC_FORWARD_CASES = [_case(name + "_fwd", cu=DOCS, backward=False, **kw) for name, kw in _DOCS]
-# Forward and backward with documents: ring_attention_backward refuses cu_seqlens until its
-# per-document backward is enabled in C++ (these fail with that refusal until then).
+# Forward and backward with documents (the reference: attention_varlen_backward).
 DOC_BACKWARD_CASES = [_case(name, cu=DOCS, **kw) for name, kw in _DOCS]
-# strategy="allgather" forward and backward (GQA / MQA, the strategy's use): refused by the C++
-# until kAllGather is implemented (these fail with that refusal until then).
+# strategy="allgather" forward and backward (GQA / MQA, the strategy's use; documents too).
 ALLGATHER_CASES = [
     _case("zigzag_allgather_causal_gqa", hq=4, hkv=2, strategy="allgather"),
     _case("contiguous_allgather_full_mqa", layout="contiguous", causal=False, hq=4, hkv=1, strategy="allgather"),
@@ -78,6 +76,9 @@ ALLGATHER_CASES = [
     _case("zigzag_allgather_docs", hq=4, hkv=1, cu=DOCS, strategy="allgather"),
 ]
 ALL_CASES = CASES + DOC_FORWARD_CASES + DOC_BACKWARD_CASES + ALLGATHER_CASES
+# The groups each transport's test file checks apart from its failures (test_ring_torch.py and
+# test_ring_mpi.py: one test per group and world size, on the ranks' results of one run).
+GROUPS = {"documents_backward": DOC_BACKWARD_CASES, "allgather": ALLGATHER_CASES}
 SEED = 1234  # the dropout seed
 
 

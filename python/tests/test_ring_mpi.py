@@ -76,15 +76,8 @@ def test_ring_attention_mpi(mpi_run):
         assert r["after_stop"] == [100 + (r["rank"] - 1) % world] * 4, f"W={world} rank {r['rank']}: {r['after_stop']}"
 
 
-def test_ring_documents_backward_mpi(mpi_run):
-    """cu_seqlens forward and backward against attention_varlen(_backward): fails with the C++
-    refusal ("RingOptions::cu_seqlens ... not supported yet") until the backward is enabled."""
+@pytest.mark.parametrize("group", list(ring_util.GROUPS))
+def test_ring_cases_mpi(mpi_run, group):
+    """Each group of ring_util.GROUPS (documents, allgather) forward and backward, as above."""
     world, results = mpi_run
-    ring_util.check_cases(results, ring_util.DOC_BACKWARD_CASES, world)
-
-
-def test_ring_allgather_mpi(mpi_run):
-    """strategy="allgather" forward and backward against the reference: fails with the C++
-    refusal ("RingStrategy::kAllGather is not implemented yet") until it is implemented."""
-    world, results = mpi_run
-    ring_util.check_cases(results, ring_util.ALLGATHER_CASES, world)
+    ring_util.check_cases(results, ring_util.GROUPS[group], world)

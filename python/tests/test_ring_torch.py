@@ -144,18 +144,11 @@ def test_ring_attention_torch(spawned):
             assert elapsed <= STOP_TIMEOUT + SLACK, f"W={world} rank {r['rank']}: {key}: the error took {elapsed:.1f} s"
 
 
-def test_ring_documents_backward_torch(spawned):
-    """cu_seqlens forward and backward against attention_varlen(_backward): fails with the C++
-    refusal ("RingOptions::cu_seqlens ... not supported yet") until the backward is enabled."""
+@pytest.mark.parametrize("group", list(ring_util.GROUPS))
+def test_ring_cases_torch(spawned, group):
+    """Each group of ring_util.GROUPS (documents, allgather) forward and backward, as above."""
     world, results = spawned
-    ring_util.check_cases(results, ring_util.DOC_BACKWARD_CASES, world)
-
-
-def test_ring_allgather_torch(spawned):
-    """strategy="allgather" forward and backward against the reference: fails with the C++
-    refusal ("RingStrategy::kAllGather is not implemented yet") until it is implemented."""
-    world, results = spawned
-    ring_util.check_cases(results, ring_util.ALLGATHER_CASES, world)
+    ring_util.check_cases(results, ring_util.GROUPS[group], world)
 
 
 class _Work:

@@ -20,6 +20,10 @@
 //                                     timeout + slack, naming the block, the step and rank
 //                                     W - 1; each other rank finishes or throws "no message"
 //                                     within W timeouts + slack; whoever throws writes nothing
+//   ring_mpi_test --stopped=allgather rank W - 1 stops in RingStrategy::kAllGather's first K/V
+//                                     all-gather (after the collective check): every other rank
+//                                     throws within the timeout + slack, rank 0 naming the
+//                                     all-gather of batch entry 0, kv head 0, and writes nothing
 //   ring_mpi_test --stopped=backward  rank W - 1 stops in the backward at its last send (the
 //                                     gradients' last hop, to rank 0): rank 0 throws within the
 //                                     timeout + slack naming its own block's gradients and
@@ -27,7 +31,7 @@
 //                                     message" as above (rank W - 2's last send to the stopped
 //                                     rank may never complete: MPI moves it only while both
 //                                     ranks call MPI)
-// In step and backward runs every rank's calls go through a Tracked communicator (below): a rank
+// In step, backward and allgather runs every rank's calls go through a Tracked communicator (below): a rank
 // that threw has no request left open and freed no buffer that a request not waited to
 // completion may still touch (ring.h; ring_local.h's watch of the frees).
 // A stopped run leaves MPI undefined (sdpa/mpi.h), so it is a run of its own: the ranks that
@@ -48,6 +52,7 @@
 #include <vector>
 
 #include "ring_local.h"
+#include "ring_util.h"
 #include "sdpa/mpi.h"
 #include "sdpa/ring.h"
 #include "test_util.h"
@@ -57,6 +62,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using sdpa::Error;
 using sdpa::RingLayout;
+using sdpa::RingStrategy;
 using sdpa_test::DType;
 using sdpa_test::GuardedTensor;
 
@@ -255,20 +261,6 @@ TEST(MpiCommunicator, RejectsBadArguments) {
 
 // ---- Ring attention over MPI ----------------------------------------------------------------
 
-// The rows of t (B, H, N, D) at `chunks`' positions, in order: a rank's shard.
-GuardedTensor shard_of(const GuardedTensor& t, const std::vector<sdpa::RingChunk>& chunks) {
-  std::vector<int64_t> shape = t.shape();
-  const int64_t N = shape[2], D = shape[3], outer = shape[0] * shape[1];
-  const std::vector<double> all = t.values();
-  std::vector<double> part;
-  for (int64_t o = 0; o < outer; ++o)
-    for (const sdpa::RingChunk& c : chunks)
-      part.insert(part.end(), all.begin() + (o * N + c.start) * D, all.begin() + (o * N + c.start + c.length) * D);
-  shape[2] = 0;
-  for (const sdpa::RingChunk& c : chunks) shape[2] += c.length;
-  return sdpa_test::tensor(t.dtype(), shape, part);
-}
-
 struct Shard {
   GuardedTensor q, k, v, out, lse;
   sdpa::Inputs inputs() const { return {q.view(), k.view(), v.view()}; }
@@ -293,7 +285,7 @@ Shard make_shard(const RingCase& c, int world, int rank, int64_t dk_change = 0) 
   const int64_t N = world * c.n_local;
   const sdpa_test::Tensors t = sdpa_test::random_qkv(c.dtype, {1, 4, N, 8}, {1, 2, N, 8}, {1, 2, N, 12}, 29);
   const auto chunks = sdpa::ring_chunks(c.layout, world, rank, c.n_local);
-  Shard s{shard_of(t.q, chunks), shard_of(t.k, chunks), shard_of(t.v, chunks),
+  Shard s{sdpa_test::cut(t.q, 2, chunks), sdpa_test::cut(t.k, 2, chunks), sdpa_test::cut(t.v, 2, chunks),
           GuardedTensor(c.dtype, {1, 4, c.n_local, 12}),
           GuardedTensor(sdpa_test::compute_dtype(c.dtype), {1, 4, c.n_local})};
   if (dk_change) {  // a wrong Dk on this rank: q and k (1, H, n, 8 + dk_change)
@@ -306,10 +298,19 @@ Shard make_shard(const RingCase& c, int world, int rank, int64_t dk_change = 0) 
   return s;
 }
 
-std::string case_name(const RingCase& c) {
-  return std::string(c.layout == RingLayout::kZigzag ? "zigzag" : "contiguous") +
+std::string case_name(const RingCase& c, RingStrategy strategy) {
+  return std::string(strategy == RingStrategy::kRing ? "kRing " : "kAllGather ") +
+         (c.layout == RingLayout::kZigzag ? "zigzag" : "contiguous") +
          (c.causal == sdpa::Causal::kNone ? "" : " causal") + " " + sdpa::dtype_name(c.dtype) + " n_local " +
          std::to_string(c.n_local);
+}
+
+// Both strategies run every case (kAllGather: the K/V of each kv head all-gathered, ring.h).
+constexpr RingStrategy kStrategies[] = {RingStrategy::kRing, RingStrategy::kAllGather};
+sdpa::RingOptions ring_options(const RingCase& c, RingStrategy strategy, double timeout = kWait) {
+  sdpa::RingOptions ring{c.layout, timeout};
+  ring.strategy = strategy;
+  return ring;
 }
 
 const RingCase kRingCases[] = {
@@ -324,16 +325,18 @@ const RingCase kRingCases[] = {
 };
 
 // Forward: over MPI (sdpa::mpi::ring_attention on MPI_COMM_WORLD, and sdpa::ring_attention on a
-// Communicator kept for two calls) the bits of the in-process ring, on every rank, twice.
+// Communicator kept for two calls) the bits of the in-process ring, on every rank, twice; for
+// each strategy (kRing, kAllGather), against the in-process run of the same strategy.
 TEST(MpiRing, ForwardGivesTheInProcessRingsBits) {
   sdpa::set_num_threads(1);
   const int W = world_size(), r = world_rank();
   sdpa::mpi::Communicator kept(MPI_COMM_WORLD);
+  for (const RingStrategy strategy : kStrategies)
   for (const RingCase& c : kRingCases) {
-    SCOPED_TRACE(case_name(c) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
+    SCOPED_TRACE(case_name(c, strategy) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
     sdpa::Options o;
     o.causal = c.causal;
-    const sdpa::RingOptions ring{c.layout, kWait};
+    const sdpa::RingOptions ring = ring_options(c, strategy);
     Shard mpi = make_shard(c, W, r);
     sdpa::mpi::ring_attention(MPI_COMM_WORLD, mpi.inputs(), mpi.outputs(), o, ring);
     // The in-process ring: every rank's shard, W threads; this rank's outputs.
@@ -363,15 +366,16 @@ TEST(MpiRing, ForwardGivesTheInProcessRingsBits) {
 
 // Backward: sdpa::mpi::ring_attention_backward's dq, dk, dv are, on every rank, the bits of the
 // in-process ring's backward on the same shards, out and lse (the forward's, the same bits on
-// both transports) and dout.
+// both transports) and dout; for each strategy, against the in-process run of the same strategy.
 TEST(MpiRing, BackwardGivesTheInProcessRingsBits) {
   sdpa::set_num_threads(1);
   const int W = world_size(), r = world_rank();
+  for (const RingStrategy strategy : kStrategies)
   for (const RingCase& c : kRingCases) {
-    SCOPED_TRACE(case_name(c) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
+    SCOPED_TRACE(case_name(c, strategy) + ", rank " + std::to_string(r) + " of " + std::to_string(W));
     sdpa::Options o;
     o.causal = c.causal;
-    const sdpa::RingOptions ring{c.layout, kWait};
+    const sdpa::RingOptions ring = ring_options(c, strategy);
     const int64_t N = W * c.n_local;
     const sdpa_test::Tensors whole_dout = sdpa_test::random_qkv(c.dtype, {1, 4, N, 12}, {1, 1, 0, 1}, {1, 1, 0, 1}, 31);
     struct Grads {
@@ -387,7 +391,7 @@ TEST(MpiRing, BackwardGivesTheInProcessRingsBits) {
     std::vector<Grads> local_grads;
     for (int i = 0; i < W; ++i) {
       local.push_back(make_shard(c, W, i));
-      douts.push_back(shard_of(whole_dout.q, sdpa::ring_chunks(c.layout, W, i, c.n_local)));
+      douts.push_back(sdpa_test::cut(whole_dout.q, 2, sdpa::ring_chunks(c.layout, W, i, c.n_local)));
       local_grads.push_back(grads(local.back()));
     }
     sdpa_test::LocalWorld world(W);
@@ -437,11 +441,12 @@ TEST(MpiRing, AShapeMismatchOnOneRankIsTheSameErrorOnEveryRank) {
 
 // A Communicator over another that keeps account of its requests (ring.h's rule: each waited;
 // the buffers of one not waited to completion never freed, watched as ring_local.h watches
-// them), and that can stop its rank: at its send number stop_at (from 0) it hangs (sleeps), as
-// a process that stopped.
+// them), and that can stop its rank: at its send number stop_at, or its all-gather number
+// stop_gather_at (from 0), it hangs (sleeps), as a process that stopped.
 class Tracked : public sdpa::Communicator {
  public:
-  Tracked(sdpa::Communicator& inner, int64_t stop_at) : inner_(inner), stop_at_(stop_at) {}
+  Tracked(sdpa::Communicator& inner, int64_t stop_at, int64_t stop_gather_at = -1)
+      : inner_(inner), stop_at_(stop_at), stop_gather_at_(stop_gather_at) {}
   ~Tracked() override { sdpa_test::forget_buffers(this); }
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
@@ -453,6 +458,7 @@ class Tracked : public sdpa::Communicator {
     return track(inner_.irecv(data, bytes, from, tag), {{data, bytes}});
   }
   Request iallgather(const void* in, void* out, size_t bytes) override {
+    if (gathers_++ == stop_gather_at_) std::this_thread::sleep_for(std::chrono::seconds(60));  // MPI_Abort ends it
     return track(inner_.iallgather(in, out, bytes),
                  {{const_cast<void*>(in), bytes}, {out, bytes * static_cast<size_t>(size())}});
   }
@@ -473,11 +479,11 @@ class Tracked : public sdpa::Communicator {
     return id;
   }
   sdpa::Communicator& inner_;
-  int64_t stop_at_, sends_ = 0;
+  int64_t stop_at_, stop_gather_at_, sends_ = 0, gathers_ = 0;
   std::map<Request, std::vector<int64_t>> open_;
 };
 
-// --stopped=step and --stopped=backward on rank r (not the stopped one, which hangs in its
+// --stopped=step, backward and allgather on rank r (not the stopped one, which hangs in its
 // call): whether its outcome is the one the top of the file describes; what happened, in words.
 bool stopped_in_ring(const std::string& mode, int r, int w, double timeout, double slack, std::string& what) {
   const int stopped = w - 1;
@@ -485,19 +491,21 @@ bool stopped_in_ring(const std::string& mode, int r, int w, double timeout, doub
   sdpa::mpi::Communicator mpi(MPI_COMM_WORLD);
   Shard s = make_shard(c, w, r);
   GuardedTensor dq(c.dtype, s.q.shape()), dk(c.dtype, s.k.shape()), dv(c.dtype, s.v.shape());
-  const bool backward = mode == "backward";
+  const bool backward = mode == "backward", allgather = mode == "allgather";
   if (backward) sdpa::ring_attention(mpi, s.inputs(), s.outputs(), {}, {c.layout, kWait});  // every rank
   // The stopped rank's sends: forward, one per step; backward, (block, gradients) per step and
-  // the last step's gradients alone.
-  Tracked comm(mpi, r != stopped ? -1 : backward ? 2 * w - 2 : 1);
+  // the last step's gradients alone. kAllGather: its all-gathers, the collective check's, then
+  // the first kv head's K/V.
+  Tracked comm(mpi, r != stopped || allgather ? -1 : backward ? 2 * w - 2 : 1, r == stopped && allgather ? 1 : -1);
+  const sdpa::RingOptions ring = ring_options(c, allgather ? RingStrategy::kAllGather : RingStrategy::kRing, timeout);
   const auto t0 = Clock::now();
   bool threw = false;
   try {
     if (backward) {
       sdpa::ring_attention_backward(comm, s.inputs(), s.out.view(), s.lse.view(), s.out.view(),
-                                    {dq.view(), dk.view(), dv.view()}, {}, {c.layout, timeout});
+                                    {dq.view(), dk.view(), dv.view()}, {}, ring);
     } else {
-      sdpa::ring_attention(comm, s.inputs(), s.outputs(), {}, {c.layout, timeout});
+      sdpa::ring_attention(comm, s.inputs(), s.outputs(), {}, ring);
     }
     what = "no Error";
   } catch (const Error& e) {
@@ -509,14 +517,15 @@ bool stopped_in_ring(const std::string& mode, int r, int w, double timeout, doub
           std::to_string(comm.freed_while_unfinished()) + " buffers freed under unfinished ones)";
   const bool settled = comm.open_requests() == 0 && comm.freed_while_unfinished() == 0;
   const bool untouched = backward ? dq.untouched() && dk.untouched() && dv.untouched() : s.out.untouched() && s.lse.untouched();
-  if (!threw) return r != 0 && !untouched && settled;
+  if (!threw) return !allgather && r != 0 && !untouched && settled;  // (kAllGather: every rank needs the stopped one)
   if (!settled || !untouched || what.find("no message") == std::string::npos) return false;
-  if (r != 0) return took < w * timeout + slack;
+  if (r != 0) return took < (allgather ? timeout : w * timeout) + slack;
   const std::string expected =  // timeout = 1 s
-      backward ? "waited 1 s for the gradients of its own block at step " + std::to_string(w) + " from rank " +
-                     std::to_string(stopped)
-               : "waited 1 s for the block of rank " + std::to_string(w - 2) + " at step 2 from rank " +
-                     std::to_string(stopped);
+      allgather ? "ring_attention: rank 0 waited 1 s for the all-gather of the K/V of batch entry 0, kv head 0 (head 1 of 2)"
+      : backward ? "waited 1 s for the gradients of its own block at step " + std::to_string(w) + " from rank " +
+                       std::to_string(stopped)
+                 : "waited 1 s for the block of rank " + std::to_string(w - 2) + " at step 2 from rank " +
+                       std::to_string(stopped);
   return took >= timeout && took < timeout + slack && what.find(expected) != std::string::npos;
 }
 
@@ -536,7 +545,7 @@ int stopped_run(const std::string& mode) {
   std::unique_ptr<sdpa::mpi::Communicator> comm;
   if (mode == "ring") comm = std::make_unique<sdpa::mpi::Communicator>(MPI_COMM_WORLD);
   const double timeout = 1.0, slack = 2.0;
-  if (mode == "step" || mode == "backward") {
+  if (mode == "step" || mode == "backward" || mode == "allgather") {
     std::string what;
     int ok = 0;
     try {
