@@ -156,3 +156,112 @@ def test_fast_errors_are_the_slow_ones(fast_taken, shapes, dtype):
         fast_taken.clear()
         assert _message(lambda: sdpa.attention(*_arrays(np.random.default_rng(5), dtype, SHAPES[0]), **bad)) == \
             _message(lambda: sdpa.attention(*_arrays(np.random.default_rng(5), dtype, SHAPES[0]), **bad, **SLOW))
+
+
+# ---------------------------------------------------------------- sdpa.torch: the operator without lse
+
+def _torch():
+    from torch_required import import_torch
+    return import_torch()
+
+
+@pytest.fixture
+def out_op_calls(monkeypatch):
+    """Counts the wrapper's calls of attention_out (the operator without lse)."""
+    torch = _torch()
+    import sdpa.torch as st
+    calls = []
+    real = st._attention_out
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(st, "_attention_out", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("shapes", [SHAPES[0], SHAPES[1], ((1, 1), (1025, 1), (1025, 1)), ((3, 6, 2), (3, 1, 2), (3, 1, 3))])
+def test_attention_out_is_attentions_out(dtype, causal, shapes):
+    """attention_out's out is attention's bit for bit, and its gradients (through attention's
+    Function) are attention's too."""
+    torch = _torch()
+    import sdpa.torch  # noqa: F401  (loads the operators)
+    g = torch.Generator().manual_seed(33)
+    q, k, v = (torch.randn(s, generator=g).to(getattr(torch, dtype)).requires_grad_() for s in shapes)
+    for scale in (None, 0.3):
+        out = torch.ops.sdpa.attention_out(q, k, v, causal, scale)
+        want, _ = torch.ops.sdpa.attention(q, k, v, None, causal, scale, -1, -1, 0.0, None)
+        assert out.dtype == want.dtype and torch.equal(out, want)
+        dout = torch.randn(out.shape, generator=g).to(out.dtype)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        wanted = torch.autograd.grad(want, (q, k, v), dout)
+        for a, b in zip(got, wanted):
+            assert torch.equal(a, b)
+    with torch.no_grad():
+        assert not torch.ops.sdpa.attention_out(q, k, v, causal).requires_grad
+
+
+def test_wrapper_takes_attention_out_for_the_common_call(out_op_calls):
+    torch = _torch()
+    from sdpa.torch import scaled_dot_product_attention as ours
+    g = torch.Generator().manual_seed(34)
+    q, k, v = (torch.randn(s, generator=g) for s in SHAPES[0])
+    qg = q.clone().requires_grad_()
+    F = torch.nn.functional.scaled_dot_product_attention
+    for kw in ({}, {"is_causal": True}, {"scale": 0.25}):
+        out_op_calls.clear()
+        torch.testing.assert_close(ours(q, k, v, **kw), F(q, k, v, **kw))
+        got = ours(qg, k, v, **kw)
+        assert len(out_op_calls) == 2 and got.requires_grad
+        got.sum().backward()
+        want_q = qg.detach().clone().requires_grad_()
+        F(want_q, k, v, **kw).sum().backward()
+        torch.testing.assert_close(qg.grad, want_q.grad)
+        qg.grad = None
+    mask = torch.ones(1, 1, 1, 16, dtype=torch.bool)
+    for kw in ({"attn_mask": mask}, {"dropout_p": 0.5}, {"precision": "fast"}, {"softcap": 30.0},
+               {"sinks": torch.zeros(4)}):
+        out_op_calls.clear()
+        ours(q, k, v, **kw)
+        assert not out_op_calls, kw
+
+
+@pytest.mark.parametrize("shapes", [((1, 4, 1, 32), (1, 3, 16, 32), (1, 3, 16, 32)),
+                                    ((1, 4, 1, 32), (1, 4, 16, 31), (1, 4, 16, 32)),
+                                    ((1, 4, 1, 32), (1, 4, 16, 32), (1, 4, 15, 32))])
+def test_attention_out_errors_are_attentions(shapes):
+    torch = _torch()
+    import sdpa.torch  # noqa: F401
+    q, k, v = (torch.randn(s) for s in shapes)
+
+    def message(call):
+        with pytest.raises(ValueError) as e:
+            call()
+        return str(e.value).split("\n")[0]
+
+    assert message(lambda: torch.ops.sdpa.attention_out(q, k, v)) == \
+        message(lambda: torch.ops.sdpa.attention(q, k, v, None, "none", None, -1, -1, 0.0, None))
+    assert message(lambda: torch.ops.sdpa.attention_out(q[..., :0, :], q, q, "sideways")) == \
+        message(lambda: torch.ops.sdpa.attention(q[..., :0, :], q, q, None, "sideways", None, -1, -1, 0.0, None))
+
+
+def test_attention_out_compiles_with_its_gradient(out_op_calls):
+    """The common call under torch.compile (fullgraph: no graph break), forward and backward,
+    equals the eager call."""
+    torch = _torch()
+    from sdpa.torch import scaled_dot_product_attention as ours
+    g = torch.Generator().manual_seed(35)
+    q, k, v = (torch.randn(s, generator=g, requires_grad=True) for s in SHAPES[1][:2] + ((2, 2, 97, 16),))
+    fn = lambda a, b, c: ours(a, b, c, is_causal=True, enable_gqa=True)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    assert out_op_calls  # traced through attention_out
+    got_grads = torch.autograd.grad(got.sum(), (q, k, v))
+    want = fn(q, k, v)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
