@@ -24,18 +24,23 @@ def _equal(a, b):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))  # bits (NaN too)
 
 
-@pytest.fixture
-def fast_taken(monkeypatch):
-    """Counts the calls that went the slow way (through _prepared_inputs)."""
+def _counted(monkeypatch, module, name):
+    """The list of calls of module.name (one entry each), for the rest of the test."""
     calls = []
-    real = sdpa._prepared_inputs
+    real = getattr(module, name)
 
     def counting(*args):
         calls.append(1)
         return real(*args)
 
-    monkeypatch.setattr(sdpa, "_prepared_inputs", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+@pytest.fixture
+def fast_taken(monkeypatch):
+    """Counts the calls that went the slow way (through _prepared_inputs)."""
+    return _counted(monkeypatch, sdpa, "_prepared_inputs")
 
 
 SHAPES = [((1, 4, 1, 32), (1, 4, 16, 32), (1, 4, 16, 32)),  # the decode step of bench/overhead.py
@@ -168,17 +173,9 @@ def _torch():
 @pytest.fixture
 def out_op_calls(monkeypatch):
     """Counts the wrapper's calls of attention_out (the operator without lse)."""
-    torch = _torch()
+    _torch()
     import sdpa.torch as st
-    calls = []
-    real = st._attention_out
-
-    def counting(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(st, "_attention_out", counting)
-    return calls
+    return _counted(monkeypatch, st, "_attention_out")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
