@@ -5,6 +5,8 @@
 //
 //   attention(q, k, v, mask?, causal, scale?, window_left, window_right, dropout_p, seed?)
 //       -> (out, lse)                      q (B, Hq, Nq, Dk), k (B, Hkv, Nk, Dk), v (B, Hkv, Nk, Dv)
+//   attention_out(q, k, v, causal="none", scale?) -> out    attention's out alone, for calls without
+//       mask, dropout, modifiers or block mask in exact precision (no lse: a cheaper call)
 //   attention_backward(dout, q, k, v, out, lse, mask?, causal, ...) -> (dq, dk, dv, dsinks, dbias, dalibi)
 //   attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, ...) -> (out, lse)
 //                                           q (total_q, Hq, Dk), k, v (total_k, Hkv, D)
@@ -37,7 +39,7 @@
 // nothing sdpa::attention does not: its Errors become ValueError, as from sdpa._core. lse is
 // in the compute dtype (float64 for float64 q, else float32) and gets no gradient.
 //
-// Autograd: attention and attention_varlen have kernels at the Autograd key (a
+// Autograd: attention, attention_out and attention_varlen have kernels at the Autograd key (a
 // torch::autograd::Function whose backward calls the *_backward operator); the backward
 // operators' own autograd kernels refuse a second derivative; attention_paged's and
 // attention_weights' outputs carry no gradient. Fake (meta) kernels, for torch.compile, are registered in sdpa/torch.py.
@@ -182,6 +184,23 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
               Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
   run([&] { sdpa::attention(in, outs, opt); });
   return {out, lse};
+}
+
+// attention's out alone, for the common call (no mask, dropout, modifiers or block mask; exact
+// precision): no lse is allocated, returned or written, and the schema has five arguments, each
+// of which costs the boxed call from Python (sdpa.torch's tiny decode step). The same kernels
+// as attention's: out is attention's out bit for bit.
+Tensor attention_out_cpu(const Tensor& q_, const Tensor& k_, const Tensor& v_, c10::string_view causal,
+                         std::optional<double> scale) {
+  const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
+  auto shape = q.sizes().vec();
+  shape.back() = v.size(-1);
+  const Tensor out = at::empty(shape, q.options());
+  const sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
+  const sdpa::Outputs outs{view(out, "out"), std::nullopt, std::nullopt};
+  const sdpa::Options opt = options(causal, scale, -1, -1, 0.0, std::nullopt);
+  run([&] { sdpa::attention(in, outs, opt); });
+  return out;
 }
 
 // dalibi for a backward call: with alibi_grad, the slopes' gradient, shaped like them, in their
@@ -436,6 +455,44 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
   return {r[0], r[1]};
 }
 
+// attention_out's Function: AttentionFunction for attention_out's five arguments (the others at
+// their defaults), with a smaller node (five saved tensors, two saved options: each costs the
+// recorded call), returning out alone; its backward is attention_backward's, as AttentionFunction's.
+struct AttentionOutFunction : public torch::autograd::Function<AttentionOutFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               c10::string_view causal, std::optional<double> scale) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
+    auto [out, lse] = fwd.call(q, k, v, std::nullopt, causal, scale, -1, -1, 0.0, std::nullopt, 0.0, false,
+                               std::nullopt, std::nullopt, std::nullopt, 128, 128, "exact", std::nullopt);
+    ctx->save_for_backward({q, k, v, out, lse});  // (through autograd: see AttentionFunction)
+    ctx->saved_data["causal"] = std::string(causal);
+    ctx->saved_data["scale"] = scale;
+    return {out};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list s = ctx->get_saved_variables();
+    static const auto bwd = op("sdpa::attention_backward").typed<decltype(attention_backward_cpu)>();
+    const Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(s[3]);
+    auto [dq, dk, dv, dsinks, dbias, dalibi] =
+        bwd.call(dout, s[0], s[1], s[2], s[3], s[4], std::nullopt, ctx->saved_data["causal"].toStringRef(),
+                 ctx->saved_data["scale"].toOptional<double>(), -1, -1, 0.0, std::nullopt, 0.0, false, std::nullopt,
+                 std::nullopt, std::nullopt, 128, 128, false, false, "exact", std::nullopt);
+    return {dq, dk, dv, Tensor(), Tensor()};  // q, k, v, causal, scale
+  }
+};
+
+// attention_out: the CPU kernel when autograd records nothing; else AttentionOutFunction.
+Tensor attention_out_autograd(const Tensor& q, const Tensor& k, const Tensor& v, c10::string_view causal,
+                              std::optional<double> scale) {
+  if (!records({&q, &k, &v})) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static const auto fwd = op("sdpa::attention_out").typed<decltype(attention_out_cpu)>();
+    return fwd.call(q, k, v, causal, scale);
+  }
+  return AttentionOutFunction::apply(q, k, v, causal, scale)[0];
+}
+
 struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const Tensor& cu_q, const Tensor& cu_k, c10::string_view causal,
@@ -597,6 +654,7 @@ TORCH_LIBRARY(sdpa, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION
         ", Tensor? seqlens_k=None) -> (Tensor, Tensor)");
+  m.def("attention_out(Tensor q, Tensor k, Tensor v, str causal=\"none\", float? scale=None) -> Tensor");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
         SDPA_BLOCKS ", bool mask_grad=False, bool alibi_grad=False" SDPA_PRECISION
@@ -622,6 +680,7 @@ TORCH_LIBRARY(sdpa, m) {
 
 TORCH_LIBRARY_IMPL(sdpa, CPU, m) {
   m.impl("attention", &attention_cpu);
+  m.impl("attention_out", &attention_out_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
   m.impl("attention_varlen", &attention_varlen_cpu);
   m.impl("attention_varlen_backward", &attention_varlen_backward_cpu);
@@ -632,6 +691,7 @@ TORCH_LIBRARY_IMPL(sdpa, CPU, m) {
 
 TORCH_LIBRARY_IMPL(sdpa, Autograd, m) {
   m.impl("attention", &attention_autograd);
+  m.impl("attention_out", &attention_out_autograd);
   m.impl("attention_backward", &AttentionBackwardAutograd::apply_tuple);
   m.impl("attention_varlen", &attention_varlen_autograd);
   m.impl("attention_varlen_backward", &VarlenBackwardAutograd::apply_tuple);

@@ -185,6 +185,32 @@ def _prepared_inputs(q, k, v, mask):
     return _compute_dtype(q_dtype), q, k, v, mask
 
 
+# The dtypes the fast path of ``attention`` passes to _core as they are (native byte order),
+# each aligned to its item size, so that NumPy's aligned flag of a non-empty array of one of them
+# is _readable_in_place's check of the address and of the strides of its dims longer than 1.
+_AS_IS = tuple(d for d in (_FLOAT32, _FLOAT64, _FLOAT16, _BFLOAT16) if d.alignment == d.itemsize)
+
+
+def _as_is(a):
+    """Whether _prepared would return a itself (no conversion, no copy), by a shorter road than
+    its checks: an ndarray (not a subclass) of 2 to 4 dims (_check_kind's) and one of _AS_IS, not
+    empty, readable in place (the aligned flag, and every stride a multiple of the item size)
+    and with unit stride in its last dim (or a last dim of at most 1). False sends a call to
+    the checks that name the argument."""
+    if type(a) is not np.ndarray or a.dtype not in _AS_IS or not 2 <= a.ndim <= 4 or not a.size:
+        return False
+    size = a.itemsize
+    return (a.flags.aligned and (a.strides[-1] == size or a.shape[-1] <= 1)
+            and all(s % size == 0 for s in a.strides))
+
+
+def _inputs_as_is(q, k, v):
+    """Whether _prepared_inputs(q, k, v, None) would return q, k and v themselves: each _as_is,
+    with dtypes that _storage_dtypes keeps (one dtype, or float32 q over one 16-bit k and v)."""
+    return (_as_is(q) and _as_is(k) and _as_is(v) and k.dtype == v.dtype
+            and (q.dtype == k.dtype or (q.dtype == _FLOAT32 and k.dtype in _LOW)))
+
+
 def _prepared_seqlens(seqlens_k):
     return _prepared_indices("seqlens_k", seqlens_k, "(B,), one key length per sequence")
 

@@ -568,6 +568,8 @@ def _op_samples():
         (torch.ops.sdpa.attention_paged.default,
          (torch.randn(5, 4, 8, generator=g), pages, pages, table, torch.tensor([20, 9]), torch.tensor([0, 3, 5]),
           "bottom_right", None, -1, -1)),
+        (torch.ops.sdpa.attention_out.default, (q, k, v)),
+        (torch.ops.sdpa.attention_out.default, (q, k, v, "top_left", 0.5)),
     ]
 
 
@@ -629,7 +631,7 @@ def test_operator_seqlens_k_errors_name_it():
         torch.ops.sdpa.attention(q, q, q, None, "none", None, -1, -1, 0.0, None, seqlens_k=torch.tensor([1, 4]))
 
 
-@pytest.mark.parametrize("sample", range(7))
+@pytest.mark.parametrize("sample", range(9))
 def test_operators_pass_opcheck(sample):
     # torch's own checks of a custom operator: its schema, its autograd registration, its fake
     # kernel against the real one (shapes, strides, dtypes) and tracing with AOTAutograd.
