@@ -107,6 +107,23 @@ TEST_F(Ring, AllGatherRank3And2TensorsAreTheRank4Call) {
   }
 }
 
+// No heads (attention() takes Hq = Hkv = 0): both strategies run and return (kAllGather has no
+// head to gather; its query heads per kv head are then 0, not a division by zero).
+TEST_F(Ring, NoHeads) {
+  const int W = 2;
+  const int64_t n_local = 4, N = W * n_local;
+  Options o;
+  o.causal = Causal::kTopLeft;
+  const Problem whole = make_problem(random_qkv(kF32, {1, 0, N, 8}, {1, 0, N, 8}, {1, 0, N, 8}, 5), o,
+                                     Layout::kContiguous, 7);
+  for (RingStrategy strategy : {kRingS, kAG}) {
+    SCOPED_TRACE(strategy == kAG ? "kAllGather" : "kRing");
+    std::vector<RankData> ranks = shards(whole.t, W, kZig, kF32);
+    run_forward(ranks, o, ring_options(kZig, strategy));
+    run_backward(ranks, whole.out, whole.lse, whole.dout, o, ring_options(kZig, strategy), {0}, kF32);
+  }
+}
+
 // ---- Failures: every rank throws within the deadline, nothing is written ----
 
 // Stops a rank's all-gathers after `after` of them (the collective check's is the first): the

@@ -35,7 +35,8 @@
 // finished (and, in the backward, on every rank whose dk, dv lack its part). Outputs are written
 // only after the last block arrived: a call that throws writes nothing, leaves none of its
 // requests pending, and leaks (never frees) the message buffers of those that did not complete
-// (Communicator, below: at most its blocks, O(N_local)).
+// (Communicator, below: kRing's blocks and gradient sums, O(N_local); kAllGather's gathered
+// heads and a head's dk, dv segments, O(N) for one head).
 #pragma once
 
 #include <cstddef>
@@ -102,7 +103,9 @@ struct RingStats {
 //               N_local; N · D per tensor, not N · Hkv · D). For GQA / MQA (few kv heads: K/V
 //               small beside Q) and short K/V, where a head's gathered K/V is cheap and each rank
 //               then computes without waiting step by step. The pairs are taken in the ring's step
-//               order: out and lse are kRing's. The backward gathers the same, computes dq locally
+//               order: out and lse are merged as kRing's (bitwise kRing's unless a kernel's plan
+//               depends on the head count: e.g. a long document's few rows, whose keys a call of
+//               all heads may split otherwise; within the tolerance rule either way). The backward gathers the same, computes dq locally
 //               and its part of the head's whole dk, dv (N · (Dk + Dv) more, float32 / float64),
 //               and reduces those to their owners with a ring reduce-scatter (W - 1 steps of
 //               isend/irecv per head, after the head's compute: rank o's rows summed over ranks

@@ -113,17 +113,25 @@ class TorchCommunicator(_numpy_ring.Communicator):
 def _seed(seed, dropout_p, group, timeout):
     """The dropout seed every rank uses: seed, or with dropout and none given one drawn from
     torch's generator on the group's rank 0 (torch.manual_seed there reproduces it; the others'
-    generators are not used) and all-gathered with the ring's deadline: ValueError naming the
-    rank within ``timeout`` seconds when a peer does not take part, never a hang."""
-    if seed is not None or not dropout_p > 0:
-        return seed
+    generators are not used). Every rank all-gathers (whether it draws, rank 0's draw) on every
+    call, with the ring's deadline, so that ranks that disagree on drawing (one passes a seed or
+    no dropout, another neither) get the same ValueError, and a peer that does not take part a
+    ValueError naming the rank within ``timeout`` seconds: never a hang or mismatched collectives."""
     comm = TorchCommunicator(group)
-    mine = np.zeros(1, np.int64)
-    if comm.rank() == 0:
-        mine[0] = torch.randint(0, 2**62, (1,), dtype=torch.int64).item()
-    seeds = np.empty(comm.size(), np.int64)
-    _numpy_ring._gathered(comm, mine, seeds, _numpy_ring._timeout_arg(timeout), "the dropout seed's all-gather")
-    return int(seeds[0])
+    draw = seed is None and dropout_p > 0
+    mine = np.zeros(2, np.int64)
+    mine[0] = draw
+    if draw and comm.rank() == 0:
+        mine[1] = torch.randint(0, 2**62, (1,), dtype=torch.int64).item()
+    every = np.empty((comm.size(), 2), np.int64)
+    _numpy_ring._gathered(comm, mine, every, _numpy_ring._timeout_arg(timeout), "the dropout seed's all-gather")
+    for r in range(1, comm.size()):
+        if every[r, 0] != every[0, 0]:
+            def says(x):
+                return "draws a seed (dropout_p > 0, seed=None)" if x else "does not (a seed given, or dropout_p = 0)"
+            raise ValueError(f"ring_attention: rank {r} {says(every[r, 0])} but rank 0 {says(every[0, 0])}: every "
+                             f"rank must pass the same dropout_p and seed")
+    return int(every[0, 1]) if draw else seed
 
 
 def _array(name, t):

@@ -28,7 +28,9 @@ when an MPI communicator is needed: ``import sdpa`` and this module do not need 
 Failures: shapes, dtypes and options are compared across the ranks before any block moves (a
 mismatch is a ValueError on every rank, naming the rank that differs); every wait has a
 deadline, ``timeout`` seconds, so a rank that stops or dies gives the others a ValueError naming
-the peer within about that time, never a hang. Nothing is returned from a call that fails. The
+the peer within about that time, never a hang. (An argument this module refuses itself before
+the C++ call, a wrong type, name or timeout, raises on that rank at once; its peers then get
+the deadline's ValueError, not the same message.) Nothing is returned from a call that fails. The
 ring's messages travel on a duplicate of an mpi4py communicator (``MPICommunicator``), never
 matching the caller's own; after a timeout its pending messages are abandoned with it: end the
 job (MPI without fault tolerance cannot go on past a dead peer). A ``Communicator`` passed in
@@ -175,6 +177,7 @@ class MPICommunicator(Communicator):
         if _completed(req, seconds):
             return True
         self._abandoned = True
+        _LOST.append(req)  # never freed: MPI may still use it and the buffers it references
         if receive:  # cancelled so that no late message lands (the ring leaks the buffer of a request not
             # waited to completion, so a late write would not hit freed memory either)
             try:
@@ -258,9 +261,7 @@ def ring_attention(q, k, v, comm=None, *, causal=False, layout="zigzag", scale=N
             the ring, each transfer behind the compute of the block before; memory O(N_local))
             or "allgather" (each rank gathers the whole sequence's K/V one (batch entry, kv
             head) at a time, Llama 3's: for GQA / MQA and short K/V; refuses dropout and a
-            block_mask). The results differ only by the fixed order of their merges.
-            (sdpa::RingStrategy: "allgather" is refused, ValueError on every rank, until the
-            C++ implements it.)
+            block_mask). The results differ only by the fixed order of their sums (dk, dv).
         cu_seqlens: packed documents (as ``sdpa.attention_varlen`` packs them): (D + 1,)
             integer offsets over the WHOLE sequence's positions (not this rank's rows): 0, non-
             decreasing, ending at N = W · N_local; the same on every rank; q's batch must be 1
@@ -323,8 +324,8 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm=None, *, causal=False,
 
     dout, out and lse: this rank's shards, out and lse as ``ring_attention(...,
     return_lse=True)`` returned them for these inputs and options (the whole rows' lse). The
-    options (strategy and cu_seqlens too) must be the forward's. dk and dv of a block are summed over the ranks in ring order,
-    in float32 (float64 for float64), rounded once. ``return_stats``: also return (last) the
+    options (strategy and cu_seqlens too) must be the forward's. dk and dv of a block are summed
+    over the ranks in a fixed order (ring.h), in float32 (float64 for float64), rounded once. ``return_stats``: also return (last) the
     dict ``ring_attention`` describes (``bytes_sent`` counts the travelling dk, dv too). Errors
     as ``ring_attention``.
     """
@@ -396,11 +397,17 @@ def _allgather(comm, x, timeout):
     return out
 
 
+# What a request that did not complete may still touch (abandoned requests and their buffers):
+# kept alive, never freed, as the C++ ring leaks its buffers (ring.h, Communicator).
+_LOST = []
+
+
 def _gathered(comm, inbuf, outbuf, timeout, what):
     """comm's all-gather of inbuf into outbuf, waited on for timeout seconds (ValueError naming
-    `what` and the rank when it does not complete)."""
+    `what` and the rank when it does not complete; the buffers are then kept in _LOST)."""
     request = comm.iallgather(inbuf.reshape(-1).view(np.uint8), outbuf.reshape(-1).view(np.uint8))  # (1-dim, as the ring's)
     if not comm.wait(request, timeout):
+        _LOST.append((inbuf, outbuf))
         raise ValueError(f"rank {comm.rank()}: {what} did not complete within {timeout} s (a rank stopped?)")
 
 

@@ -84,6 +84,10 @@ def _worker(rank, world, port, outdir):
             n = 4 if rank == world - 1 else 2
             qm = torch.zeros(1, 2, n, 8)
             result["mismatch"] = ring_util.error(lambda: sd.ring_attention(qm, qm, qm, timeout=30))[0]
+            # rank 0 draws a dropout seed, the others pass one: the same ValueError on every rank
+            # (not two different collectives, which gloo aborts on)
+            result["seed_mismatch"] = ring_util.error(
+                lambda: sd.ring_attention(qd, qd, qd, dropout_p=0.5, seed=None if rank == 0 else 3, timeout=30))[0]
             # a rank that stops: the others' error within the timeout (the last rank sleeps, then exits)
             if rank == world - 1:
                 ring_util.save(os.path.join(outdir, f"rank{rank}.pkl"), result)
@@ -135,6 +139,9 @@ def test_ring_attention_torch(spawned):
     for r in results:
         msg = r["mismatch"]
         assert msg is not None and "ValueError" in msg, f"W={world} rank {r['rank']}: no error for a mismatch ({msg})"
+        msg = r["seed_mismatch"]
+        want = "rank 1 does not (a seed given, or dropout_p = 0) but rank 0 draws a seed (dropout_p > 0, seed=None)"
+        assert msg is not None and want in msg, f"W={world} rank {r['rank']}: seed mismatch: {msg}"
     for r in results[:-1]:
         for key, text in (("stopped_seed", f"rank {r['rank']}: the dropout seed's all-gather did not complete within "
                                            f"{STOP_TIMEOUT} s"), ("stopped", None)):

@@ -520,7 +520,7 @@ void collective_check(const char* call, int call_id, Communicator& comm, const T
   try {
     check();
     mine = describe_call(call_id, comm, tensors, o, ring);
-  } catch (const Error& e) {
+  } catch (const std::exception& e) {  // an Error, or e.g. bad_alloc: refused all the same
     mine = Descriptor{};
     mine.rank = comm.rank();
     mine.world = comm.size();
@@ -1237,7 +1237,7 @@ void allgather_forward(Communicator& comm, const Shard& sh, const Inputs& in, co
   const TensorView acc_l = contiguous_view(acc_lse.data(), ct, R - 1, out_shape.data());
   AllGatherOwner owner(comm, ring.timeout_seconds, ring.stats);
   KvGather kv(owner, in, "ring_attention", ring.timeout_seconds, W, r, R);
-  const int64_t G = sh.Hq / kv.Hkv;  // query heads per kv head
+  const int64_t G = kv.Hkv > 0 ? sh.Hq / kv.Hkv : 0;  // query heads per kv head (no heads: none)
   // A pair's partial: one kv head's query heads, the longest chunk's rows.
   int64_t max_len = 0;
   for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
@@ -1296,7 +1296,7 @@ void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, c
   std::vector<double> dsinks(grads.dsinks ? static_cast<size_t>(sh.Hq) : 0, 0.0);
   AllGatherOwner owner(comm, ring.timeout_seconds, ring.stats);
   KvGather kv(owner, in, "ring_attention_backward", ring.timeout_seconds, W, r, R);
-  const int64_t G = sh.Hq / kv.Hkv;
+  const int64_t G = kv.Hkv > 0 ? sh.Hq / kv.Hkv : 0;
   int64_t max_len = 0;
   for (const RingChunk& c : sh.chunks) max_len = std::max(max_len, c.length);
   PairGrads<T> pg(ct, shape_of(heads_of(in.q, R, 0, 0, G)), kv.k_shape, kv.v_shape, nd, max_len, dalibi.size(),
@@ -1342,10 +1342,10 @@ void allgather_backward(Communicator& comm, const Shard& sh, const Inputs& in, c
             }
           }
         }
-      } catch (const std::exception& e) {
+      } catch (...) {
         failed = std::current_exception();
         mine.rank_plus_1 = r + 1;
-        std::snprintf(mine.message, sizeof mine.message, "%s", e.what());
+        std::snprintf(mine.message, sizeof mine.message, "%s", message_of(failed).c_str());
       }
     }
     if (failed) {
