@@ -296,7 +296,9 @@ void check_docs_backward(const DocCase& c, DType dt, RingStrategy strategy) {
   const DocOptions co(c, 9);
   const Options& o = co.o;
   std::vector<int64_t> cu = c.cu;
-  const auto [out, lse] = varlen(t, cu, o, dt);
+  // (named references, not a structured binding: clang 14's lambdas cannot capture those)
+  const std::pair<GuardedTensor, GuardedTensor> whole = varlen(t, cu, o, dt);
+  const GuardedTensor &out = whole.first, &lse = whole.second;
   GuardedTensor dout(dt, out.shape());
   std::mt19937 rng(41);
   fill_normal(dout, rng);
