@@ -278,8 +278,16 @@ bool LocalComm::wait(Request request, double seconds) {
 }  // namespace sdpa_test
 
 // Every free is checked against the watched ranges (sdpa_test::watch_buffer): the test
-// programs' operator delete. operator new stays libstdc++'s, which is malloc (hence free here;
-// GCC cannot see that pairing).
+// programs' operator delete, paired with an operator new of malloc here (both replaced, so that
+// a sanitizer's own new is never freed by this delete: ASan calls that an alloc-dealloc
+// mismatch). The aligned forms stay the runtime's, new and delete alike.
+void* operator new(std::size_t n) {
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return ::operator new(n); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n ? n : 1); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return std::malloc(n ? n : 1); }
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmismatched-new-delete"
 void operator delete(void* p) noexcept {
@@ -295,6 +303,14 @@ void operator delete[](void* p) noexcept {
   std::free(p);
 }
 void operator delete[](void* p, std::size_t) noexcept {
+  sdpa_test::check_free(p);
+  std::free(p);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept {
+  sdpa_test::check_free(p);
+  std::free(p);
+}
+void operator delete[](void* p, const std::nothrow_t&) noexcept {
   sdpa_test::check_free(p);
   std::free(p);
 }
