@@ -660,7 +660,9 @@ double value_at(const NpyArray& a, int64_t i) {
     case DType::kFloat64: return a.values<double>()[i];
     case DType::kBool:
     case DType::kInt32:
-    case DType::kInt64: break;
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kUInt8: break;
   }
   ADD_FAILURE() << "not a float array";
   return 0;

@@ -43,8 +43,14 @@ void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, D
 }  // namespace
 
 KVCache::KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int64_t head_dim_k, int64_t head_dim_v,
-                 DType dtype)
-    : num_pages_(num_pages), page_size_(page_size), heads_(num_kv_heads), dk_(head_dim_k), dv_(head_dim_v), dtype_(dtype) {
+                 DType dtype, int64_t quant_groups)
+    : num_pages_(num_pages),
+      page_size_(page_size),
+      heads_(num_kv_heads),
+      dk_(head_dim_k),
+      dv_(head_dim_v),
+      dtype_(dtype),
+      groups_(quant_groups) {
   if (page_size < 1) fail("KVCache: page_size=" + std::to_string(page_size) + " must be at least 1");
   if (num_kv_heads < 1) fail("KVCache: num_kv_heads=" + std::to_string(num_kv_heads) + " must be at least 1");
   if (num_pages < 0 || num_pages > std::numeric_limits<int32_t>::max()) {
@@ -172,5 +178,7 @@ TensorView head_major_pages(const std::vector<std::byte>& pool, DType dtype, int
 
 TensorView KVCache::k_pages() const { return head_major_pages(k_, dtype_, num_pages_, page_size_, heads_, dk_); }
 TensorView KVCache::v_pages() const { return head_major_pages(v_, dtype_, num_pages_, page_size_, heads_, dv_); }
+
+std::optional<KVQuant> KVCache::kv_quant() const { return std::nullopt; }  // 8-bit pools: not yet
 
 }  // namespace sdpa

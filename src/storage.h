@@ -30,7 +30,7 @@ struct DTypeTraits {
   const char* name;       // dtype_name(): how errors, the CLI and Python spell it
   int64_t bytes;          // per element (dtype_size())
   bool storage;           // a floating-point storage type of q, k, v, out and float masks
-  DType compute;          // for a storage type, what the kernels compute in; else the dtype itself
+  DType compute;          // for a storage type (or an 8-bit K/V type), what the kernels compute in; else the dtype itself
   const char* npy_descr;  // the .npy header's descr (numpy.save's dtype.str), read and written by cli/npy.cc
 };
 
@@ -45,6 +45,8 @@ inline constexpr DTypeTraits kDTypeTable[] = {
     {DType::kFloat16, "float16", 2, true, DType::kFloat32, "<f2"},
     {DType::kInt32, "int32", 4, false, DType::kInt32, "<i4"},
     {DType::kInt64, "int64", 8, false, DType::kInt64, "<i8"},
+    {DType::kInt8, "int8", 1, false, DType::kFloat32, "|i1"},    // 8-bit K/V (KVQuant): computed in float32
+    {DType::kUInt8, "uint8", 1, false, DType::kFloat32, "|u1"},
 };
 constexpr bool table_in_enum_order() {
   for (size_t i = 0; i < std::size(kDTypeTable); ++i)
@@ -159,7 +161,9 @@ T load_as(DType t, const void* p) {
     case DType::kFloat16: return static_cast<T>(f16_to_f32(*static_cast<const uint16_t*>(p)));
     case DType::kBool:
     case DType::kInt32:
-    case DType::kInt64: break;
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kUInt8: break;
   }
   std::abort();  // validation admits only float dtypes here
 }
@@ -175,7 +179,9 @@ void store_as(DType t, void* p, T x) {
     case DType::kFloat16: *static_cast<uint16_t*>(p) = f32_to_f16(static_cast<float>(x)); return;
     case DType::kBool:
     case DType::kInt32:
-    case DType::kInt64: break;
+    case DType::kInt64:
+    case DType::kInt8:
+    case DType::kUInt8: break;
   }
   std::abort();
 }

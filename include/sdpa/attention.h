@@ -62,6 +62,8 @@ enum class DType : uint8_t {
   kFloat16,   // IEEE binary16 (5 exponent bits, 10 mantissa bits; largest 65504)
   kInt32,     // index tensors only (Inputs::seqlens_k)
   kInt64,
+  kInt8,      // an 8-bit K/V cache (KVQuant below): symmetric, values in [-127, 127], a scale
+  kUInt8,     // an 8-bit K/V cache: asymmetric, values in [0, 255], a scale and a zero point
 };
 const char* dtype_name(DType dtype);
 int64_t dtype_size(DType dtype);
@@ -261,6 +263,26 @@ struct Options {
   std::optional<int64_t> q_start = std::nullopt, k_start = std::nullopt;
 };
 
+// An 8-bit K/V cache (OpenVINO's u8 KV cache, llama.cpp's q8_0): k and v hold int8 or uint8
+// values (both the same dtype) and beside them float32 scales (and, for uint8, zero points).
+// Element d of key row (b, h, n) is
+//   k(b, h, n, d) = fl32(fl32(x - z) · s),   x the stored value, s = k_scale(b, h, n, g),
+//                                            z = k_zero(b, h, n, g) (0 for int8), g = d / (Dk / G)
+// one float32 rounding when z is an integer (as quantize_kv writes it), and likewise v with
+// v_scale, v_zero and Dv. Each scale view has k's (v's) shape without its last dim: one scale
+// per (token, kv head), OpenVINO's default; or that shape with a last dim G that divides Dk (Dv):
+// per-group scales, G groups of Dk / G features. Any strides. For attention_paged the views are
+// pools like k_pages: (num_pages, page_size, Hkv[, G]), read through the same block table.
+// The kernels dequantise in registers and compute in float32 (q: float32, bfloat16 or float16;
+// Options::precision does not apply); the float64 kReference takes those float32 values as the
+// cache. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward
+// refuses 8-bit K/V. Errors: scales missing for 8-bit K/V or given for other dtypes, a zero
+// point for int8 or none for uint8, wrong shapes or dtypes, non-finite scales or zero points.
+struct KVQuant {
+  TensorView k_scale = {}, v_scale = {};                         // float32
+  std::optional<TensorView> k_zero = std::nullopt, v_zero = std::nullopt;  // float32, uint8 only
+};
+
 // Dtypes. q, k, v share one dtype: float32, float64, bfloat16 or float16; or q is float32 and
 // k, v share bfloat16 or float16 (a 16-bit KV cache read by float32 queries). The compute type
 // is float64 for float64 q and float32 otherwise: scores, softmax sums, outputs and gradients
@@ -283,6 +305,8 @@ struct Inputs {
   //             x x x x x -              x x - - - -
   //   (tests/seqlens_test.cc checks this picture)
   std::optional<TensorView> seqlens_k = std::nullopt;
+  // 8-bit k and v: their scales (and zero points), as KVQuant says.
+  std::optional<KVQuant> kv_quant = std::nullopt;
 };
 
 // Per-row statistics of the attention weights w_ij (the softmax before dropout, after every
@@ -459,6 +483,8 @@ void attention_backward(const Inputs& inputs, const TensorView& out, const Tenso
 struct VarlenInputs {
   TensorView q = {}, k = {}, v = {};
   TensorView cu_seqlens_q = {}, cu_seqlens_k = {};
+  // 8-bit k and v: scales (total_k, Hkv[, G]) (and zero points), as KVQuant says.
+  std::optional<KVQuant> kv_quant = std::nullopt;
 };
 struct VarlenOutputs {
   TensorView out = {};
@@ -508,6 +534,8 @@ struct PagedInputs {
   TensorView q = {}, k_pages = {}, v_pages = {};
   TensorView block_table = {}, seqlens_k = {};
   std::optional<TensorView> cu_seqlens_q = std::nullopt;
+  // 8-bit k_pages and v_pages: their scale (and zero point) pools, as KVQuant says.
+  std::optional<KVQuant> kv_quant = std::nullopt;
 };
 void attention_paged(const PagedInputs& inputs, const Outputs& outputs, const Options& options = {});
 

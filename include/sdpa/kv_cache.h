@@ -26,17 +26,35 @@
 
 namespace sdpa {
 
+// Quantises x (any rank <= 4, last dim D, unit last stride; float32, float64, bfloat16 or
+// float16, finite) into an 8-bit K/V cache's values and scales (KVQuant): values shaped like x,
+// int8 or uint8; scale (float32) x's shape without its last dim, or with a last dim G dividing
+// D (groups of D / G features); zero (float32) given exactly when values are uint8. Per group
+// of features u (its elements widened to float64):
+//   int8:  s = fl32(max|u| / 127), x_q = clamp(rne(u / s), -127, 127)      (s = 0: x_q = 0)
+//   uint8: lo = min(min u, 0), hi = max(max u, 0), s = fl32((hi - lo) / 255),
+//          z = clamp(rne(-lo / s), 0, 255), x_q = clamp(rne(u / s) + z, 0, 255)   (s = 0: z = 0, x_q = 0)
+// (rne: round to nearest even; the range includes 0 so that a zero is stored exactly). z is an
+// integer, so the dequantised fl32(fl32(x_q - z) · s) is one float32 rounding of (x_q - z) · s.
+// Throws Error (writing nothing) for shapes or dtypes that do not fit, or a non-finite x.
+void quantize_kv(const TensorView& x, const TensorView& values, const TensorView& scale,
+                 const std::optional<TensorView>& zero = std::nullopt);
+
 class KVCache {
  public:
   // Throws Error for a size < 1 (page_size, Hkv), < 0 (num_pages, Dk, Dv) or a dtype that is
-  // not float32, float64, bfloat16 or float16.
+  // not float32, float64, bfloat16, float16, int8 or uint8. An 8-bit cache (int8, uint8) keeps
+  // beside its pool float32 scale pools (and zero points for uint8), (num_pages, page_size, Hkv)
+  // with quant_groups == 1 (one scale per token and kv head), else (..., quant_groups), which
+  // must divide Dk and Dv; append() quantises what it is given with quantize_kv's rule.
   KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int64_t head_dim_k, int64_t head_dim_v,
-          DType dtype = DType::kFloat32);
+          DType dtype = DType::kFloat32, int64_t quant_groups = 1);
 
   // A new, empty sequence: its id (the lowest id not in use).
   int64_t new_sequence();
   // Appends n tokens to sequence `seq`: k (n, Hkv, Dk) and v (n, Hkv, Dv) in the cache's dtype,
-  // any strides with a unit last one. Throws Error (writing nothing) for an unknown sequence,
+  // any strides with a unit last one (an 8-bit cache takes float32, bfloat16 or float16 and
+  // quantises them). Throws Error (writing nothing) for an unknown sequence,
   // mismatched shapes or dtype, or when the pool has too few free pages.
   void append(int64_t seq, const TensorView& k, const TensorView& v);
   // Gives the sequence's pages back; its id may be reused. Throws Error for an unknown sequence.
@@ -61,6 +79,10 @@ class KVCache {
   DType dtype() const { return dtype_; }
   TensorView k_pages() const;  // the pool, (num_pages, page_size, Hkv, Dk), head-major strides
   TensorView v_pages() const;
+  // An 8-bit cache's scale (and zero-point) pools, as attention_paged's PagedInputs::kv_quant
+  // takes them; std::nullopt for a float cache.
+  std::optional<KVQuant> kv_quant() const;
+  int64_t quant_groups() const { return groups_; }
 
  private:
   struct Sequence {
@@ -72,6 +94,7 @@ class KVCache {
 
   int64_t num_pages_, page_size_, heads_, dk_, dv_;
   DType dtype_;
+  int64_t groups_ = 1;
   std::vector<std::byte> k_, v_;
   std::vector<int32_t> free_;  // free pages, highest first (taken from the back)
   std::vector<Sequence> seqs_;
