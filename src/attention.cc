@@ -4,6 +4,7 @@
 
 #include "flash/flash.h"
 #include "kernel_path.h"
+#include "kv_dequant.h"
 #include "problem.h"
 #include "reference.h"
 
@@ -134,6 +135,15 @@ void run_backward(const BackwardProblem& bp, Backend backend) {
 
 void attention(const Inputs& inputs, const Outputs& outputs, const Options& options) {
   internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
+  Inputs in = inputs;
+  Outputs outs = outputs;
+  internal::Float32Call f32;  // 8-bit K/V: the float32 call standing in for this one
+  if (f32.prepare(in.q, in.k, in.v, in.kv_quant, &in.mask, outs.out, "k", "v",
+                  internal::dense_rows_read(in.k, in.seqlens_k))) {
+    internal::run_forward(internal::make_problem(in, outs, options), options.backend);
+    f32.finish();
+    return;
+  }
   internal::run_forward(internal::make_problem(inputs, outputs, options), options.backend);
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "kv_dequant.h"
 #include "packed.h"
 #include "problem.h"
 #include "storage.h"
@@ -226,17 +227,35 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
   return problems;
 }
 
-}  // namespace
-}  // namespace internal
+// The pages of k_pages a call reads: those its block-table rows name for each sequence's keys
+// (none when the table or seqlens_k is not readable, or an entry is not a page: paged_problem
+// then reports it).
+std::vector<bool> pages_read(const PagedInputs& in) {
+  const TensorView &table = in.block_table, &lengths = in.seqlens_k;
+  std::vector<bool> read(static_cast<size_t>(std::max<int64_t>(in.k_pages.shape[0], 0)), false);
+  const int64_t page_size = in.k_pages.rank == 4 ? in.k_pages.shape[1] : 0;
+  const bool readable = table.rank == 2 && table.data != nullptr && lengths.rank == 1 && lengths.data != nullptr &&
+                        lengths.shape[0] == table.shape[0] && page_size > 0 &&
+                        (table.dtype == DType::kInt32 || table.dtype == DType::kInt64) &&
+                        (lengths.dtype == DType::kInt32 || lengths.dtype == DType::kInt64);
+  for (int64_t b = 0; readable && b < table.shape[0]; ++b) {
+    const int64_t used = std::min((std::max<int64_t>(index_at(lengths, b), 0) + page_size - 1) / page_size, table.shape[1]);
+    for (int64_t j = 0; j < used; ++j) {
+      TensorView entry = table;
+      entry.strides[0] = 1;
+      const int64_t page = index_at(entry, b * table.strides[0] + j * table.strides[1]);
+      if (page >= 0 && page < static_cast<int64_t>(read.size())) read[static_cast<size_t>(page)] = true;
+    }
+  }
+  return read;
+}
 
-void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
-  internal::check_no_positions(options, "attention_paged");
-  if (outs.scores) internal::fail("scores are not available with attention_paged (attention() on the gathered keys has them)");
+void run_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
   if (in.cu_seqlens_q) {
-    internal::run_forward_many(internal::packed_problems(in, outs, options), options.backend);
+    run_forward_many(packed_problems(in, outs, options), options.backend);
     return;
   }
-  internal::run_forward(internal::paged_problem(in, outs, options, 0), options.backend);
+  run_forward(paged_problem(in, outs, options, 0), options.backend);
   if (in.k_pages.shape[0] == 0 && outs.weights) {  // no pages: every weight is 0 (see paged_problem)
     const TensorView& w = *outs.weights;
     for (int64_t i = 0; i < w.numel(); ++i) {
@@ -245,9 +264,32 @@ void attention_paged(const PagedInputs& in, const Outputs& outs, const Options& 
         at += rest % w.shape[d] * w.strides[d];
         rest /= w.shape[d];
       }
-      internal::store_as(w.dtype, static_cast<char*>(w.data) + at * internal::storage_bytes(w.dtype), 0.0);
+      store_as(w.dtype, static_cast<char*>(w.data) + at * storage_bytes(w.dtype), 0.0);
     }
   }
+}
+
+}  // namespace
+}  // namespace internal
+
+void attention_paged(const PagedInputs& given, const Outputs& outs_given, const Options& options) {
+  internal::check_no_positions(options, "attention_paged");
+  if (outs_given.scores) internal::fail("scores are not available with attention_paged (attention() on the gathered keys has them)");
+  // 8-bit pools: the float32 call standing in for this one (kv_dequant.h), the pages read
+  // dequantised.
+  PagedInputs in = given;
+  Outputs outs = outs_given;
+  internal::Float32Call f32;
+  bool dequantised = false;
+  if (in.k_pages.rank == 4) {
+    const std::vector<bool> read = internal::is_8bit_dtype(in.k_pages.dtype) ? internal::pages_read(in) : std::vector<bool>{};
+    dequantised = f32.prepare(in.q, in.k_pages, in.v_pages, in.kv_quant, nullptr, outs.out, "k_pages", "v_pages",
+                              [&read](const int64_t* lead) { return read[static_cast<size_t>(lead[0])]; });
+  } else if (in.kv_quant || internal::is_8bit_dtype(in.k_pages.dtype)) {
+    internal::check_rank("k_pages", in.k_pages, 4, "(num_pages, page_size, Hkv, Dk)");
+  }
+  internal::run_paged(in, outs, options);
+  if (dequantised) f32.finish();
 }
 
 }  // namespace sdpa

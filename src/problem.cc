@@ -405,6 +405,17 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   if (!is_float_dtype(q.dtype)) {
     fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but must be " + storage_dtype_list());
   }
+  // 8-bit K/V reach here only where no forward call dequantised them (kv_dequant.h): the
+  // backward (attention_backward, attention_varlen_backward, ring) refuses them.
+  if (k.dtype == DType::kInt8 || k.dtype == DType::kUInt8) {
+    fail(std::string("k has dtype ") + dtype_name(k.dtype) + " (shape " + k.shape_string() +
+         "): 8-bit k and v are read by the forward calls only (attention, attention_varlen, attention_paged, "
+         "with kv_quant); the backward refuses them");
+  }
+  if (in.kv_quant) {
+    fail(std::string("kv_quant is given but k has dtype ") + dtype_name(k.dtype) +
+         ": kv_quant goes with int8 or uint8 k and v, in the forward calls");
+  }
   // q, k and v share a dtype, but float32 queries may read a bfloat16 or float16 KV cache.
   const bool f32_over_16 = q.dtype == DType::kFloat32 && (k.dtype == DType::kBFloat16 || k.dtype == DType::kFloat16);
   if (k.dtype != q.dtype && !f32_over_16) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "kv_dequant.h"
 #include "kernel_path.h"
 #include "packed.h"
 #include "problem.h"
@@ -205,9 +206,15 @@ void run_backward_sequences(const std::vector<BackwardProblem>& problems, Backen
 }  // namespace
 }  // namespace internal
 
-void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, const Options& options) {
+void attention_varlen(const VarlenInputs& inputs_given, const VarlenOutputs& outputs_given, const Options& options) {
   internal::check_no_positions(options, "attention_varlen");
   internal::note_kernel_path(KernelPath::kSimd);
+  // 8-bit K/V: the float32 call standing in for this one (kv_dequant.h); every packed row is read.
+  VarlenInputs inputs = inputs_given;
+  VarlenOutputs outputs = outputs_given;
+  internal::Float32Call f32;
+  const bool dequantised = f32.prepare(inputs.q, inputs.k, inputs.v, inputs.kv_quant, nullptr, outputs.out, "k", "v",
+                                       [](const int64_t*) { return true; });
   const internal::Packed pk = internal::read_packed(inputs, outputs.out, outputs.lse);
   // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
   internal::make_problem(pk.whole(inputs), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
@@ -223,12 +230,18 @@ void attention_varlen(const VarlenInputs& inputs, const VarlenOutputs& outputs, 
     problems.back().dropout.batch_offset = b;
   }
   internal::run_forward_many(problems, options.backend);
+  if (dequantised) f32.finish();
 }
 
 void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,
                                const TensorView& dout, const Gradients& grads, const Options& options) {
   internal::check_no_positions(options, "attention_varlen_backward");
   internal::note_kernel_path(KernelPath::kSimd);
+  if (inputs.kv_quant || internal::is_8bit_dtype(inputs.k.dtype)) {
+    internal::fail(std::string("k has dtype ") + dtype_name(inputs.k.dtype) + " (shape " + inputs.k.shape_string() +
+                   ")" + (inputs.kv_quant ? " and kv_quant is given" : "") +
+                   ": 8-bit k and v are forward only; attention_varlen_backward refuses them");
+  }
   const internal::Packed pk = internal::read_packed(inputs, out, lse);
   internal::check_rank("dout", dout, 3, "(total_q, Hq, Dv)");
   internal::check_rank("dq", grads.dq, 3, "(total_q, Hq, Dk)");

@@ -273,11 +273,11 @@ struct Options {
 // per (token, kv head), OpenVINO's default; or that shape with a last dim G that divides Dk (Dv):
 // per-group scales, G groups of Dk / G features. Any strides. For attention_paged the views are
 // pools like k_pages: (num_pages, page_size, Hkv[, G]), read through the same block table.
-// The kernels dequantise in registers and compute in float32 (q: float32, bfloat16 or float16;
-// Options::precision does not apply); the float64 kReference takes those float32 values as the
-// cache. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward
-// refuses 8-bit K/V. Errors: scales missing for 8-bit K/V or given for other dtypes, a zero
-// point for int8 or none for uint8, wrong shapes or dtypes, non-finite scales or zero points.
+// The call dequantises the rows it reads into float32 scratch and computes in float32, bit for bit the call on float32
+// K/V holding those values (q: float32, bfloat16 or float16; Options::precision does not apply); kReference takes them
+// as the cache. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward refuses 8-bit K/V.
+// Errors: scales missing or given for other dtypes, a zero point for int8 or none for uint8, wrong shapes or dtypes, a
+// non-finite scale or zero point of a row read (past seqlens_k, or in a page no sequence uses, not read).
 struct KVQuant {
   TensorView k_scale = {}, v_scale = {};                         // float32
   std::optional<TensorView> k_zero = std::nullopt, v_zero = std::nullopt;  // float32, uint8 only

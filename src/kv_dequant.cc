@@ -1,0 +1,242 @@
+// 8-bit K/V: validation and the float32 stand-in call (kv_dequant.h).
+#include "kv_dequant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "checks.h"
+#include "storage.h"
+
+namespace sdpa::internal {
+namespace {
+
+const char* at(const TensorView& t, const int64_t* idx) {
+  int64_t off = 0;
+  for (int d = 0; d < t.rank; ++d) off += idx[d] * t.strides[d];
+  return static_cast<const char*>(t.data) + off * storage_bytes(t.dtype);
+}
+
+std::string index_string(const int64_t* idx, int n) {
+  std::string s = "(";
+  for (int d = 0; d < n; ++d) s += (d ? ", " : "") + std::to_string(idx[d]);
+  return s + ")";
+}
+
+// Calls f(lead) for every index of t's leading rank - 1 dims, in C order.
+template <typename F>
+void for_rows(const TensorView& t, F&& f) {
+  const int n = t.rank - 1;
+  for (int d = 0; d < n; ++d)
+    if (t.shape[d] == 0) return;
+  int64_t idx[4] = {0, 0, 0, 0};
+  while (true) {
+    f(idx);
+    int d = n - 1;
+    for (; d >= 0; --d) {
+      if (++idx[d] < t.shape[d]) break;
+      idx[d] = 0;
+    }
+    if (d < 0) return;
+  }
+}
+
+// A scale (or zero point) view of x: float32, x's shape without its last dim, or with a last
+// dim G dividing x's last dim. Returns G (1 for one per row).
+int64_t check_scale(const char* name, const TensorView& s, const char* x_name, const TensorView& x) {
+  check_basic(name, s, 1, 4);
+  if (s.dtype != DType::kFloat32) {
+    fail(std::string(name) + " has dtype " + dtype_name(s.dtype) + " but must be float32");
+  }
+  const int lead = x.rank - 1;
+  const int64_t D = x.shape[x.rank - 1];
+  bool ok = s.rank == lead || s.rank == x.rank;
+  for (int d = 0; ok && d < lead; ++d) ok = s.shape[d] == x.shape[d];
+  const int64_t G = s.rank == x.rank ? s.shape[lead] : 1;
+  if (ok && s.rank == x.rank) ok = G >= 1 && D % G == 0;
+  if (!ok) {
+    fail(std::string(name) + " has shape " + s.shape_string() + " but " + x_name + " has shape " + x.shape_string() +
+         ": it must be " + x_name + "'s shape without its last dim, or with a last dim G that divides " +
+         std::to_string(D));
+  }
+  check_has_data(name, s);
+  return G;
+}
+
+// A contiguous float32 view of t's shape over buf, holding t's values widened (copy) or not.
+TensorView float32_like(const TensorView& t, std::vector<float>& buf, bool copy) {
+  buf.assign(static_cast<size_t>(t.numel()), 0.0f);
+  TensorView out = t;
+  out.dtype = DType::kFloat32;
+  out.data = buf.data();
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) out.strides[d] = stride, stride *= t.shape[d];
+  if (!copy || t.numel() == 0) return out;
+  int64_t i = 0;
+  TensorView rows = t;  // for_rows walks the leading dims; a rank-1 view is one row
+  for_rows(rows, [&](const int64_t* lead) {
+    int64_t idx[4] = {lead[0], lead[1], lead[2], 0};
+    const char* p = at(t, idx);
+    const int64_t n = t.shape[t.rank - 1];
+    for (int64_t e = 0; e < n; ++e)
+      buf[static_cast<size_t>(i++)] = load_as<float>(t.dtype, p + e * t.strides[t.rank - 1] * storage_bytes(t.dtype));
+  });
+  return out;
+}
+
+// x (8-bit) dequantised into buf (contiguous float32, x's shape): the rows read, by KVQuant's
+// rule; the others 0. Errors on a non-finite scale or zero point of a row read.
+TensorView dequantize(const TensorView& x, const char* x_name, const TensorView& scale,
+                      const std::optional<TensorView>& zero, const char* s_name, const char* z_name,
+                      const RowsRead& reads, std::vector<float>& buf) {
+  const int64_t G = check_scale(s_name, scale, x_name, x);
+  if (zero) {
+    check_scale(z_name, *zero, x_name, x);
+    if (zero->rank != scale.rank || (zero->rank == x.rank && zero->shape[x.rank - 1] != G)) {
+      fail(std::string(z_name) + " has shape " + zero->shape_string() + " but " + s_name + " has shape " +
+           scale.shape_string() + ": a zero point per scale");
+    }
+  }
+  check_has_data(x_name, x);
+  const int64_t D = x.shape[x.rank - 1], width = D / G;
+  const TensorView out = float32_like(x, buf, false);
+  if (D == 0) return out;  // no value: no scale is read
+  const bool u8 = x.dtype == DType::kUInt8;
+  int64_t row = 0;
+  for_rows(x, [&](const int64_t* lead) {
+    float* dst = buf.data() + (row++) * D;
+    if (!reads(lead)) return;
+    int64_t idx[4] = {lead[0], lead[1], lead[2], 0};
+    const char* src = at(x, idx);
+    for (int64_t g = 0; g < G; ++g) {
+      idx[x.rank - 1] = g;
+      float s, z = 0.0f;
+      std::memcpy(&s, at(scale, idx), sizeof s);
+      if (!std::isfinite(s)) {
+        fail(std::string(s_name) + " has a non-finite value " + std::to_string(s) + " at " +
+             index_string(idx, scale.rank) + " (" + s_name + " " + scale.shape_string() + ", " + x_name + " " +
+             x.shape_string() + ")");
+      }
+      if (zero) {
+        std::memcpy(&z, at(*zero, idx), sizeof z);
+        if (!std::isfinite(z)) {
+          fail(std::string(z_name) + " has a non-finite value " + std::to_string(z) + " at " +
+               index_string(idx, zero->rank) + " (" + z_name + " " + zero->shape_string() + ", " + x_name + " " +
+               x.shape_string() + ")");
+        }
+      }
+      for (int64_t e = g * width; e < (g + 1) * width; ++e) {
+        const char* p = src + e * x.strides[x.rank - 1];
+        const float q = u8 ? static_cast<float>(*reinterpret_cast<const uint8_t*>(p))
+                           : static_cast<float>(*reinterpret_cast<const int8_t*>(p));
+        const float centred = q - z;  // fl32(x - z)
+        dst[e] = centred * s;         // fl32(fl32(x - z) · s)
+      }
+    }
+  });
+  return out;
+}
+
+bool is_16bit(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16; }
+
+}  // namespace
+
+bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::optional<KVQuant>& kv_quant,
+                          std::optional<TensorView>* mask, TensorView& out, const char* k_name, const char* v_name,
+                          const RowsRead& reads) {
+  if (!is_8bit_dtype(k.dtype) && !is_8bit_dtype(v.dtype)) {
+    if (kv_quant) {
+      fail(std::string("kv_quant is given but ") + k_name + " has dtype " + dtype_name(k.dtype) +
+           ": kv_quant goes with int8 or uint8 " + k_name + " and " + v_name);
+    }
+    return false;
+  }
+  if (v.dtype != k.dtype) {
+    fail(std::string(v_name) + " has dtype " + dtype_name(v.dtype) + " but " + k_name + " has dtype " +
+         dtype_name(k.dtype) + " (8-bit " + k_name + " and " + v_name + " share int8 or uint8)");
+  }
+  check_basic("q", q, 1, 4);
+  if (q.dtype != DType::kFloat32 && !is_16bit(q.dtype)) {
+    fail(std::string("q has dtype ") + dtype_name(q.dtype) + " but " + dtype_name(k.dtype) + " " + k_name +
+         " is read by float32, bfloat16 or float16 q");
+  }
+  if (!kv_quant) {
+    fail(std::string(k_name) + " has dtype " + dtype_name(k.dtype) + " but kv_quant is not given: 8-bit " + k_name +
+         " and " + v_name + " need their scales");
+  }
+  const bool u8 = k.dtype == DType::kUInt8;
+  for (const auto& [zero, name] : {std::pair{&kv_quant->k_zero, "kv_quant.k_zero"}, std::pair{&kv_quant->v_zero, "kv_quant.v_zero"}}) {
+    if (zero->has_value() && !u8) {
+      fail(std::string(name) + " is given but " + k_name + " has dtype int8 (symmetric: no zero point)");
+    }
+    if (!zero->has_value() && u8) fail(std::string(name) + " is not given but " + k_name + " has dtype uint8: it needs zero points");
+  }
+  check_basic(k_name, k, 2, 4);
+  check_basic(v_name, v, 2, 4);
+  check_basic("out", out, 1, 4);
+  if (is_16bit(q.dtype) && out.dtype != q.dtype && out.dtype != DType::kFloat32) {
+    fail(std::string("out has dtype ") + dtype_name(out.dtype) + " but must be q's dtype " + dtype_name(q.dtype) +
+         " or the compute type float32");
+  }
+  if (is_16bit(q.dtype) && mask && *mask && (*mask)->dtype != DType::kBool && (*mask)->dtype != DType::kFloat32 &&
+      (*mask)->dtype != q.dtype) {
+    fail(std::string("mask has dtype ") + dtype_name((*mask)->dtype) + " but must be bool, float32 or q's dtype " +
+         dtype_name(q.dtype));
+  }
+  check_has_data("q", q);
+  check_has_data("out", out);
+  // Every check above before any copy; dequantize checks the scales as it reads them.
+  const TensorView kf = dequantize(k, k_name, kv_quant->k_scale, kv_quant->k_zero, "kv_quant.k_scale",
+                                   "kv_quant.k_zero", reads, k_);
+  const TensorView vf = dequantize(v, v_name, kv_quant->v_scale, kv_quant->v_zero, "kv_quant.v_scale",
+                                   "kv_quant.v_zero", reads, v_);
+  k = kf;
+  v = vf;
+  kv_quant.reset();
+  if (is_16bit(q.dtype)) {
+    if (mask && *mask && is_16bit((*mask)->dtype)) {
+      check_basic("mask", **mask, 1, 4);
+      check_has_data("mask", **mask);
+      *mask = float32_like(**mask, mask_, true);
+    }
+    q = float32_like(q, q_, true);
+    if (out.dtype != DType::kFloat32) {
+      user_out_ = out;
+      round_out_ = true;
+      out = float32_like(out, out_, false);
+    }
+  }
+  return true;
+}
+
+void Float32Call::finish() const {
+  if (!round_out_) return;
+  int64_t i = 0;
+  for_rows(user_out_, [&](const int64_t* lead) {
+    int64_t idx[4] = {lead[0], lead[1], lead[2], 0};
+    char* p = const_cast<char*>(at(user_out_, idx));
+    const int64_t n = user_out_.shape[user_out_.rank - 1];
+    for (int64_t e = 0; e < n; ++e)
+      store_as(user_out_.dtype, p + e * user_out_.strides[user_out_.rank - 1] * storage_bytes(user_out_.dtype),
+               out_[static_cast<size_t>(i++)]);
+  });
+}
+
+RowsRead dense_rows_read(const TensorView& k, const std::optional<TensorView>& seqlens_k) {
+  if (!seqlens_k) return [](const int64_t*) { return true; };
+  const TensorView s = *seqlens_k;
+  const bool readable = s.rank == 1 && s.data != nullptr && s.shape[0] >= 1 &&
+                        (s.dtype == DType::kInt32 || s.dtype == DType::kInt64);
+  if (!readable) return [](const int64_t*) { return false; };
+  const int n_dim = k.rank - 2;  // the key dim
+  if (k.rank == 4 && s.shape[0] == k.shape[0]) {
+    return [s](const int64_t* lead) { return lead[2] < index_at(s, lead[0]); };
+  }
+  int64_t longest = 0;  // k's batch broadcast (or rank < 4): any sequence's length
+  for (int64_t b = 0; b < s.shape[0]; ++b) longest = std::max(longest, index_at(s, b));
+  return [n_dim, longest](const int64_t* lead) { return lead[n_dim] < longest; };
+}
+
+}  // namespace sdpa::internal
