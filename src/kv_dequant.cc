@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "checks.h"
@@ -65,14 +66,39 @@ int64_t check_scale(const char* name, const TensorView& s, const char* x_name, c
   return G;
 }
 
+// A contiguous float32 view of t's shape over data.
+TensorView contiguous_like(const TensorView& t, float* data) {
+  TensorView out = t;
+  out.dtype = DType::kFloat32;
+  out.data = data;
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) out.strides[d] = stride, stride *= t.shape[d];
+  return out;
+}
+
+// n values of X (int8_t or uint8_t) `stride` apart from `from`, dequantised into dst:
+// fl32(fl32(x - z) · s). A unit stride is a plain loop the compiler vectorises (no contraction:
+// two roundings, as the rule says).
+template <typename X>
+void dequantize_run(const char* from, int64_t stride, int64_t n, float z, float s, float* dst) {
+  const X* x = reinterpret_cast<const X*>(from);
+  if (stride == 1) {
+    for (int64_t e = 0; e < n; ++e) {
+      const float centred = static_cast<float>(x[e]) - z;  // fl32(x - z)
+      dst[e] = centred * s;                                // fl32(fl32(x - z) · s)
+    }
+    return;
+  }
+  for (int64_t e = 0; e < n; ++e) {
+    const float centred = static_cast<float>(x[e * stride]) - z;
+    dst[e] = centred * s;
+  }
+}
+
 // A contiguous float32 view of t's shape over buf, holding t's values widened (copy) or not.
 TensorView float32_like(const TensorView& t, std::vector<float>& buf, bool copy) {
   buf.assign(static_cast<size_t>(t.numel()), 0.0f);
-  TensorView out = t;
-  out.dtype = DType::kFloat32;
-  out.data = buf.data();
-  int64_t stride = 1;
-  for (int d = t.rank - 1; d >= 0; --d) out.strides[d] = stride, stride *= t.shape[d];
+  TensorView out = contiguous_like(t, buf.data());
   if (!copy || t.numel() == 0) return out;
   int64_t i = 0;
   TensorView rows = t;  // for_rows walks the leading dims; a rank-1 view is one row
@@ -90,7 +116,7 @@ TensorView float32_like(const TensorView& t, std::vector<float>& buf, bool copy)
 // rule; the others 0. Errors on a non-finite scale or zero point of a row read.
 TensorView dequantize(const TensorView& x, const char* x_name, const TensorView& scale,
                       const std::optional<TensorView>& zero, const char* s_name, const char* z_name,
-                      const RowsRead& reads, std::vector<float>& buf) {
+                      const RowsRead& reads, std::unique_ptr<float[]>& buf) {
   const int64_t G = check_scale(s_name, scale, x_name, x);
   if (zero) {
     check_scale(z_name, *zero, x_name, x);
@@ -101,41 +127,54 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   }
   check_has_data(x_name, x);
   const int64_t D = x.shape[x.rank - 1], width = D / G;
-  const TensorView out = float32_like(x, buf, false);
+  buf.reset(new float[static_cast<size_t>(x.numel())]);  // not zeroed: every row is written below
+  TensorView out = contiguous_like(x, buf.get());
   if (D == 0) return out;  // no value: no scale is read
-  const bool u8 = x.dtype == DType::kUInt8;
+  // First the scales and zero points of the rows read, serially (an Error leaves this loop),
+  // then the values, rows split among the threads (no check there: nothing throws in parallel).
+  std::vector<int64_t> rows;
   int64_t row = 0;
   for_rows(x, [&](const int64_t* lead) {
-    float* dst = buf.data() + (row++) * D;
-    if (!reads(lead)) return;
+    const int64_t r = row++;
+    if (!reads(lead)) {
+      std::fill_n(buf.get() + r * D, D, 0.0f);  // a row not read: 0, its scale unread
+      return;
+    }
+    rows.push_back(r);
     int64_t idx[4] = {lead[0], lead[1], lead[2], 0};
+    for (int64_t g = 0; g < G; ++g) {
+      idx[x.rank - 1] = g;
+      for (const auto& [t, name] : {std::pair{&scale, s_name}, std::pair{zero ? &*zero : nullptr, z_name}}) {
+        if (t == nullptr) continue;
+        float value;
+        std::memcpy(&value, at(*t, idx), sizeof value);
+        if (!std::isfinite(value)) {
+          fail(std::string(name) + " has a non-finite value " + std::to_string(value) + " at " +
+               index_string(idx, t->rank) + " (" + name + " " + t->shape_string() + ", " + x_name + " " +
+               x.shape_string() + ")");
+        }
+      }
+    }
+  });
+  const bool u8 = x.dtype == DType::kUInt8;
+  const int64_t n_rows = static_cast<int64_t>(rows.size());
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (n_rows * D >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n_rows; ++i) {
+    const int64_t r = rows[static_cast<size_t>(i)];
+    int64_t idx[4] = {0, 0, 0, 0};
+    for (int64_t d = x.rank - 2, rest = r; d >= 0; --d) idx[d] = rest % x.shape[d], rest /= x.shape[d];
     const char* src = at(x, idx);
+    float* dst = buf.get() + r * D;
     for (int64_t g = 0; g < G; ++g) {
       idx[x.rank - 1] = g;
       float s, z = 0.0f;
       std::memcpy(&s, at(scale, idx), sizeof s);
-      if (!std::isfinite(s)) {
-        fail(std::string(s_name) + " has a non-finite value " + std::to_string(s) + " at " +
-             index_string(idx, scale.rank) + " (" + s_name + " " + scale.shape_string() + ", " + x_name + " " +
-             x.shape_string() + ")");
-      }
-      if (zero) {
-        std::memcpy(&z, at(*zero, idx), sizeof z);
-        if (!std::isfinite(z)) {
-          fail(std::string(z_name) + " has a non-finite value " + std::to_string(z) + " at " +
-               index_string(idx, zero->rank) + " (" + z_name + " " + zero->shape_string() + ", " + x_name + " " +
-               x.shape_string() + ")");
-        }
-      }
-      for (int64_t e = g * width; e < (g + 1) * width; ++e) {
-        const char* p = src + e * x.strides[x.rank - 1];
-        const float q = u8 ? static_cast<float>(*reinterpret_cast<const uint8_t*>(p))
-                           : static_cast<float>(*reinterpret_cast<const int8_t*>(p));
-        const float centred = q - z;  // fl32(x - z)
-        dst[e] = centred * s;         // fl32(fl32(x - z) · s)
-      }
+      if (zero) std::memcpy(&z, at(*zero, idx), sizeof z);
+      const char* from = src + g * width * x.strides[x.rank - 1];
+      u8 ? dequantize_run<uint8_t>(from, x.strides[x.rank - 1], width, z, s, dst + g * width)
+         : dequantize_run<int8_t>(from, x.strides[x.rank - 1], width, z, s, dst + g * width);
     }
-  });
+  }
   return out;
 }
 

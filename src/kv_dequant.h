@@ -12,6 +12,7 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -38,7 +39,8 @@ class Float32Call {
   void finish() const;
 
  private:
-  std::vector<float> k_, v_, q_, mask_, out_;
+  std::unique_ptr<float[]> k_, v_;  // not zeroed on allocation (dequantize writes every row)
+  std::vector<float> q_, mask_, out_;
   TensorView user_out_{};
   bool round_out_ = false;
 };

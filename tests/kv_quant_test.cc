@@ -244,6 +244,44 @@ TEST(KVQuant, MatchesReferenceByTheToleranceRule) {
   }
 }
 
+// Outputs::scores and the statistics read the same dequantised values: bit for bit the float32
+// call's (the kernels' statistics pass and the scores' own loop), decode and prefill, 16-bit q.
+TEST(KVQuant, ScoresAndStatsEqualFloat32Call) {
+  for (const QCase& c : cases()) {
+    if (c.Nq * c.Nk > 40000) continue;
+    SCOPED_TRACE(c.name);
+    const Built b = build(c);
+    const std::vector<int64_t> rows = {c.B, c.Hq, c.Nq}, scores = {c.B, c.Hq, c.Nq, c.Nk};
+    const auto call = [&](bool eight_bit, GuardedTensor& sc, GuardedTensor& entropy, GuardedTensor& max_weight,
+                          std::vector<int64_t>& argmax) {
+      const GuardedTensor out(eight_bit ? c.q_dtype : DType::kFloat32, {c.B, c.Hq, c.Nq, c.Dv});
+      sdpa::Inputs in = b.t32.inputs();
+      if (eight_bit) {
+        in.q = b.q.view(), in.k = b.k.x.view(), in.v = b.v.x.view();
+        if (b.mask) in.mask = b.mask->view();
+        in.kv_quant = kv_quant_of(b.k, b.v);
+      }
+      sdpa::Outputs o;
+      o.out = out.view();
+      o.scores = sc.view();
+      o.stats.entropy = entropy.view();
+      o.stats.max_weight = max_weight.view();
+      argmax.assign(static_cast<size_t>(c.B * c.Hq * c.Nq), -2);
+      o.stats.argmax = TensorView::contiguous(argmax.data(), DType::kInt64, {c.B, c.Hq, c.Nq});
+      sdpa::attention(in, o, b.options);
+    };
+    GuardedTensor sc(DType::kFloat32, scores), e(DType::kFloat32, rows), m(DType::kFloat32, rows);
+    GuardedTensor sc32(DType::kFloat32, scores), e32(DType::kFloat32, rows), m32(DType::kFloat32, rows);
+    std::vector<int64_t> a, a32;
+    call(true, sc, e, m, a);
+    call(false, sc32, e32, m32, a32);
+    EXPECT_TRUE(same_bits("scores", sc.values(), sc32.values()));
+    EXPECT_TRUE(same_bits("entropy", e.values(), e32.values()));
+    EXPECT_TRUE(same_bits("max_weight", m.values(), m32.values()));
+    EXPECT_EQ(a, a32);
+  }
+}
+
 // Varlen: packed (total, H, D) rows, per-token and per-group scales.
 TEST(KVQuant, VarlenEqualsFloat32Call) {
   for (DType kv : {DType::kInt8, DType::kUInt8})
