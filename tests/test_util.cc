@@ -35,7 +35,9 @@ const void* sentinel(DType dtype) {
     case DType::kInt64: return &kSentinel64;
     case DType::kBFloat16: return &kSentinelBF16;
     case DType::kFloat16: return &kSentinelF16;
-    case DType::kBool: break;
+    case DType::kBool:
+    case DType::kInt8:
+    case DType::kUInt8: break;
   }
   return &kSentinel8;
 }
@@ -167,6 +169,8 @@ double GuardedTensor::get(int64_t flat) const {
       std::memcpy(&bits, p, sizeof bits);
       return sdpa_oracle::half_value(sdpa_oracle::half_format(dtype_), bits);
     }
+    case DType::kInt8: return static_cast<int8_t>(*p);  // 8-bit K/V values as they are stored
+    case DType::kUInt8: return static_cast<uint8_t>(*p);
     case DType::kBool:
     case DType::kInt32:
     case DType::kInt64: break;
@@ -190,6 +194,8 @@ void GuardedTensor::set(int64_t flat, double value) {
       std::memcpy(p, &bits, sizeof bits);
       return;
     }
+    case DType::kInt8: *p = static_cast<std::byte>(static_cast<int8_t>(value)); return;  // an integer in range
+    case DType::kUInt8: *p = static_cast<std::byte>(static_cast<uint8_t>(value)); return;
     case DType::kBool:
     case DType::kInt32:
     case DType::kInt64: break;
