@@ -61,7 +61,8 @@ QuantScale group_scale(DType values, DType dtype, const std::byte* p, int64_t n,
          std::to_string(lo) + ", " + std::to_string(hi) + "], whose scale is beyond float32's largest value");
   }
   if (values == DType::kUInt8 && q.scale > 0.0f) {
-    q.zero = static_cast<float>(std::clamp(std::nearbyint(-lo / q.scale), 0.0, 255.0));
+    // (+ 0.0: lo = 0 gives -lo = -0, and the zero point is stored as +0)
+    q.zero = static_cast<float>(std::clamp(std::nearbyint(-lo / q.scale), 0.0, 255.0) + 0.0);
   }
   return q;
 }

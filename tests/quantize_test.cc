@@ -106,7 +106,9 @@ TEST(QuantizeKV, HandComputedUInt8) {
   // Both signs: [-51, 204], s = 1, z = 51: 0 is stored as z itself (dequantised exactly 0).
   expect_row(quantize(tensor(kF32, {3}, {-51, 204, 0}), kU8, 0), {0, 255, 51}, {1.0}, {51.0});
   // Positive only: lo = 0, so z = 0 and the max is 255.
-  expect_row(quantize(tensor(kF32, {2}, {510, 2}), kU8, 0), {255, 1}, {2.0}, {0.0});
+  const Quantized positive = quantize(tensor(kF32, {2}, {510, 2}), kU8, 0);
+  expect_row(positive, {255, 1}, {2.0}, {0.0});
+  EXPECT_FALSE(std::signbit(positive.zero->get(0)));  // +0, not the -0 of -lo
   // All zero: s = 0, z = 0, values 0. A group of one negative value: z = 255, value 0.
   expect_row(quantize(tensor(kF32, {2, 2}, {0, 0, -2, 0}), kU8, 2), {0, 0, 0, 0},
              {0.0, 0.0, static_cast<double>(static_cast<float>(2.0 / 255.0)), 0.0}, {0.0, 0.0, 255.0, 0.0});
