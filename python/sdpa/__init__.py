@@ -790,7 +790,8 @@ class KVCache:
         return self._c.new_sequence()
 
     def append(self, seq, k, v):
-        """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv)."""
+        """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv) (an 8-bit cache
+        quantises them, each (token, head, group) by ``quantize_kv``'s rule)."""
         seq = _checked_int("seq", seq)
         arrays = [(name, _real_array(name, a)) for name, a in (("k", k), ("v", v))]
         k, v = (_prepared(name, a, _kv8_query_dtype(a) if self._dtype in _KV8_NAME else self._dtype)

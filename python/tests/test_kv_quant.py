@@ -20,6 +20,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 needs_8bit_kernels = pytest.mark.xfail(raises=ValueError, strict=True,
                                        reason="attention on 8-bit K/V: the core branch's kernels")
 
+# bench/kv_quant_accuracy.py: its report() is tested below, its dequantised() (fl32(fl32(values -
+# z) · s) per row or group, KVQuant's rule) is this file's too.
+_spec = importlib.util.spec_from_file_location("kv_quant_accuracy", os.path.join(ROOT, "bench", "kv_quant_accuracy.py"))
+accuracy = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(accuracy)
+dequantised = accuracy.dequantised
+
 
 def twin(x, dtype, groups):
     """quantize_kv's rule in NumPy, float64 arithmetic: (values, scale[, zero])."""
@@ -40,16 +47,6 @@ def twin(x, dtype, groups):
     shape = x.shape[:-1] + ((groups,) if groups > 1 else ())
     s, z = s.reshape(shape), z.reshape(shape)
     return (q, s) if dtype == "int8" else (q, s, z)
-
-
-def dequantised(values, scale, zero=None):
-    """fl32(fl32(values - z) · s), broadcasting one scale per row or per group."""
-    d = values.shape[-1]
-    g = 1 if scale.ndim < values.ndim else scale.shape[-1]
-    s = scale.reshape(values.shape[:-1] + (g, 1))
-    z = np.zeros_like(s) if zero is None else zero.reshape(s.shape)
-    x = values.astype(np.float32).reshape(values.shape[:-1] + (g, d // g))
-    return ((x - z) * s).astype(np.float32).reshape(values.shape)
 
 
 def bits(a):
@@ -242,16 +239,9 @@ def test_varlen_and_paged_on_8bit(dtype):
     np.testing.assert_array_equal(out, paged)
 
 
-def _accuracy_module():
-    spec = importlib.util.spec_from_file_location("kv_quant_accuracy", os.path.join(ROOT, "bench", "kv_quant_accuracy.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_8bit_kernels
 def test_accuracy_report_helper():
-    acc = _accuracy_module()
+    acc = accuracy
     rng = np.random.default_rng(5)
     q = rng.standard_normal((1, 4, 6, 16)).astype(np.float32)
     k = rng.standard_normal((1, 2, 33, 16)).astype(np.float32)
@@ -266,5 +256,3 @@ def test_accuracy_report_helper():
     # The 8-bit cache gives the bits of attention on its dequantised values (the script's
     # --dequantised mode, and this file's own dequantised()).
     assert acc.report(q, k, v, via_dequantised=True) == rows
-    np.testing.assert_array_equal(acc.dequantised(*sdpa.quantize_kv(k, "uint8")),
-                                  dequantised(*sdpa.quantize_kv(k, "uint8")))
