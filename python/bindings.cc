@@ -3,7 +3,8 @@
 // TensorViews (no copies). bfloat16 arrives as uint16: NumPy has no bfloat16 of its own, and
 // neither DLPack nor the buffer protocol carries ml_dtypes.bfloat16, so the package passes a
 // uint16 view of the same memory (arr.view(numpy.uint16)); it never passes integer arrays for
-// anything else (it converts them to float64 first).
+// anything else (it converts them to float64 first) but the int8 and uint8 values of an 8-bit
+// K/V cache (KVQuant, quantize_kv) and int64 indices.
 // sdpa::Error derives from std::invalid_argument, which nanobind raises as ValueError.
 #include <cstdint>
 #include <string>
@@ -50,9 +51,13 @@ sdpa::TensorView to_view(const A& a, const char* name) {
     t.dtype = sdpa::DType::kBool;
   } else if (dt == nb::dtype<int64_t>()) {
     t.dtype = sdpa::DType::kInt64;  // seqlens_k, cu_seqlens, block_table (the package makes them int64)
+  } else if (dt == nb::dtype<int8_t>()) {
+    t.dtype = sdpa::DType::kInt8;  // an 8-bit K/V cache's values
+  } else if (dt == nb::dtype<uint8_t>()) {
+    t.dtype = sdpa::DType::kUInt8;
   } else {
-    throw nb::type_error(
-        (std::string(name) + " must be float32, float64, float16, bfloat16 (as a uint16 view) or bool").c_str());
+    throw nb::type_error((std::string(name) +
+                          " must be float32, float64, float16, bfloat16 (as a uint16 view), int8, uint8 or bool").c_str());
   }
   if (a.ndim() > 4) throw nb::value_error((std::string(name) + " has more than 4 dims").c_str());
   // NumPy allows data at any byte address (np.frombuffer(..., offset=1)); the kernels read
@@ -97,6 +102,22 @@ sdpa::Options with_mods(sdpa::front::Call c, double softcap, const std::string& 
   return sdpa::front::options(c);
 }
 
+// An 8-bit K/V cache's scales and zero points (KVQuant), or nullopt when no scale is given (the
+// library refuses 8-bit k and v without them, and zero points without scales, by name).
+using OptArray = std::optional<ConstArray>;
+std::optional<sdpa::KVQuant> kv_quant(const OptArray& k_scale, const OptArray& v_scale, const OptArray& k_zero,
+                                      const OptArray& v_zero) {
+  if (!k_scale && !v_scale && !k_zero && !v_zero) return std::nullopt;
+  if (!k_scale || !v_scale) {
+    throw nb::value_error((std::string(k_scale ? "v_scale" : "k_scale") +
+                           " is missing: an 8-bit cache's k and v each take their scales").c_str());
+  }
+  sdpa::KVQuant q{to_view(*k_scale, "k_scale"), to_view(*v_scale, "v_scale"), std::nullopt, std::nullopt};
+  if (k_zero) q.k_zero = to_view(*k_zero, "k_zero");
+  if (v_zero) q.v_zero = to_view(*v_zero, "v_zero");
+  return q;
+}
+
 void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, const std::optional<ConstArray>& mask,
                const std::optional<ConstArray>& seqlens_k, const Array& out,
                const std::optional<Array>& weights, const std::optional<Array>& lse, std::optional<double> scale,
@@ -105,10 +126,12 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                const std::optional<std::vector<std::optional<Array>>>& stats, const std::optional<Array>& scores,
                const std::string& scores_stage, const std::string& precision, std::optional<int64_t> q_start,
-               std::optional<int64_t> k_start) {
+               std::optional<int64_t> k_start, const OptArray& k_scale, const OptArray& v_scale,
+               const OptArray& k_zero, const OptArray& v_zero) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
+  in.kv_quant = kv_quant(k_scale, v_scale, k_zero, v_zero);
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (weights) outs.weights = to_view(*weights, "weights");
   if (lse) outs.lse = to_view(*lse, "lse");
@@ -162,9 +185,10 @@ void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray
                       const ConstArray& cu_k, const Array& out, const std::optional<Array>& lse,
                       std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
                       const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                      const std::string& precision) {
+                      const std::string& precision, const OptArray& k_scale, const OptArray& v_scale,
+                      const OptArray& k_zero, const OptArray& v_zero) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
-                              to_view(cu_k, "cu_seqlens_k")};
+                              to_view(cu_k, "cu_seqlens_k"), kv_quant(k_scale, v_scale, k_zero, v_zero)};
   sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
   const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
@@ -194,9 +218,11 @@ void attention_paged(const ConstArray& q, const ConstArray& k_pages, const Const
                      const ConstArray& seqlens_k, const std::optional<ConstArray>& cu_seqlens_q, const Array& out,
                      const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
                      int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                     const std::string& precision) {
+                     const std::string& precision, const OptArray& k_scale, const OptArray& v_scale,
+                     const OptArray& k_zero, const OptArray& v_zero) {
   sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
-                       to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt};
+                       to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt,
+                       kv_quant(k_scale, v_scale, k_zero, v_zero)};
   if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
@@ -229,17 +255,30 @@ std::string inspect_report(const ConstArray& q, const ConstArray& k, const Const
   return sdpa_inspect::report_html(r);
 }
 
-// The pool of a KVCache as an array of its memory (bfloat16 as uint16 bits), kept alive by the
-// cache (rv_policy::reference_internal).
+// A pool of a KVCache (values (num_pages, page_size, Hkv, D), or an 8-bit cache's scales or
+// zero points, rank 3 or 4) as an array of its memory (bfloat16 as uint16 bits), kept alive by
+// the cache (rv_policy::reference_internal).
 nb::ndarray<nb::numpy> pool_array(const sdpa::TensorView& t) {
-  const size_t shape[4] = {static_cast<size_t>(t.shape[0]), static_cast<size_t>(t.shape[1]),
-                           static_cast<size_t>(t.shape[2]), static_cast<size_t>(t.shape[3])};
+  size_t shape[4];
+  int64_t strides[4];
+  for (int d = 0; d < t.rank; ++d) {
+    shape[d] = static_cast<size_t>(t.shape[d]);
+    strides[d] = t.strides[d];
+  }
   nb::dlpack::dtype dt = nb::dtype<float>();
   if (t.dtype == sdpa::DType::kFloat64) dt = nb::dtype<double>();
   if (t.dtype == sdpa::DType::kFloat16) dt = {static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
   if (t.dtype == sdpa::DType::kBFloat16) dt = nb::dtype<uint16_t>();
-  const int64_t strides[4] = {t.strides[0], t.strides[1], t.strides[2], t.strides[3]};
-  return nb::ndarray<nb::numpy>(t.data, 4, shape, nb::handle(), strides, dt);
+  if (t.dtype == sdpa::DType::kInt8) dt = nb::dtype<int8_t>();
+  if (t.dtype == sdpa::DType::kUInt8) dt = nb::dtype<uint8_t>();
+  return nb::ndarray<nb::numpy>(t.data, static_cast<size_t>(t.rank), shape, nb::handle(), strides, dt);
+}
+
+// A KVCache's dtype by name: a storage dtype (parse_storage_dtype's names) or int8, uint8.
+sdpa::DType cache_dtype(const std::string& name) {
+  if (name == "int8") return sdpa::DType::kInt8;
+  if (name == "uint8") return sdpa::DType::kUInt8;
+  return sdpa::front::parse_storage_dtype("dtype", name);
 }
 
 // ---- The multi-head layer (sdpa/mha.h); sdpa/layer.py holds the Python class ----
@@ -513,7 +552,9 @@ NB_MODULE(_core, m) {
         nb::arg("dropout_p"), nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
         nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final",
-        nb::arg("precision") = "exact", nb::arg("q_start").none() = nb::none(), nb::arg("k_start").none() = nb::none());
+        nb::arg("precision") = "exact", nb::arg("q_start").none() = nb::none(), nb::arg("k_start").none() = nb::none(),
+        nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
@@ -526,7 +567,8 @@ NB_MODULE(_core, m) {
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("dropout_p"),
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-        nb::arg("precision") = "exact");
+        nb::arg("precision") = "exact", nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
   m.def("attention_varlen_backward", &attention_varlen_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
@@ -538,7 +580,8 @@ NB_MODULE(_core, m) {
         nb::arg("lse").none(), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-        nb::arg("precision") = "exact");
+        nb::arg("precision") = "exact", nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
   m.def("inspect_report", &inspect_report, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("seqlens_k").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("topk"), nb::arg("cells"), nb::arg("max_heads"),
@@ -549,9 +592,11 @@ NB_MODULE(_core, m) {
   nb::class_<sdpa::KVCache>(m, "KVCache")
       .def("__init__",
            [](sdpa::KVCache* c, int64_t num_pages, int64_t page_size, int64_t heads, int64_t dk, int64_t dv,
-              const std::string& dtype) { new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, sdpa::front::parse_storage_dtype("dtype", dtype)); },
+              const std::string& dtype, int64_t quant_groups) {
+             new (c) sdpa::KVCache(num_pages, page_size, heads, dk, dv, cache_dtype(dtype), quant_groups);
+           },
            nb::arg("num_pages"), nb::arg("page_size"), nb::arg("num_kv_heads"), nb::arg("head_dim_k"),
-           nb::arg("head_dim_v"), nb::arg("dtype"))
+           nb::arg("head_dim_v"), nb::arg("dtype"), nb::arg("quant_groups") = 1)
       .def("new_sequence", &sdpa::KVCache::new_sequence)
       .def("append", [](sdpa::KVCache& c, int64_t seq, const ConstArray& k, const ConstArray& v) {
         c.append(seq, to_view(k, "k"), to_view(v, "v"));
@@ -569,6 +614,17 @@ NB_MODULE(_core, m) {
       .def_prop_ro("dtype", [](const sdpa::KVCache& c) { return std::string(sdpa::dtype_name(c.dtype())); })
       .def("k_pages", [](const sdpa::KVCache& c) { return pool_array(c.k_pages()); }, nb::rv_policy::reference_internal)
       .def("v_pages", [](const sdpa::KVCache& c) { return pool_array(c.v_pages()); }, nb::rv_policy::reference_internal)
+      .def_prop_ro("quant_groups", &sdpa::KVCache::quant_groups)
+      // An 8-bit cache's scale or zero-point pool: KVQuant's field `i` (k_scale, v_scale, k_zero,
+      // v_zero); ValueError for one the cache does not have.
+      .def("kv_quant_pool", [](const sdpa::KVCache& c, int i) {
+        const std::optional<sdpa::KVQuant> q = c.kv_quant();
+        const std::optional<sdpa::TensorView> pools[4] = {q ? std::optional(q->k_scale) : std::nullopt,
+                                                          q ? std::optional(q->v_scale) : std::nullopt,
+                                                          q ? q->k_zero : std::nullopt, q ? q->v_zero : std::nullopt};
+        if (i < 0 || i > 3 || !pools[i]) throw nb::value_error("this KVCache has no such pool");
+        return pool_array(*pools[i]);
+      }, nb::arg("i"), nb::rv_policy::reference_internal)
       .def("attention",
            [](const sdpa::KVCache& c, const ConstArray& q, const std::vector<int64_t>& seqs, const Array& out,
               const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
@@ -638,6 +694,12 @@ NB_MODULE(_core, m) {
         nb::arg("dalibi_slopes").none(), nb::arg("precision"), nb::arg("layout"), nb::arg("strategy"),
         nb::arg("cu_seqlens").none(), nb::arg("timeout"));
   m.def("merge_attention", &merge_attention, nb::arg("outs"), nb::arg("lses"), nb::arg("out"), nb::arg("lse"));
+  m.def("quantize_kv", [](const ConstArray& x, const Array& values, const Array& scale, const std::optional<Array>& zero) {
+    const sdpa::TensorView xv = to_view(x, "x"), vv = to_view(values, "values"), sv = to_view(scale, "scale");
+    const std::optional<sdpa::TensorView> zv = zero ? std::optional(to_view(*zero, "zero")) : std::nullopt;
+    nb::gil_scoped_release release;
+    sdpa::quantize_kv(xv, vv, sv, zv);
+  }, nb::arg("x"), nb::arg("values"), nb::arg("scale"), nb::arg("zero").none());
   m.def("set_num_threads", &sdpa::set_num_threads, nb::arg("n"));
   m.def("num_threads", &sdpa::num_threads);
   // For benchmarks (bench/compare.py --no-avx512): dispatch to AVX2 at most, as on a CPU

@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "problem.h"
+#include "quantize.h"
 #include "storage.h"
 
 namespace sdpa {
@@ -24,7 +25,10 @@ int64_t checked_product(std::initializer_list<int64_t> dims) {
   return n;
 }
 
-// Token rows (n, H, D) of a new k or v: shape, dtype, unit last stride.
+bool is_8bit(DType t) { return t == DType::kInt8 || t == DType::kUInt8; }
+
+// Token rows (n, H, D) of a new k or v: shape, dtype (the cache's; float32, bfloat16 or float16
+// for an 8-bit cache, which quantises them), unit last stride.
 void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, DType dtype, int64_t n) {
   const std::string want = "(n, " + std::to_string(H) + ", " + std::to_string(D) + ")";
   if (t.rank != 3 || t.shape[1] != H || t.shape[2] != D) {
@@ -33,7 +37,12 @@ void check_tokens(const char* name, const TensorView& t, int64_t H, int64_t D, D
   if (t.shape[0] != n) {
     fail(std::string(name) + " has " + std::to_string(t.shape[0]) + " tokens but k has " + std::to_string(n));
   }
-  if (t.dtype != dtype) {
+  if (is_8bit(dtype)) {
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kBFloat16 && t.dtype != DType::kFloat16) {
+      fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but the cache holds " + dtype_name(dtype) +
+           ", quantised from float32, bfloat16 or float16");
+    }
+  } else if (t.dtype != dtype) {
     fail(std::string(name) + " has dtype " + dtype_name(t.dtype) + " but the cache holds " + dtype_name(dtype));
   }
   if (n > 0 && D > 1 && t.strides[2] != 1) fail(std::string(name) + " must have a unit last stride");
@@ -59,12 +68,30 @@ KVCache::KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int
   if (head_dim_k < 0 || head_dim_v < 0) {
     fail("KVCache: head dims " + std::to_string(head_dim_k) + ", " + std::to_string(head_dim_v) + " must be >= 0");
   }
-  if (!internal::is_float_dtype(dtype)) {
-    fail(std::string("KVCache: dtype ") + dtype_name(dtype) + " must be " + internal::storage_dtype_list());
+  if (!internal::is_float_dtype(dtype) && !is_8bit(dtype)) {
+    fail(std::string("KVCache: dtype ") + dtype_name(dtype) + " must be " + internal::storage_dtype_list() +
+         ", or int8 or uint8 (8-bit)");
+  }
+  if (!is_8bit(dtype) && quant_groups != 1) {
+    fail("KVCache: quant_groups=" + std::to_string(quant_groups) + " is for an 8-bit cache (int8, uint8); a " +
+         dtype_name(dtype) + " cache takes 1");
+  }
+  if (quant_groups < 1 || head_dim_k % quant_groups != 0 || head_dim_v % quant_groups != 0) {
+    fail("KVCache: quant_groups=" + std::to_string(quant_groups) + " must be at least 1 and divide head_dim_k=" +
+         std::to_string(head_dim_k) + " and head_dim_v=" + std::to_string(head_dim_v));
   }
   const int64_t bytes = internal::storage_bytes(dtype);
   k_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_k, bytes})));
   v_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_v, bytes})));
+  if (is_8bit(dtype)) {
+    const auto n = static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, quant_groups, 4}) / 4);
+    k_scale_.resize(n);
+    v_scale_.resize(n);
+    if (dtype == DType::kUInt8) {
+      k_zero_.resize(n);
+      v_zero_.resize(n);
+    }
+  }
   for (int64_t p = num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
 }
 
@@ -98,16 +125,45 @@ void KVCache::append(int64_t seq, const TensorView& k, const TensorView& v) {
          " more pages for " + std::to_string(n) + " tokens, " + std::to_string(free_pages()) + " of " +
          std::to_string(num_pages_) + " are free");
   }
+  // An 8-bit cache's scales of every (token, head, group), checked before anything is written.
+  std::vector<internal::QuantScale> k_scales, v_scales;
+  if (is_8bit(dtype_)) {
+    k_scales = internal::quant_scales("k", k, dtype_, groups_);
+    v_scales = internal::quant_scales("v", v, dtype_, groups_);
+  }
   Sequence& w = seqs_[static_cast<size_t>(seq)];
   for (int64_t p = 0; p < need; ++p) {
     w.pages.push_back(free_.back());
     free_.pop_back();
   }
   const int64_t bytes = internal::storage_bytes(dtype_);
-  const auto copy = [&](const TensorView& t, std::vector<std::byte>& pool, int64_t D) {
+  const auto copy = [&](const TensorView& t, std::vector<std::byte>& pool, int64_t D,
+                        const std::vector<internal::QuantScale>& scales, std::vector<float>& scale_pool,
+                        std::vector<float>& zero_pool) {
+    const int64_t in_bytes = internal::storage_bytes(t.dtype);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t j = w.length + i;
       const int64_t page = w.pages[static_cast<size_t>(j / page_size_)], r = j % page_size_;
+      if (is_8bit(dtype_)) {  // token i's (Hkv, D) rows into their slots: head h at (page, h, r)
+        TensorView x = t;
+        x.data = static_cast<std::byte*>(t.data) + i * t.strides[0] * in_bytes;
+        x.rank = 2;
+        x.shape[0] = heads_;
+        x.shape[1] = D;
+        x.strides[0] = t.strides[1];
+        x.strides[1] = t.strides[2];
+        TensorView values = TensorView::contiguous(pool.data() + ((page * heads_) * page_size_ + r) * D, dtype_,
+                                                   {heads_, D});
+        values.strides[0] = page_size_ * D;
+        const int64_t at = ((page * heads_) * page_size_ + r) * groups_;
+        TensorView scale = TensorView::contiguous(scale_pool.data() + at, DType::kFloat32, {heads_, groups_});
+        scale.strides[0] = page_size_ * groups_;
+        TensorView zero = scale;
+        if (!zero_pool.empty()) zero.data = zero_pool.data() + at;
+        internal::write_quantized(x, scales.data() + i * heads_ * groups_, values, scale,
+                                  zero_pool.empty() ? nullptr : &zero);
+        continue;
+      }
       for (int64_t h = 0; h < heads_; ++h) {  // the pool is head-major within a page (see the header)
         const auto* src = static_cast<const std::byte*>(t.data) + (i * t.strides[0] + h * t.strides[1]) * bytes;
         std::memcpy(pool.data() + (((page * heads_ + h) * page_size_ + r) * D) * bytes, src,
@@ -115,8 +171,8 @@ void KVCache::append(int64_t seq, const TensorView& k, const TensorView& v) {
       }
     }
   };
-  if (dk_ > 0) copy(k, k_, dk_);
-  if (dv_ > 0) copy(v, v_, dv_);
+  if (dk_ > 0) copy(k, k_, dk_, k_scales, k_scale_, k_zero_);
+  if (dv_ > 0) copy(v, v_, dv_, v_scales, v_scale_, v_zero_);
   w.length += n;
 }
 
@@ -151,6 +207,7 @@ void KVCache::attention(const TensorView& q, const std::vector<int64_t>& seqs, c
   in.block_table = TensorView::contiguous(table.data(), DType::kInt32,
                                           {static_cast<int64_t>(seqs.size()), static_cast<int64_t>(max_pages)});
   in.seqlens_k = TensorView::contiguous(lengths.data(), DType::kInt64, {static_cast<int64_t>(seqs.size())});
+  in.kv_quant = kv_quant();
   attention_paged(in, outputs, options);
 }
 
@@ -179,6 +236,28 @@ TensorView head_major_pages(const std::vector<std::byte>& pool, DType dtype, int
 TensorView KVCache::k_pages() const { return head_major_pages(k_, dtype_, num_pages_, page_size_, heads_, dk_); }
 TensorView KVCache::v_pages() const { return head_major_pages(v_, dtype_, num_pages_, page_size_, heads_, dv_); }
 
-std::optional<KVQuant> KVCache::kv_quant() const { return std::nullopt; }  // 8-bit pools: not yet
+namespace {
+// A scale (or zero-point) pool stored (num_pages, H, page_size, G) as the view attention_paged
+// takes: (num_pages, page_size, H) for G == 1, else (num_pages, page_size, H, G).
+TensorView head_major_scales(const std::vector<float>& pool, int64_t pages, int64_t size, int64_t H, int64_t G) {
+  TensorView t = TensorView::contiguous(const_cast<float*>(pool.data()), DType::kFloat32, {pages, size, H, G});
+  t.strides[1] = G;
+  t.strides[2] = size * G;
+  if (G == 1) t.rank = 3;
+  return t;
+}
+}  // namespace
+
+std::optional<KVQuant> KVCache::kv_quant() const {
+  if (!is_8bit(dtype_)) return std::nullopt;
+  KVQuant q;
+  q.k_scale = head_major_scales(k_scale_, num_pages_, page_size_, heads_, groups_);
+  q.v_scale = head_major_scales(v_scale_, num_pages_, page_size_, heads_, groups_);
+  if (dtype_ == DType::kUInt8) {
+    q.k_zero = head_major_scales(k_zero_, num_pages_, page_size_, heads_, groups_);
+    q.v_zero = head_major_scales(v_zero_, num_pages_, page_size_, heads_, groups_);
+  }
+  return q;
+}
 
 }  // namespace sdpa

@@ -13,14 +13,15 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _core
-from ._args import (_BFLOAT16, _FLOAT32, _FLOAT64, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
+from ._args import (_BFLOAT16, _FLOAT32, _FLOAT64, _KV8, _KV8_NAME, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
                     _describe, _dtype_arg, _out_dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _positions,
                     _precision_arg, _prepared_indices, _real_array, precision)
-from ._arrays import (_MEMORY_BYTES, _converted, _core_view, _empty, _inputs_as_is, _narrow_float, _prepared,
-                      _prepared_inputs, _prepared_seqlens, _readable_in_place, _sequence_ids)
+from ._arrays import (_MEMORY_BYTES, _converted, _core_view, _empty, _inputs_as_is, _kv8_dtype, _kv8_query_dtype,
+                      _narrow_float, _prepared, _prepared_inputs, _prepared_kv_quant, _prepared_seqlens,
+                      _readable_in_place, _sequence_ids)
 
 __all__ = ["attention", "precision", "MultiHeadAttention", "LayerGradients", "Stats", "inspect", "Report", "dropout_mask", "attention_backward", "attention_varlen", "attention_varlen_backward",
-           "attention_paged", "KVCache", "merge_attention", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
+           "attention_paged", "KVCache", "quantize_kv", "merge_attention", "set_num_threads", "num_threads", "block_mask_bigbird", "block_mask_dilated",
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
 
@@ -93,7 +94,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
               block_size=128, return_stats=False, topk=8, return_scores=None, precision=None, out_dtype=None,
-              q_start=None, k_start=None):
+              q_start=None, k_start=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -287,6 +288,29 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
                 q2   x  x        x  .        .  .     (out = 0, lse = -inf)
                 q3   x  x        x  x        .  .
 
+        k_scale, v_scale, k_zero, v_zero: an 8-bit KV cache (OpenVINO's u8 cache, llama.cpp's
+            q8_0): k and v hold int8 (symmetric) or uint8 (with zero points) values, both the
+            same, as ``quantize_kv`` makes them, and beside them float32 scales (and, for
+            uint8, float32 zero points). Element d of key row (b, h, n) is::
+
+                k[b, h, n, d] = fl32(fl32(k8[b, h, n, d] - z) · s)    (one float32 rounding)
+                s = k_scale[b, h, n] (or k_scale[b, h, n, d // (Dk // G)]), z = k_zero[...] (0 for int8)
+
+            and likewise v with v_scale, v_zero and Dv. Shapes::
+
+                k_scale, k_zero   k's shape without its last dim, (B, Hkv, Nk): one per
+                                  (token, kv head); or (B, Hkv, Nk, G), G dividing Dk: G groups
+                v_scale, v_zero   the same for v (G dividing Dv)
+
+            Scales are float32 arrays, read in place (another dtype raises TypeError); k and v
+            must then be int8 or uint8 (TypeError otherwise; without scales integer k and v
+            are numbers, converted to float64 as above). q is float32, float16 or bfloat16
+            (kept; any other q is converted to float32) and everything is computed in float32
+            on those dequantised values, which the float64 reference takes as the cache.
+            Forward only (``attention_backward`` takes no 8-bit k and v). ValueError for
+            scales or zero points of the wrong shape, non-finite ones, zero points for int8 or
+            none for uint8.
+
     Returns:
         out, or a tuple (out, weights), (out, lse), (out, weights, lse), then stats when
         return_stats and scores when return_scores, in that order; out in q's dtype (or out_dtype), weights and lse in the compute dtype (float32 for
@@ -315,7 +339,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
             and type(softcap) is float and softcap == 0.0 and type(softcap_order) is str
             and softcap_order == "before_bias" and alibi_slopes is None and sinks is None and block_mask is None
             and type(block_size) is int and block_size == 128 and out_dtype is None and q_start is None
-            and k_start is None and _inputs_as_is(q, k, v)):
+            and k_start is None and k_scale is None and v_scale is None and k_zero is None and v_zero is None
+            and _inputs_as_is(q, k, v)):
         shape = q.shape[:-1] + v.shape[-1:]
         # out is q's size when Dv == Dk: an array that exists (q), so _empty's checks pass.
         out = (np.empty(shape, q.dtype) if shape[-1] == q.shape[-1] and q.nbytes <= _MEMORY_BYTES
@@ -329,7 +354,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
                         _precision_arg(precision))
         return out
 
-    dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask)
+    kv_quant = _prepared_kv_quant(k_scale, v_scale, k_zero, v_zero)
+    dtype, q, k, v, mask = _prepared_inputs(q, k, v, mask, bool(kv_quant))
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
@@ -346,7 +372,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     positions = _positions(q_start, k_start)
     _core.attention(*map(_core_view, (q, k, v, mask, seqlens_k, out, weights, lse)), scale, causal_code, left, right,
                     backend, p, seed, **mods, stats=list(stats) if stats is not None else None, scores=scores,
-                    scores_stage=return_scores or "final", **positions)
+                    scores_stage=return_scores or "final", **positions, **kv_quant)
 
     extra = tuple(x for x in (weights, lse, stats, scores) if x is not None)
     return (out,) + extra if extra else out
@@ -514,8 +540,8 @@ def attention_backward(dout, q, k, v, out, lse, mask=None, *, causal=False, scal
     return (dq, dk, dv) + tuple(g for g in (dsinks, dbias) if g is not None)
 
 
-def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
-    dtype, q, k, v, _ = _prepared_inputs(q, k, v, None)
+def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, quantized=False):
+    dtype, q, k, v, _ = _prepared_inputs(q, k, v, None, quantized)
     for name, a, shape in (("q", q, "(total_q, Hq, Dk)"), ("k", k, "(total_k, Hkv, Dk)"), ("v", v, "(total_k, Hkv, Dv)")):
         if a.ndim != 3:
             raise ValueError(f"{name} has shape {a.shape}, but must be {shape} (packed sequences, token-major)")
@@ -527,7 +553,7 @@ def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      return_lse=False, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                      softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None, block_size=128,
-                     precision=None):
+                     precision=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
     """``attention`` on a batch of sequences of different lengths packed end to end, token-major
     (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
 
@@ -560,15 +586,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
 
         seq 0 (2 queries, 3 keys) reads [[1, 0]]:   rows 0 1 see keys 0 1 (key 2 is in block 1)
         seq 1 (3 queries, 4 keys) reads all four:   rows 0 1 see keys 0 1, row 2 keys 2 3
+
+    An 8-bit k and v (int8 or uint8) take their scales as ``attention`` does: k_scale, k_zero
+    (total_k, Hkv) or (total_k, Hkv, G), v_scale, v_zero likewise, float32.
     """
-    dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    kv_quant = _prepared_kv_quant(k_scale, v_scale, k_zero, v_zero)
+    dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, quantized=bool(kv_quant))
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
     out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
     _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
-                           p, seed, **mods)
+                           p, seed, **mods, **kv_quant)
     return (out, lse) if return_lse else out
 
 
@@ -591,12 +621,18 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return (dq, dk, dv) if dsinks is None else (dq, dk, dv, dsinks)
 
 
-def _pool_array(name, a):
-    """A page pool as _core reads it: in place, never copied (it may be most of memory)."""
+def _pool_array(name, a, quantized=False):
+    """A page pool as _core reads it: in place, never copied (it may be most of memory);
+    quantized (scales given): an 8-bit pool, int8 or uint8."""
     a = _asarray(name, a)
-    if a.dtype not in _STORAGE_NAME:
+    if quantized:
+        if a.dtype not in _KV8_NAME:
+            raise TypeError(f"{name} has dtype {a.dtype}, but with k_scale and v_scale the pools hold an 8-bit cache's "
+                            "values, int8 or uint8 (read in place, not converted)")
+    elif a.dtype not in _STORAGE_NAME:
         raise TypeError(f"{name} has dtype {a.dtype}, but a page pool must be float32, float64, float16 or "
-                        "ml_dtypes.bfloat16 (it is read in place, not converted)")
+                        "ml_dtypes.bfloat16 (it is read in place, not converted), or int8 or uint8 with k_scale "
+                        "and v_scale")
     if a.ndim != 4:
         raise ValueError(f"{name} has shape {a.shape}, but must be (num_pages, page_size, Hkv, D)")
     if not _readable_in_place(a) or (a.shape[-1] > 1 and a.strides[-1] != a.itemsize):
@@ -606,18 +642,23 @@ def _pool_array(name, a):
 
 def _paged_query(q, pool_dtype, nq_name="q", packed=False):
     """q as the kernels take it against a pool of `pool_dtype`: the pool's dtype, or float32 over
-    a 16-bit pool. packed: (total_q, Hq, Dk) rows cut by cu_seqlens_q, else (B, Hq, Nq, Dk)."""
+    a 16-bit pool; over an 8-bit pool as _kv8_query_dtype says. packed: (total_q, Hq, Dk) rows
+    cut by cu_seqlens_q, else (B, Hq, Nq, Dk)."""
     q = _real_array(nq_name, q)
     if q.ndim != (3 if packed else 4):
         raise ValueError(f"{nq_name} has shape {q.shape}, but must be "
                          f"{'(total_q, Hq, Dk) with cu_seqlens_q' if packed else '(B, Hq, Nq, Dk)'}")
-    dtype = _FLOAT32 if pool_dtype in _LOW and _narrow_float(q) == _FLOAT32 else pool_dtype
+    if pool_dtype in _KV8_NAME:
+        dtype = _kv8_query_dtype(q)
+    else:
+        dtype = _FLOAT32 if pool_dtype in _LOW and _narrow_float(q) == _FLOAT32 else pool_dtype
     return _prepared(nq_name, q, dtype)
 
 
 def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, backend="auto", softcap=0.0, softcap_order="before_bias",
-                    alibi_slopes=None, sinks=None, block_mask=None, block_size=128, precision=None):
+                    alibi_slopes=None, sinks=None, block_mask=None, block_size=128, precision=None, k_scale=None,
+                    v_scale=None, k_zero=None, v_zero=None):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
@@ -663,8 +704,19 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     table's row), and with packed queries it is (…, ceil(max_b n_b / bq), ceil(max_pages ·
     page_size / bk)), of which sequence b reads its first ceil(n_b / bq) rows of blocks (as
     ``attention_varlen`` reads one).
+
+    8-bit pools (``KVCache(..., dtype="int8")`` keeps them): k_pages and v_pages int8 or uint8,
+    with their scale pools (and zero points for uint8) as ``attention`` takes them, read
+    through the same block table::
+
+        k_scale, k_zero   (num_pages, page_size, Hkv) float32, one per (token, kv head), or
+                          (num_pages, page_size, Hkv, G), G groups of Dk // G features
+        v_scale, v_zero   the same for v_pages (G dividing Dv)
     """
-    k_pages, v_pages = _pool_array("k_pages", k_pages), _pool_array("v_pages", v_pages)
+    kv_quant = _prepared_kv_quant(k_scale, v_scale, k_zero, v_zero)
+    k_pages, v_pages = (_pool_array(name, a, bool(kv_quant)) for name, a in (("k_pages", k_pages), ("v_pages", v_pages)))
+    if kv_quant:
+        _kv8_dtype("k_pages", k_pages, "v_pages", v_pages)
     q = _paged_query(q, k_pages.dtype, packed=cu_seqlens_q is not None)
     table = _prepared_indices("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     seqlens = _prepared_seqlens(seqlens_k)
@@ -676,7 +728,7 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
     lse = _empty("lse", lse_shape, dtype) if return_lse else None
     _core.attention_paged(*map(_core_view, (q, k_pages, v_pages, table, seqlens, cu_q, out, lse)), scale, causal_code,
-                          left, right, backend, **mods)
+                          left, right, backend, **mods, **kv_quant)
     return (out, lse) if return_lse else out
 
 
@@ -706,26 +758,44 @@ class KVCache:
     full pool, an unknown sequence, and mismatched heads, dims or token counts; nothing is
     written then. Not thread-safe while it changes.
 
+    An 8-bit cache, ``dtype="int8"`` or ``"uint8"`` (OpenVINO's u8 KV cache is uint8 per token
+    and head): k_pages and v_pages hold the 1-byte values, and beside them float32 pools
+    k_scale, v_scale (and k_zero, v_zero for uint8; None for int8), views shaped::
+
+        (num_pages, page_size, Hkv)      quant_groups=1: one scale per (token, kv head)
+        (num_pages, page_size, Hkv, G)   quant_groups=G (dividing Dk and Dv): G groups of D // G
+
+    stored head-major like the pools. ``append`` takes float32, float16 or bfloat16 k and v (any
+    other real dtype is converted to float32 first) and quantises each (token, head, group)
+    as ``quantize_kv`` does; a non-finite value raises ValueError and writes nothing.
+    ``attention`` reads the values dequantised, fl32(fl32(x - z) · s), in float32, as
+    ``attention_paged(q, k_pages, v_pages, ..., k_scale=..., v_scale=..., ...)`` does.
+
     Arguments are checked as ``attention`` checks its own: sizes and sequence ids are integers
     (Python or NumPy, not bool; a float such as 1.0 is a TypeError, never truncated), k and v
     real numbers (complex, strings, object or float8 arrays are a TypeError, never cast).
     """
 
-    def __init__(self, num_pages, page_size, num_kv_heads, head_dim_k, head_dim_v=None, dtype=np.float32):
+    def __init__(self, num_pages, page_size, num_kv_heads, head_dim_k, head_dim_v=None, dtype=np.float32,
+                 quant_groups=1):
         sizes = [_checked_int(name, n) for name, n in (("num_pages", num_pages), ("page_size", page_size),
                                                        ("num_kv_heads", num_kv_heads), ("head_dim_k", head_dim_k))]
         sizes.append(sizes[3] if head_dim_v is None else _checked_int("head_dim_v", head_dim_v))
-        self._dtype = _dtype_arg("dtype", dtype, _STORAGE_NAME, "float32, float64, float16 or ml_dtypes.bfloat16")
-        self._c = _core.KVCache(*sizes, _STORAGE_NAME[self._dtype])
+        names = {**_STORAGE_NAME, **_KV8_NAME}
+        self._dtype = _dtype_arg("dtype", dtype, names, "float32, float64, float16, ml_dtypes.bfloat16, int8 or uint8")
+        self._c = _core.KVCache(*sizes, names[self._dtype], _checked_int("quant_groups", quant_groups))
 
     def new_sequence(self):
         """A new, empty sequence; returns its id (the lowest not in use)."""
         return self._c.new_sequence()
 
     def append(self, seq, k, v):
-        """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv)."""
+        """Appends tokens to sequence ``seq``: k (n, Hkv, Dk), v (n, Hkv, Dv) (an 8-bit cache
+        quantises them, each (token, head, group) by ``quantize_kv``'s rule)."""
         seq = _checked_int("seq", seq)
-        k, v = (_prepared(name, _real_array(name, a), self._dtype) for name, a in (("k", k), ("v", v)))
+        arrays = [(name, _real_array(name, a)) for name, a in (("k", k), ("v", v))]
+        k, v = (_prepared(name, a, _kv8_query_dtype(a) if self._dtype in _KV8_NAME else self._dtype)
+                for name, a in arrays)
         self._c.append(seq, _core_view(k), _core_view(v))
 
     def free(self, seq):
@@ -765,6 +835,35 @@ class KVCache:
         a = self._c.v_pages()
         return a.view(_BFLOAT16) if self._dtype == _BFLOAT16 else a
 
+    @property
+    def quant_groups(self):
+        return self._c.quant_groups
+
+    def _quant_pool(self, i, uint8_only=False):
+        if self._dtype not in _KV8_NAME or (uint8_only and self._dtype != _KV8["uint8"]):
+            return None
+        return self._c.kv_quant_pool(i)
+
+    @property
+    def k_scale(self):
+        """An 8-bit cache's key scales, float32 (num_pages, page_size, Hkv) or (..., G) with
+        quant_groups G > 1: a view of the cache's memory; None for a float cache."""
+        return self._quant_pool(0)
+
+    @property
+    def v_scale(self):
+        return self._quant_pool(1)
+
+    @property
+    def k_zero(self):
+        """A uint8 cache's key zero points, shaped like k_scale (integers 0..255 as float32); None
+        for other caches."""
+        return self._quant_pool(2, uint8_only=True)
+
+    @property
+    def v_zero(self):
+        return self._quant_pool(3, uint8_only=True)
+
     def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto",
                   softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, precision=None):
         """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (one id, or a
@@ -780,6 +879,53 @@ class KVCache:
         self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,
                           backend, **mods)
         return (out, lse) if return_lse else out
+
+
+def quantize_kv(x, dtype="int8", groups=1):
+    """Quantises keys or values x for an 8-bit KV cache: returns ``(values, scale)`` for int8,
+    ``(values, scale, zero)`` for uint8, which ``attention``, ``attention_varlen`` and
+    ``attention_paged`` take as k (or v) with k_scale (v_scale) and k_zero (v_zero).
+
+    Shapes::
+
+        x        (..., D)   1 to 4 dims, e.g. k (B, Hkv, Nk, Dk): float32, float64, float16 or
+                            ml_dtypes.bfloat16 (other real dtypes are converted to float64), finite
+        values   (..., D)   x's shape, int8 or uint8
+        scale    (...)      float32, one per row of x (x's shape without D) for groups=1, or
+                 (..., G)   G = groups (dividing D) scales per row, one per D // G features
+        zero     like scale float32 zero points (uint8 only): integers in [0, 255]
+
+    The rule, per group u of features (its elements widened to float64; rne rounds to nearest
+    even; the range includes 0, so that a 0 is stored exactly)::
+
+        int8:  s = fl32(max|u| / 127), values = clamp(rne(u / s), -127, 127)
+        uint8: lo = min(min u, 0), hi = max(max u, 0), s = fl32((hi - lo) / 255),
+               z = clamp(rne(-lo / s), 0, 255), values = clamp(rne(u / s) + z, 0, 255)
+        s = 0 (all zero): values 0, z = 0
+
+    and the value the kernels read back is fl32(fl32(values - z) · s), within
+    s · (1/2 + 2^-15) of u. OpenVINO's u8 cache is uint8 with groups=1 over (token, head) rows.
+
+    Raises:
+        TypeError: x not real (complex, object, ...), dtype not "int8" or "uint8".
+        ValueError: x with 0 or more than 4 dims, groups < 1 or not dividing D, a non-finite x,
+            or (float64 x) a scale beyond float32's largest value; messages name the argument.
+    """
+    x = _real_array("x", x)
+    if not 1 <= x.ndim <= 4:
+        raise ValueError(f"x has shape {x.shape}, but must have 1 to 4 dims, (..., D)")
+    values_dtype = _dtype_arg("dtype", dtype, _KV8_NAME, "'int8' or 'uint8'")
+    groups = _checked_int("groups", groups, 1)
+    if x.shape[-1] % groups:
+        raise ValueError(f"groups={groups} must divide x's last dim D = {x.shape[-1]} (x has shape {x.shape})")
+    narrow = _narrow_float(x)
+    x = _prepared("x", x, _FLOAT64 if narrow is None else narrow)
+    scale_shape = x.shape[:-1] + ((groups,) if groups > 1 else ())
+    values = _empty("values", x.shape, values_dtype)
+    scale = _empty("scale", scale_shape, _FLOAT32)
+    zero = _empty("zero", scale_shape, _FLOAT32) if values_dtype == _KV8["uint8"] else None
+    _core.quantize_kv(_core_view(x), values, scale, zero)
+    return (values, scale) if zero is None else (values, scale, zero)
 
 
 def dropout_mask(shape, dropout_p, seed):

@@ -27,6 +27,10 @@ _STORAGE = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64), "f
 _FLOAT32, _FLOAT64, _FLOAT16, _BFLOAT16 = _STORAGE.values()
 _LOW = (_FLOAT16, _BFLOAT16)  # the 16-bit storage types: computed in float32, results rounded once
 _STORAGE_NAME = {dtype: name for name, dtype in _STORAGE.items()}  # NumPy dtype -> sdpa's name
+# The 8-bit K/V dtypes (an 8-bit cache's values, with float32 scales beside them: KVQuant) by
+# sdpa's name, which is NumPy's: int8 symmetric, uint8 with a zero point. Computed in float32.
+_KV8 = {"int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8)}
+_KV8_NAME = {dtype: name for name, dtype in _KV8.items()}
 
 
 def _torch_dtypes(torch):

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-from ._args import (_BFLOAT16, _FLOAT16, _FLOAT32, _FLOAT64, _LOW, _asarray, _check_real, _compute_dtype,
+from ._args import (_BFLOAT16, _FLOAT16, _FLOAT32, _FLOAT64, _KV8_NAME, _LOW, _asarray, _check_real, _compute_dtype,
                     _is_float8, _prepared_indices)
 
 
@@ -72,13 +72,36 @@ def _narrow_float(a):
     return None
 
 
-def _storage_dtypes(q, k, v):
+def _kv8_dtype(k_name, k, v_name, v):
+    """The dtype of an 8-bit cache's values k and v (given with their scales): both int8 or both
+    uint8, else TypeError naming the one that is not (nothing is converted to 8 bits here:
+    ``quantize_kv`` does that, with the scales)."""
+    for name, a in ((k_name, k), (v_name, v)):
+        if a.dtype not in _KV8_NAME:
+            raise TypeError(f"{name} has dtype {a.dtype}, but with k_scale and v_scale {k_name} and {v_name} hold an "
+                            "8-bit cache's values, int8 or uint8 (sdpa.quantize_kv makes them)")
+    if k.dtype != v.dtype:
+        raise TypeError(f"{v_name} has dtype {v.dtype} but {k_name} has {k.dtype}: an 8-bit cache's values share one")
+    return k.dtype
+
+
+def _kv8_query_dtype(q):
+    """q's dtype over an 8-bit cache: float32, float16 or bfloat16 kept, any other converted to
+    float32 (the 8-bit kernels compute in float32)."""
+    narrow = _narrow_float(q)
+    return _FLOAT32 if narrow is None else narrow
+
+
+def _storage_dtypes(q, k, v, quantized=False):
     """(q's dtype, k's and v's dtype) as _core gets them: the dtype policy of ``attention``.
 
     q, k, v all float16, or all bfloat16: kept (computed in float32, out rounded to it);
     float32 q over float16 or bfloat16 k and v (one dtype): kept (a 16-bit KV cache);
     any other mix of float32, float16 and bfloat16: float32; anything with float64, long
-    double, integers or bool: float64."""
+    double, integers or bool: float64. quantized (scales given): k and v int8 or uint8 kept,
+    q as _kv8_query_dtype says."""
+    if quantized:
+        return _kv8_query_dtype(q), _kv8_dtype("k", k, "v", v)
     q_dt, k_dt, v_dt = (_narrow_float(a) for a in (q, k, v))
     if k_dt in _LOW and k_dt == v_dt and q_dt in (k_dt, _FLOAT32):
         return q_dt, k_dt
@@ -171,13 +194,14 @@ def _prepared_mask(mask, q_dtype, scores_shape):
     return converted
 
 
-def _prepared_inputs(q, k, v, mask):
+def _prepared_inputs(q, k, v, mask, quantized=False):
     """(compute dtype, q, k, v, mask) ready for _core (bfloat16 still as ml_dtypes.bfloat16:
-    see _core_view): the dtype policy of ``attention``."""
+    see _core_view): the dtype policy of ``attention``; quantized: k and v are an 8-bit cache's
+    values (_storage_dtypes)."""
     arrays = [_asarray(name, x) for name, x in zip("qkv", (q, k, v))]
     for name, a in zip("qkv", arrays):
         _check_kind(name, a)
-    q_dtype, kv_dtype = _storage_dtypes(*arrays)
+    q_dtype, kv_dtype = _storage_dtypes(*arrays, quantized=quantized)
     q = _prepared("q", arrays[0], q_dtype)
     k, v = (_prepared(name, a, kv_dtype) for name, a in zip("kv", arrays[1:]))
     if mask is not None:
@@ -209,6 +233,22 @@ def _inputs_as_is(q, k, v):
     with dtypes that _storage_dtypes keeps (one dtype, or float32 q over one 16-bit k and v)."""
     return (_as_is(q) and _as_is(k) and _as_is(v) and k.dtype == v.dtype
             and (q.dtype == k.dtype or (q.dtype == _FLOAT32 and k.dtype in _LOW)))
+
+
+def _prepared_kv_quant(k_scale, v_scale, k_zero, v_zero):
+    """An 8-bit cache's scales and zero points as _core's keyword arguments (those given): float32
+    arrays read in place (copied only where _core cannot read them so, any strides kept
+    otherwise); another dtype is TypeError naming it (a float64 scale would be rounded).
+    _core checks their shapes and values, and which of them an 8-bit k and v need."""
+    given = {}
+    for name, a in (("k_scale", k_scale), ("v_scale", v_scale), ("k_zero", k_zero), ("v_zero", v_zero)):
+        if a is not None:
+            a = _asarray(name, a)
+            if a.dtype.kind != "f" or a.dtype.itemsize != 4:
+                raise TypeError(f"{name} has dtype {a.dtype}, but an 8-bit cache's scales and zero points are float32 "
+                                "(sdpa.quantize_kv makes them)")
+            given[name] = _converted(name, a, _FLOAT32)
+    return given
 
 
 def _prepared_seqlens(seqlens_k):

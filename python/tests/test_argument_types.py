@@ -248,6 +248,8 @@ ENTRY_POINTS = {
                                                                          lses=[np.zeros((2, 3), np.float32)])),
                            exempt="outs, lses: sequences of arrays, each refused by name (outs[s], lses[s]) as in "
                                   "test_merge.py::test_merge_errors; out_dtype: None is valid (the compute dtype)"),
+    "quantize_kv": Row(_function(sdpa.quantize_kv, lambda: dict(x=np.ones((2, 4), np.float32), groups=2)),
+                       dict(x="real"), ints=["groups"], dtypes=["dtype"]),
     "set_num_threads": Row(_threads_setup, ints=["n"]),
     "num_threads": Row(_function(sdpa.num_threads, dict)),
     "precision": Row(_function(sdpa.precision, lambda: dict(mode="fast")),
@@ -268,7 +270,8 @@ ENTRY_POINTS = {
                                 ints=["block_size"], exempt="doc_q, doc_k: document ids, as document_mask"),
     "KVCache": Row(_constructor(sdpa.KVCache, dict(num_pages=4, page_size=2, num_kv_heads=1, head_dim_k=4)),
                    ints=["num_pages", "page_size", "num_kv_heads", "head_dim_k",
-                         ("head_dim_v", {k: v for k, v in INT_BAD.items() if k != "None"})], dtypes=["dtype"]),
+                         ("head_dim_v", {k: v for k, v in INT_BAD.items() if k != "None"}), "quant_groups"],
+                   dtypes=["dtype"]),
     "KVCache.new_sequence": Row(_cache_method("new_sequence")),
     "KVCache.append": Row(_cache_method("append", lambda c: dict(seq=0, k=np.ones((1, 1, 4)), v=np.ones((1, 1, 4)))),
                           dict(k="real", v="real"), ints=["seq"]),

@@ -252,7 +252,7 @@ def test_kv_cache_sizes_are_integers_named_in_errors(args, name, error):
 
 @pytest.mark.parametrize("dtype", [np.complex64, np.int32, None, "float8", "nonsense"], ids=repr)
 def test_kv_cache_dtype_is_named_in_errors(dtype):
-    with pytest.raises(TypeError, match=r"^dtype must be float32, float64, float16 or ml_dtypes.bfloat16"):
+    with pytest.raises(TypeError, match=r"^dtype must be float32, float64, float16, ml_dtypes.bfloat16, int8 or uint8"):
         sdpa.KVCache(2, 2, 1, 2, dtype=ml_dtypes.float8_e4m3fn if dtype == "float8" else dtype)
 
 
