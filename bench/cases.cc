@@ -18,6 +18,8 @@ const char* dtype_tag(DType dtype) {
     case DType::kFloat16: return "f16";
     case DType::kFloat32: return "f32";
     case DType::kFloat64: return "f64";
+    case DType::kInt8: return "i8";
+    case DType::kUInt8: return "u8";
     case DType::kBool:
     case DType::kInt32:
     case DType::kInt64: break;

@@ -280,11 +280,9 @@ GuardedTensor dequantised(const sdpa::KVCache& cache, int64_t s, bool is_k) {
   return t;
 }
 
-// NEEDS THE CORE BRANCH (8-bit K/V in attention_paged): disabled until it is merged; run with
-// --gtest_also_run_disabled_tests, then drop the DISABLED_ prefix.
 // KVCache::attention on an 8-bit cache equals attention_paged on its pools and kv_quant()
 // (bitwise), and the reference on float32 K/V holding the dequantised values (tolerance rule).
-TEST(KVCache8Bit, DISABLED_AttentionMatchesPagedAndDequantisedReference) {
+TEST(KVCache8Bit, AttentionMatchesPagedAndDequantisedReference) {
   for (DType dtype : {DType::kInt8, DType::kUInt8}) {
     for (int64_t G : {1, 4}) {
       for (DType qd : {kF32, kBF16}) {
