@@ -1,7 +1,7 @@
 """Decode beside llama.cpp (ggml's q8_0 / f16 flash attention) and sdpa's own caches (issue 30 §2).
 
     python bench/decode_peers.py --ggml /path/to/ggml_decode [--rounds 2] [--reps 7] [--threads 2]
-        [--dtypes float32,bfloat16[,int8]] [--cases one,batch]
+        [--dtypes float32,bfloat16[,int8,uint8]] [--cases one,batch]
 
 Cases (Hq 32, Hkv 8, D 128, one query token per sequence):
   one    one sequence of 32768 keys. sdpa: sdpa.attention on a dense (1, 8, 32768, 128) cache.
@@ -15,8 +15,9 @@ a drift of the machine hits all). ms is the median of --reps calls after a warm-
 the K and V bytes of the keys that exist, as each library stores them (ggml q8_0: 34 bytes per
 32 values incl. its f16 block scale).
 ggml: pass the driver built by bench/peers/build_ggml.sh (ggml's source stays outside this
-repository); without --ggml its rows are left out. --dtypes int8 needs sdpa's 8-bit cache
-(issue 30 §1): until sdpa has it, the script stops with a message saying so.
+repository); without --ggml its rows are left out. --dtypes int8 / uint8: sdpa's 8-bit cache
+(issue 30 §1; values from sdpa.quantize_kv, one float32 scale (and zero point) per token and kv
+head, whose bytes count too: D + 4 (+ 4) bytes per row).
 OpenVINO's PagedAttention is not driven here (see docs/PERFORMANCE.md, "Decode beside llama.cpp
 and OpenVINO").
 """
@@ -47,30 +48,49 @@ def np_dtype(name):
     if name == "bfloat16":
         import ml_dtypes
         return ml_dtypes.bfloat16, 2
-    if name == "int8":
-        if not hasattr(sdpa, "int8") and "int8" not in getattr(sdpa, "__all__", ()):
-            sys.exit("decode_peers.py: --dtypes int8: this sdpa has no 8-bit KV cache yet "
-                     f"(issue 30 §1; {sdpa.__file__})")
-        sys.exit("decode_peers.py: --dtypes int8: sdpa's 8-bit cache is not wired into this script yet")
-    sys.exit(f"decode_peers.py: --dtypes: unknown dtype {name!r} (float32, bfloat16, int8)")
+    if name in ("int8", "uint8"):
+        return name, 1
+    sys.exit(f"decode_peers.py: --dtypes: unknown dtype {name!r} (float32, bfloat16, int8, uint8)")
+
+
+def cache(rng, shape, dt, perm=None):
+    """A random cache of `shape` (memory order) in dt, viewed through `perm`: (array, {kwarg
+    suffix: view}) with the scale (and zero point) views of an 8-bit cache, else {}."""
+    x = rng.standard_normal(shape, dtype=np.float32)
+    perm = perm or tuple(range(len(shape)))
+    if dt not in ("int8", "uint8"):
+        return x.astype(dt).transpose(perm), {}
+    parts = sdpa.quantize_kv(x, dt)
+    extra = {"scale": parts[1].transpose(perm[:-1])}
+    if dt == "uint8":
+        extra["zero"] = parts[2].transpose(perm[:-1])
+    return parts[0].transpose(perm), extra
+
+
+def kv_kwargs(kx, vx):
+    return {f"{w}_{name}": view for w, x in (("k", kx), ("v", vx)) for name, view in x.items()}
 
 
 def sdpa_runs(case, dtype_name, rng):
     """[(label, fn, kv_bytes)] for sdpa on this case."""
     dt, size = np_dtype(dtype_name)
+    row_bytes = D * size + (4 if dt in ("int8", "uint8") else 0) + (4 if dt == "uint8" else 0)
     lens = lengths(case)
-    q = rng.standard_normal((len(lens), HQ, 1, D), dtype=np.float32).astype(dt)
+    qdt = np.float32 if dt in ("int8", "uint8") else dt
+    q = rng.standard_normal((len(lens), HQ, 1, D), dtype=np.float32).astype(qdt)
     if case == "one":
-        k = rng.standard_normal((1, HKV, lens[0], D), dtype=np.float32).astype(dt)
-        v = rng.standard_normal((1, HKV, lens[0], D), dtype=np.float32).astype(dt)
-        return [(f"sdpa {dtype_name} dense", lambda: sdpa.attention(q, k, v), 2 * k.size * size)]
+        k, kx = cache(rng, (1, HKV, lens[0], D), dt)
+        v, vx = cache(rng, (1, HKV, lens[0], D), dt)
+        kw = kv_kwargs(kx, vx)
+        return [(f"sdpa {dtype_name} dense", lambda: sdpa.attention(q, k, v, **kw), 2 * lens[0] * HKV * row_bytes)]
     runs = []
     for page in (16, 128):
         counts = [(n + page - 1) // page for n in lens]
         pages = sum(counts)
         # head-major pool: memory (pages, Hkv, page, D), passed as its (pages, page, Hkv, D) view
-        kp = rng.standard_normal((pages, HKV, page, D), dtype=np.float32).astype(dt).transpose(0, 2, 1, 3)
-        vp = rng.standard_normal((pages, HKV, page, D), dtype=np.float32).astype(dt).transpose(0, 2, 1, 3)
+        kp, kx = cache(rng, (pages, HKV, page, D), dt, (0, 2, 1, 3))
+        vp, vx = cache(rng, (pages, HKV, page, D), dt, (0, 2, 1, 3))
+        kw = kv_kwargs(kx, vx)
         order = rng.permutation(pages).astype(np.int32)
         table = np.full((len(lens), max(counts)), -1, np.int32)
         nxt = 0
@@ -79,8 +99,8 @@ def sdpa_runs(case, dtype_name, rng):
             nxt += c
         seqlens = np.array(lens, np.int64)
         runs.append((f"sdpa {dtype_name} paged {page}",
-                     lambda kp=kp, vp=vp, table=table: sdpa.attention_paged(q, kp, vp, table, seqlens),
-                     2 * sum(lens) * HKV * D * size))
+                     lambda kp=kp, vp=vp, table=table, kw=kw: sdpa.attention_paged(q, kp, vp, table, seqlens, **kw),
+                     2 * sum(lens) * HKV * row_bytes))
     return runs
 
 
