@@ -154,7 +154,7 @@ struct Options {
   // Without it (the default) results are already independent of the thread count, but the fused
   // kernels pick the key split and the kernel from the problem's shape, so a row's last bits may
   // change with the batch. With it the fused forward (kAuto, kFlash) always cuts a row's keys at
-  // multiples of 1024 from key 0 and merges the pieces in key order, computes decode steps with
+  // multiples of 4096 from key 0 and merges the pieces in key order, computes decode steps with
   // the prefill kernel, and uses the portable SIMD products (no vdpbf16ps: KernelPath::kSimd).
   // Cost (docs/PERFORMANCE.md): decode of few rows loses the decode kernel, 16-bit prefill on
   // an AVX512_BF16 CPU the bfloat16 instruction. kReference computes one row at a time and is

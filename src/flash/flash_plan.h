@@ -31,7 +31,9 @@ inline constexpr int64_t kMaxGroupBlocks = 4;
 inline constexpr int64_t kGroupAboveBytes = int64_t{1} << 19;
 // Options::batch_invariant: keys are cut at multiples of this from key 0 whatever the problem,
 // and the pieces merged in key order (merge_chunks), whether threads take them apart or not.
-inline constexpr int64_t kInvariantChunkKeys = kMinChunkKeys;
+// Large, so that prefill of up to 4096 keys pays no merge; a decode step of 32768 keys per kv
+// head still gives threads 8 chunks per kv head.
+inline constexpr int64_t kInvariantChunkKeys = 4 * kMinChunkKeys;
 // Blocks of at most this many rows use the few-rows (decode) kernel, lanes along features.
 inline constexpr int64_t kDecodeMaxRows = 8;
 // A thread joins only with at least this many multiply-adds to do (about 5 µs of one core):
