@@ -318,4 +318,52 @@ TEST(BatchInvarianceOff, SomeBatchingDiffersWithoutTheOption) {
   std::printf("without batch_invariant: %lld rows differ, first: %s\n", static_cast<long long>(differ), first.c_str());
 }
 
+// The statistics (Outputs::stats) and lse merge with the chunks too, bit for bit: rows of a call
+// with many blocks (its units merge a block's chunks themselves: Plan::local_chunks) equal the
+// same rows computed in a call of one block (its chunks are units, merged after them).
+TEST(BatchInvarianceStats, StatisticsAndLseAreBitwiseEqualToo) {
+  constexpr int64_t D = 32, Nk = 9000, big_H = 8, big_Nq = 256, small_Nq = 16;  // 128 blocks vs 1; 3 chunks
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(big_H * big_Nq * D), k(big_H * Nk * D), v(big_H * Nk * D);
+  for (auto* x : {&q, &k, &v})
+    for (float& e : *x) e = normal(rng);
+  struct Result {
+    std::vector<float> out, lse, max_weight, entropy;
+    std::vector<int64_t> allowed, argmax;
+  };
+  // Head 0's first small_Nq rows of the call on heads [0, H) and rows [0, Nq).
+  const auto run = [&](int64_t H, int64_t Nq) {
+    Result r{std::vector<float>(H * Nq * D), std::vector<float>(H * Nq), std::vector<float>(H * Nq),
+             std::vector<float>(H * Nq), std::vector<int64_t>(H * Nq), std::vector<int64_t>(H * Nq)};
+    sdpa::Outputs outs{TensorView::contiguous(r.out.data(), DType::kFloat32, {1, H, Nq, D})};
+    outs.lse = TensorView::contiguous(r.lse.data(), DType::kFloat32, {1, H, Nq});
+    outs.stats.max_weight = TensorView::contiguous(r.max_weight.data(), DType::kFloat32, {1, H, Nq});
+    outs.stats.entropy = TensorView::contiguous(r.entropy.data(), DType::kFloat32, {1, H, Nq});
+    outs.stats.allowed = TensorView::contiguous(r.allowed.data(), DType::kInt64, {1, H, Nq});
+    outs.stats.argmax = TensorView::contiguous(r.argmax.data(), DType::kInt64, {1, H, Nq});
+    TensorView qv = TensorView::contiguous(q.data(), DType::kFloat32, {1, H, Nq, D});
+    qv.strides[1] = big_Nq * D;  // q's first Nq rows of each head
+    sdpa::Options opt;
+    opt.batch_invariant = true;
+    sdpa::attention({qv, TensorView::contiguous(k.data(), DType::kFloat32, {1, H, Nk, D}),
+                     TensorView::contiguous(v.data(), DType::kFloat32, {1, H, Nk, D})},
+                    outs, opt);
+    r.out.resize(small_Nq * D);
+    for (auto* x : {&r.lse, &r.max_weight, &r.entropy}) x->resize(small_Nq);
+    for (auto* x : {&r.allowed, &r.argmax}) x->resize(small_Nq);
+    return r;
+  };
+  const Result big = run(big_H, big_Nq), small = run(1, small_Nq);
+  const auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same_bits(big.out, small.out));
+  EXPECT_TRUE(same_bits(big.lse, small.lse));
+  EXPECT_TRUE(same_bits(big.max_weight, small.max_weight));
+  EXPECT_TRUE(same_bits(big.entropy, small.entropy));
+  EXPECT_EQ(big.allowed, small.allowed);
+  EXPECT_EQ(big.argmax, small.argmax);
+}
+
 }  // namespace
