@@ -138,3 +138,47 @@ def test_flag_type():
     with pytest.raises(TypeError, match="batch_invariant must be True or False"):
         sdpa.attention(q, q, q, batch_invariant=1)
     np.testing.assert_array_equal(sdpa.attention(q, q, q, batch_invariant=np.bool_(True)), sdpa.attention(q, q, q))
+
+
+def test_torch_front_door_passes_the_option():
+    """sdpa.torch's scaled_dot_product_attention (with and without autograd), attention_varlen
+    and attention_paged take batch_invariant: a row alone and in a batch give the same bits,
+    which are the NumPy front door's."""
+    from torch_required import import_torch
+    torch = import_torch()
+    import sdpa.torch as st
+    rng = np.random.default_rng(3)
+    n_keys = 5000
+    q, k, v = seq(rng, n_keys, np.float32)
+    other = seq(rng, n_keys, np.float32)
+    kw = dict(causal=True, batch_invariant=True)
+    want = np.stack([sdpa.attention(head_major(q[i:i + 1])[None], head_major(k[:i + 1])[None],
+                                    head_major(v[:i + 1])[None], **kw)[0, :, 0] for i in range(n_keys - P, n_keys)])
+    qb = torch.from_numpy(np.stack([head_major(other[0][-P:]), head_major(q[-P:])]))
+    kb = torch.from_numpy(np.stack([head_major(other[1]), head_major(k)]))
+    vb = torch.from_numpy(np.stack([head_major(other[2]), head_major(v)]))
+    # torch's is_causal is top-left: with Nq < Nk the rows would not see their keys; a bool mask
+    # of the bottom-right band says the same thing as sdpa's causal here.
+    band = torch.from_numpy(np.arange(n_keys)[None, :] <= (n_keys - P + np.arange(P))[:, None])
+    for grad in (False, True):
+        qg = qb.clone().requires_grad_(grad)
+        out = st.scaled_dot_product_attention(qg, kb, vb, attn_mask=band, enable_gqa=True, batch_invariant=True)
+        assert np.array_equal(bits(out[1].detach().numpy().transpose(1, 0, 2)), bits(want))
+        if grad:
+            out.sum().backward()
+            assert qg.grad is not None
+    cu_q = torch.tensor([0, P, 2 * P])
+    cu_k = torch.tensor([0, n_keys, 2 * n_keys])
+    out = st.attention_varlen(torch.from_numpy(np.concatenate([other[0][-P:], q[-P:]])),
+                              torch.from_numpy(np.concatenate([other[1], k])),
+                              torch.from_numpy(np.concatenate([other[2], v])), cu_q, cu_k, **kw)
+    assert np.array_equal(bits(out[P:].numpy()), bits(want))
+    per = -(-n_keys // 16)  # pages per sequence (5000 keys: the last page half full)
+    kp = np.zeros((2 * per * 16, HKV, DK), np.float32)
+    vp = np.zeros((2 * per * 16, HKV, DV), np.float32)
+    kp[:n_keys], vp[:n_keys] = k, v
+    kp[per * 16:per * 16 + n_keys], vp[per * 16:per * 16 + n_keys] = other[1], other[2]
+    table = torch.tensor([list(range(per, 2 * per)), list(range(per))], dtype=torch.int32)
+    out = st.attention_paged(qb, torch.from_numpy(kp.reshape(-1, 16, HKV, DK)), torch.from_numpy(vp.reshape(-1, 16, HKV, DV)),
+                             table, torch.tensor([n_keys, n_keys]), **kw)
+    assert np.array_equal(bits(out[1].numpy().transpose(1, 0, 2)), bits(want))
