@@ -321,7 +321,14 @@ TEST(BatchInvarianceOff, SomeBatchingDiffersWithoutTheOption) {
 // The statistics (Outputs::stats) and lse merge with the chunks too, bit for bit: rows of a call
 // with many blocks (its units merge a block's chunks themselves: Plan::local_chunks) equal the
 // same rows computed in a call of one block (its chunks are units, merged after them).
-TEST(BatchInvarianceStats, StatisticsAndLseAreBitwiseEqualToo) {
+// 0: every row sees all keys. Else the rows lie at positions q_start + i with a window of the
+// 100 keys before them: at 4090 the compared rows see chunk 0 or chunks 0 and 1, at 5000 chunk
+// 1 alone; the many-block call runs and merges only those chunks (one alone is not merged), the
+// one-block call merges all three.
+class BatchInvarianceStats : public testing::TestWithParam<int64_t> {};
+
+TEST_P(BatchInvarianceStats, StatisticsAndLseAreBitwiseEqualToo) {
+  const int64_t q_start = GetParam();
   constexpr int64_t D = 32, Nk = 9000, big_H = 8, big_Nq = 256, small_Nq = 16;  // 128 blocks vs 1; 3 chunks
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
@@ -346,6 +353,11 @@ TEST(BatchInvarianceStats, StatisticsAndLseAreBitwiseEqualToo) {
     qv.strides[1] = big_Nq * D;  // q's first Nq rows of each head
     sdpa::Options opt;
     opt.batch_invariant = true;
+    if (q_start > 0) {
+      opt.window = {100, 0};
+      opt.q_start = q_start;
+      opt.k_start = 0;
+    }
     sdpa::attention({qv, TensorView::contiguous(k.data(), DType::kFloat32, {1, H, Nk, D}),
                      TensorView::contiguous(v.data(), DType::kFloat32, {1, H, Nk, D})},
                     outs, opt);
@@ -365,5 +377,10 @@ TEST(BatchInvarianceStats, StatisticsAndLseAreBitwiseEqualToo) {
   EXPECT_EQ(big.allowed, small.allowed);
   EXPECT_EQ(big.argmax, small.argmax);
 }
+
+INSTANTIATE_TEST_SUITE_P(All, BatchInvarianceStats, testing::Values(int64_t{0}, int64_t{4090}, int64_t{5000}),
+                         [](const testing::TestParamInfo<int64_t>& info) {
+                           return info.param == 0 ? std::string("AllKeys") : "WindowAt" + std::to_string(info.param);
+                         });
 
 }  // namespace

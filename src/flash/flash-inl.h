@@ -134,13 +134,13 @@ void KeepChunk(const Job<T>& job, Scratch<T>& s, size_t g, T* dst, T* reals, int
 // into scratch block 0 and finishes its rows.
 template <typename T, class D>
 void MergeAndFinish(D d, const Job<T>& job, Scratch<T>& s, const BlockRows& blk, const T* partial, const T* reals,
-                    const int64_t* ints) {
+                    const int64_t* ints, int64_t chunks) {
   const BlockState<T> bs = s.block(0);
   describe_lanes(*job.p, blk, 0, job.p->Nk, bs.lanes);
   if (bs.stats.reals != nullptr) {  // before merge_chunks overwrites the block's (m, l)
-    merge_stats_chunks<T>(partial, reals, ints, job.plan.chunks, job.p->Dv, bs.stats);
+    merge_stats_chunks<T>(partial, reals, ints, chunks, job.p->Dv, bs.stats);
   }
-  merge_chunks<T>(partial, job.plan.chunks, job.p->Dv, job.mq, bs.ot, bs.m, bs.l, bs.bad);
+  merge_chunks<T>(partial, chunks, job.p->Dv, job.mq, bs.ot, bs.m, bs.l, bs.bad);
   FinishBlock(d, job, s, 0, blk);
 }
 
@@ -158,16 +158,28 @@ void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
   const int64_t rs = stats ? LaneStats<T>::reals_size(s.block(0).stats.mq, s.block(0).stats.k) : 0;
   const int64_t is = stats ? LaneStats<T>::ints_size(s.block(0).stats.mq, s.block(0).stats.k) : 0;
   if (plan.local_chunks) {  // one block (no grouping with chunks): its chunks in key order, merged here
-    s.chunk_partial.resize(static_cast<size_t>(plan.chunks) * job.partial_size);
-    s.chunk_stat_reals.resize(static_cast<size_t>(plan.chunks * rs));
-    s.chunk_stat_ints.resize(static_cast<size_t>(plan.chunks * is));
-    for (int64_t cc = 0; cc < plan.chunks; ++cc) {
-      const int64_t k0 = cc * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
-      RunChunk(d, job, blks, 1, k0, k1, s);
-      KeepChunk(job, s, 0, s.chunk_partial.data() + cc * job.partial_size, s.chunk_stat_reals.data() + cc * rs,
-                s.chunk_stat_ints.data() + cc * is);
+    // Only the chunks [c0, c1) that hold keys of the block's rows: the merge skips a chunk in
+    // which a lane saw no key (l = 0), so the others change no bit, and a lane's one chunk
+    // merges to its own bits (weight exp(0) = 1). batch_invariance_test checks both.
+    const LaneSpan span = describe_lanes(p, blks[0], 0, p.Nk, s.block(0).lanes);
+    const int64_t c0 = span.begin / plan.chunk_keys;
+    const int64_t c1 = span.begin < span.end ? ceil_blocks(span.end, plan.chunk_keys) : c0 + 1;
+    if (c1 - c0 == 1) {
+      RunChunk(d, job, blks, 1, c0 * plan.chunk_keys, std::min(p.Nk, (c0 + 1) * plan.chunk_keys), s);
+      FinishBlock(d, job, s, 0, blks[0]);
+      return;
     }
-    MergeAndFinish(d, job, s, blks[0], s.chunk_partial.data(), s.chunk_stat_reals.data(), s.chunk_stat_ints.data());
+    s.chunk_partial.resize(static_cast<size_t>(c1 - c0) * job.partial_size);
+    s.chunk_stat_reals.resize(static_cast<size_t>((c1 - c0) * rs));
+    s.chunk_stat_ints.resize(static_cast<size_t>((c1 - c0) * is));
+    for (int64_t cc = c0; cc < c1; ++cc) {
+      const int64_t k0 = cc * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys), at = cc - c0;
+      RunChunk(d, job, blks, 1, k0, k1, s);
+      KeepChunk(job, s, 0, s.chunk_partial.data() + at * job.partial_size, s.chunk_stat_reals.data() + at * rs,
+                s.chunk_stat_ints.data() + at * is);
+    }
+    MergeAndFinish(d, job, s, blks[0], s.chunk_partial.data(), s.chunk_stat_reals.data(), s.chunk_stat_ints.data(),
+                   c1 - c0);
     return;
   }
   const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
@@ -276,7 +288,7 @@ void FlashMany(const Problem* const* problems, size_t n) {
       const int64_t is = st.reals != nullptr ? LaneStats<T>::ints_size(st.mq, st.k) : 0;
       const int64_t at = bi * job.plan.chunks;
       MergeAndFinish(d, job, s, job.plan.block(bi), job.partial.data() + at * job.partial_size,
-                     job.partial_stat_reals.data() + at * rs, job.partial_stat_ints.data() + at * is);
+                     job.partial_stat_reals.data() + at * rs, job.partial_stat_ints.data() + at * is, job.plan.chunks);
     });
   };
   if (threads == 1) {  // no team: a decode step of a small model is shorter than starting one
