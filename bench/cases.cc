@@ -245,6 +245,7 @@ void CaseData::run(Backend backend) {
   opt.window = c_.window;
   opt.backend = backend;
   opt.precision = c_.precision;
+  opt.batch_invariant = c_.batch_invariant;
   Outputs outs;
   outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
   if (c_.page_size > 0) {

@@ -34,6 +34,7 @@ struct BenchCase {
   // token-major, C order (pages, page_size, Hkv, D).
   bool token_major_pages = false;
   Precision precision = Precision::kExact;  // Options::precision (sdpa bench --precision)
+  bool batch_invariant = false;              // Options::batch_invariant (sdpa bench --batch-invariant)
 };
 
 // Keys of sequence b: Nk, or with page_size the geometric spread above.

@@ -57,6 +57,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
       ->check(CLI::IsMember(sdpa::front::names_of(sdpa::front::kPrecisionNames)))
       ->type_name("MODE")
       ->capture_default_str();
+  cmd->add_flag("--batch-invariant", options.batch_invariant,
+                "Options::batch_invariant in every case (a row's bits independent of how it is batched)");
   cmd->add_flag("--json", options.json, "Print JSON instead of a table");
   cmd->add_flag("--no-avx512", options.no_avx512, "Dispatch to AVX2 at most, as on a CPU without AVX-512");
   cmd->add_flag("--no-bf16-dot", options.no_bf16_dot,
@@ -78,7 +80,7 @@ void bench_command(const BenchOptions& options) {
     if (c.name.find(options.filter) != std::string::npos) cases.push_back(c);
   }
   const sdpa::Precision precision = sdpa::front::parse_name("precision", sdpa::front::kPrecisionNames, options.precision);
-  for (auto& c : cases) c.precision = precision;
+  for (auto& c : cases) c.precision = precision, c.batch_invariant = options.batch_invariant;
   if (cases.empty()) throw std::runtime_error("--filter '" + options.filter + "' matches no case");
   std::string dtypes;  // the dtypes of the cases, as the header names them: "float32, bfloat16"
   for (const auto& c : cases) {
@@ -114,9 +116,10 @@ void bench_command(const BenchOptions& options) {
 
   const std::string target = sdpa::bench::simd_target();
   if (options.json) {
-    std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"precision\": \"%s\", \"fma_peak_gflops\": %.2f, "
-                "\"read_bandwidth_gbs\": %.2f,\n",
-                threads, target.c_str(), options.precision.c_str(), peak, bandwidth);
+    std::printf("{\"threads\": %d, \"simd_target\": \"%s\", \"precision\": \"%s\", \"batch_invariant\": %s, "
+                "\"fma_peak_gflops\": %.2f, \"read_bandwidth_gbs\": %.2f,\n",
+                threads, target.c_str(), options.precision.c_str(), options.batch_invariant ? "true" : "false", peak,
+                bandwidth);
     std::printf(" \"flops_formula\": \"4*B*Hq*Nq*Nk*D (backward: 10*B*Hq*Nq*Nk*D), halved for causal; with a window, "
                 "Nq*Nk counts the (i, j) pairs it and causal allow; the same for every dtype\",\n \"cases\": [\n");
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -134,8 +137,9 @@ void bench_command(const BenchOptions& options) {
     std::printf(" ]}\n");
     return;
   }
-  std::printf("sdpa bench: %d threads, SIMD target %s, %s, precision %s, median of %d runs\n", threads,
-              target.c_str(), dtypes.c_str(), options.precision.c_str(), options.reps);
+  std::printf("sdpa bench: %d threads, SIMD target %s, %s, precision %s%s, median of %d runs\n", threads,
+              target.c_str(), dtypes.c_str(), options.precision.c_str(), options.batch_invariant ? ", batch invariant" : "",
+              options.reps);
   std::printf("machine (measured now, %d threads): FMA peak %.1f GFLOP/s, read bandwidth %.1f GB/s\n", threads,
               peak, bandwidth);
   std::printf(

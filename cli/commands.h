@@ -80,6 +80,7 @@ struct BenchOptions {
   std::string filter;
   std::string dtype;  // "bf16", "f16", "f32", "f64": the whole table in it; empty: the default table
   std::string precision = "exact";  // or fast: Options::precision of every case
+  bool batch_invariant = false;      // Options::batch_invariant of every case
   bool json = false;
   bool no_avx512 = false;
   bool no_bf16_dot = false;

@@ -90,8 +90,9 @@ sdpa::front::Call call(std::optional<double> scale, const std::string& causal, i
 sdpa::Options with_mods(sdpa::front::Call c, double softcap, const std::string& softcap_order,
                         const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks,
                         const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-                        const std::string& precision) {
+                        const std::string& precision, bool batch_invariant = false) {
   c.precision = precision;
+  c.batch_invariant = batch_invariant;
   c.softcap = softcap;
   c.softcap_order = softcap_order;
   if (alibi_slopes) c.alibi_slopes = to_view(*alibi_slopes, "alibi_slopes");
@@ -127,7 +128,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
                const std::optional<std::vector<std::optional<Array>>>& stats, const std::optional<Array>& scores,
                const std::string& scores_stage, const std::string& precision, std::optional<int64_t> q_start,
                std::optional<int64_t> k_start, const OptArray& k_scale, const OptArray& v_scale,
-               const OptArray& k_zero, const OptArray& v_zero) {
+               const OptArray& k_zero, const OptArray& v_zero, bool batch_invariant) {
   sdpa::Inputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), std::nullopt};
   if (mask) in.mask = to_view(*mask, "mask");
   if (seqlens_k) in.seqlens_k = to_view(*seqlens_k, "seqlens_k");
@@ -151,7 +152,7 @@ void attention(const ConstArray& q, const ConstArray& k, const ConstArray& v, co
   sdpa::front::Call c = call(scale, causal, window_left, window_right, backend, dropout_p, seed);
   c.q_start = q_start;
   c.k_start = k_start;
-  const sdpa::Options opt = with_mods(c, softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  const sdpa::Options opt = with_mods(c, softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant);
   nb::gil_scoped_release release;
   sdpa::attention(in, outs, opt);
 }
@@ -186,12 +187,12 @@ void attention_varlen(const ConstArray& q, const ConstArray& k, const ConstArray
                       std::optional<double> scale, const std::string& causal, int64_t window_left, int64_t window_right,
                       const std::string& backend, double dropout_p, std::optional<uint64_t> seed, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                       const std::string& precision, const OptArray& k_scale, const OptArray& v_scale,
-                      const OptArray& k_zero, const OptArray& v_zero) {
+                      const OptArray& k_zero, const OptArray& v_zero, bool batch_invariant) {
   const sdpa::VarlenInputs in{to_view(q, "q"), to_view(k, "k"), to_view(v, "v"), to_view(cu_q, "cu_seqlens_q"),
                               to_view(cu_k, "cu_seqlens_k"), kv_quant(k_scale, v_scale, k_zero, v_zero)};
   sdpa::VarlenOutputs outs{to_view(out, "out"), std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend, dropout_p, seed), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant);
   nb::gil_scoped_release release;
   sdpa::attention_varlen(in, outs, opt);
 }
@@ -219,14 +220,14 @@ void attention_paged(const ConstArray& q, const ConstArray& k_pages, const Const
                      const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
                      int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
                      const std::string& precision, const OptArray& k_scale, const OptArray& v_scale,
-                     const OptArray& k_zero, const OptArray& v_zero) {
+                     const OptArray& k_zero, const OptArray& v_zero, bool batch_invariant) {
   sdpa::PagedInputs in{to_view(q, "q"), to_view(k_pages, "k_pages"), to_view(v_pages, "v_pages"),
                        to_view(table, "block_table"), to_view(seqlens_k, "seqlens_k"), std::nullopt,
                        kv_quant(k_scale, v_scale, k_zero, v_zero)};
   if (cu_seqlens_q) in.cu_seqlens_q = to_view(*cu_seqlens_q, "cu_seqlens_q");
   sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
   if (lse) outs.lse = to_view(*lse, "lse");
-  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+  const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant);
   nb::gil_scoped_release release;
   sdpa::attention_paged(in, outs, opt);
 }
@@ -554,7 +555,7 @@ NB_MODULE(_core, m) {
         nb::arg("stats").none() = nb::none(), nb::arg("scores").none() = nb::none(), nb::arg("scores_stage") = "final",
         nb::arg("precision") = "exact", nb::arg("q_start").none() = nb::none(), nb::arg("k_start").none() = nb::none(),
         nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
-        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none(), nb::arg("batch_invariant") = false);
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("mask").none(), nb::arg("seqlens_k").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"), nb::arg("dq"), nb::arg("dk"),
         nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
@@ -568,7 +569,7 @@ NB_MODULE(_core, m) {
         nb::arg("seed").none(), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
         nb::arg("precision") = "exact", nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
-        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none(), nb::arg("batch_invariant") = false);
   m.def("attention_varlen_backward", &attention_varlen_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
@@ -581,7 +582,7 @@ NB_MODULE(_core, m) {
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"), nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
         nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
         nb::arg("precision") = "exact", nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
-        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none());
+        nb::arg("k_zero").none() = nb::none(), nb::arg("v_zero").none() = nb::none(), nb::arg("batch_invariant") = false);
   m.def("inspect_report", &inspect_report, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask").none(),
         nb::arg("seqlens_k").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("backend"), nb::arg("topk"), nb::arg("cells"), nb::arg("max_heads"),
@@ -629,11 +630,11 @@ NB_MODULE(_core, m) {
            [](const sdpa::KVCache& c, const ConstArray& q, const std::vector<int64_t>& seqs, const Array& out,
               const std::optional<Array>& lse, std::optional<double> scale, const std::string& causal,
               int64_t window_left, int64_t window_right, const std::string& backend, double softcap, const std::string& softcap_order, const std::optional<ConstArray>& alibi_slopes, const std::optional<ConstArray>& sinks, const std::optional<ConstArray>& block_mask, int64_t block_q, int64_t block_k,
-              const std::string& precision) {
+              const std::string& precision, bool batch_invariant) {
              sdpa::Outputs outs{to_view(out, "out"), std::nullopt, std::nullopt};
              if (lse) outs.lse = to_view(*lse, "lse");
              const sdpa::TensorView qv = to_view(q, "q");
-             const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+             const sdpa::Options opt = with_mods(call(scale, causal, window_left, window_right, backend), softcap, softcap_order, alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant);
              nb::gil_scoped_release release;
              c.attention(qv, seqs, outs, opt);
            },
@@ -641,7 +642,7 @@ NB_MODULE(_core, m) {
            nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("backend"),
            nb::arg("softcap") = 0.0, nb::arg("softcap_order") = "before_bias",
            nb::arg("alibi_slopes").none() = nb::none(), nb::arg("sinks").none() = nb::none(), nb::arg("block_mask").none() = nb::none(), nb::arg("block_q") = 128, nb::arg("block_k") = 128,
-           nb::arg("precision") = "exact");
+           nb::arg("precision") = "exact", nb::arg("batch_invariant") = false);
   nb::class_<sdpa::MultiHeadSaved>(m, "MultiHeadSaved").def(nb::init<>());
   m.def("mha_resolved", [](const LayerConfig& t) {
     const sdpa::MultiHeadConfig c = layer_config(t).resolved();

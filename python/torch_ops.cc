@@ -107,6 +107,7 @@ struct Mods {
   std::optional<Tensor> block_mask = std::nullopt;  // attention and attention_backward only
   int64_t block_q = 128, block_k = 128;
   c10::string_view precision = "exact";  // sdpa::front checks the name
+  bool batch_invariant = false;          // Options::batch_invariant (the forward operators' last flag)
 };
 
 // Options for a call (sdpa::front: causal's name is checked there, the values by the library),
@@ -127,6 +128,7 @@ sdpa::Options options(c10::string_view causal, std::optional<double> scale, int6
                       "seed must be a one-element int64 tensor, got ", seed->scalar_type(), " ", seed->sizes());
     c.seed = static_cast<uint64_t>(seed->item<int64_t>());
   }
+  c.batch_invariant = mods.batch_invariant;
   if (mods.alibi_slopes) c.alibi_slopes = view(*mods.alibi_slopes, "alibi_slopes");
   if (mods.sinks) c.sinks = view(*mods.sinks, "sinks");
   if (mods.block_mask) c.block_mask = view(*mods.block_mask, "block_mask");
@@ -172,7 +174,7 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
                                          bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
                                          const std::optional<Tensor>& sinks, const std::optional<Tensor>& block_mask,
                                          int64_t block_q, int64_t block_k, c10::string_view precision,
-                                         const std::optional<Tensor>& seqlens_k) {
+                                         const std::optional<Tensor>& seqlens_k, bool batch_invariant) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   auto [out, lse] = empty_outputs(q, v);
   sdpa::Inputs in{view(q, "q"), view(k, "k"), view(v, "v"), std::nullopt, std::nullopt};
@@ -181,7 +183,8 @@ std::tuple<Tensor, Tensor> attention_cpu(const Tensor& q_, const Tensor& k_, con
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
   const sdpa::Options opt =
       options(causal, scale, window_left, window_right, dropout_p, seed,
-              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                   batch_invariant});
   run([&] { sdpa::attention(in, outs, opt); });
   return {out, lse};
 }
@@ -251,7 +254,7 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
                                                 bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
                                                 const std::optional<Tensor>& sinks,
                                                 const std::optional<Tensor>& block_mask, int64_t block_q,
-                                                int64_t block_k, c10::string_view precision) {
+                                                int64_t block_k, c10::string_view precision, bool batch_invariant) {
   const Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_);
   TORCH_CHECK_VALUE(q.dim() == 3, "q has shape ", q.sizes(), " but must be (total_q, Hq, Dk)");
   auto shape = q.sizes().vec();
@@ -262,7 +265,8 @@ std::tuple<Tensor, Tensor> attention_varlen_cpu(const Tensor& q_, const Tensor& 
   const sdpa::VarlenOutputs outs{view(out, "out"), view(lse, "lse")};
   const sdpa::Options opt =
       options(causal, scale, window_left, window_right, dropout_p, seed,
-              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                   batch_invariant});
   run([&] { sdpa::attention_varlen(in, outs, opt); });
   return {out, lse};
 }
@@ -294,7 +298,8 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(
     const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, double softcap, bool softcap_after_bias,
     const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision,
+    bool batch_invariant) {
   const Tensor q = unit_last(q_);
   auto [out, lse] = empty_outputs(q, v_pages);
   if (cu_seqlens_q) {  // packed queries (total_q, Hq, Dk): lse (Hq, total_q)
@@ -307,7 +312,8 @@ std::tuple<Tensor, Tensor> attention_paged_cpu(
   const sdpa::Outputs outs{view(out, "out"), std::nullopt, view(lse, "lse")};
   const sdpa::Options opt =
       options(causal, scale, window_left, window_right, 0.0, std::nullopt,
-              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision});
+              Mods{softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                   batch_invariant});
   run([&] { sdpa::attention_paged(in, outs, opt); });
   return {out, lse};
 }
@@ -382,12 +388,13 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                                const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
                                const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
                                const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
-                               c10::string_view precision, const std::optional<Tensor>& seqlens_k) {
+                               c10::string_view precision, const std::optional<Tensor>& seqlens_k,
+                               bool batch_invariant) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
                                softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
-                               seqlens_k);
+                               seqlens_k, batch_invariant);
     // Saved through autograd, so that an in-place change of an input or of the returned out
     // makes backward raise instead of using stale data.
     ctx->save_for_backward({q, k, v, out, lse, mask.value_or(Tensor()), seed.value_or(Tensor()),
@@ -415,12 +422,12 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), mask_grad, alibi_grad, o.precision,
         optional(s[10]));
     // One gradient per forward argument: q, k, v, mask, causal .. softcap_after_bias (8),
-    // alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k.
+    // alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k, batch_invariant.
     const Tensor none;
     return {dq,   dk,   dv,   mask_grad ? dbias : none,
             none, none, none, none, none, none, none, none,  // causal .. softcap_after_bias
             alibi_grad ? dalibi : none, s[8].defined() ? dsinks : none,
-            none, none, none, none, none};  // block_mask, block_q, block_k, precision, seqlens_k
+            none, none, none, none, none, none};  // block_mask, block_q, block_k, precision, seqlens_k, batch_invariant
   }
 };
 
@@ -440,18 +447,20 @@ std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, 
                                               bool softcap_after_bias, const std::optional<Tensor>& alibi_slopes,
                                               const std::optional<Tensor>& sinks,
                                               const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
-                                              c10::string_view precision, const std::optional<Tensor>& seqlens_k) {
+                                              c10::string_view precision, const std::optional<Tensor>& seqlens_k,
+                                              bool batch_invariant) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, mask ? &*mask : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     return fwd.call(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision, seqlens_k,
+                    batch_invariant);
   }
   const variable_list r =
       AttentionFunction::apply(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap,
                                softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
-                               seqlens_k);
+                               seqlens_k, batch_invariant);
   return {r[0], r[1]};
 }
 
@@ -464,7 +473,7 @@ struct AttentionOutFunction : public torch::autograd::Function<AttentionOutFunct
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention").typed<decltype(attention_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, std::nullopt, causal, scale, -1, -1, 0.0, std::nullopt, 0.0, false,
-                               std::nullopt, std::nullopt, std::nullopt, 128, 128, "exact", std::nullopt);
+                               std::nullopt, std::nullopt, std::nullopt, 128, 128, "exact", std::nullopt, false);
     ctx->save_for_backward({q, k, v, out, lse});  // (through autograd: see AttentionFunction)
     ctx->saved_data["causal"] = std::string(causal);
     ctx->saved_data["scale"] = scale;
@@ -500,11 +509,12 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
                                const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
                                const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
                                const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k,
-                               c10::string_view precision) {
+                               c10::string_view precision, bool batch_invariant) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     auto [out, lse] = fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                               softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                               batch_invariant);
     ctx->save_for_backward({q, k, v, cu_q, cu_k, out, lse, seed.value_or(Tensor()), alibi_slopes.value_or(Tensor()),
                             sinks.value_or(Tensor()), block_mask.value_or(Tensor())});
     save_options(ctx, causal, scale, window_left, window_right, dropout_p, softcap, softcap_after_bias, precision);
@@ -525,12 +535,12 @@ struct VarlenFunction : public torch::autograd::Function<VarlenFunction> {
         optional(s[7]), o.softcap, o.softcap_after_bias, optional(s[8]), optional(s[9]), optional(s[10]),
         ctx->saved_data["block_q"].toInt(), ctx->saved_data["block_k"].toInt(), alibi_grad, o.precision);
     // One gradient per forward argument: q, k, v, cu_seqlens_q, cu_seqlens_k, causal ..
-    // softcap_after_bias (8), alibi_slopes, sinks, block_mask, block_q, block_k, precision.
+    // softcap_after_bias (8), alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant.
     const Tensor none;
     return {dq,   dk,   dv,   none, none,                    // cu_seqlens_q, cu_seqlens_k
             none, none, none, none, none, none, none, none,  // causal .. softcap_after_bias
             alibi_grad ? dalibi : none, s[9].defined() ? dsinks : none,
-            none, none, none, none};  // block_mask, block_q, block_k, precision
+            none, none, none, none, none};  // block_mask, block_q, block_k, precision, batch_invariant
   }
 };
 
@@ -539,17 +549,19 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(
     std::optional<double> scale, int64_t window_left, int64_t window_right, double dropout_p,
     const std::optional<Tensor>& seed, double softcap, bool softcap_after_bias,
     const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision,
+    bool batch_invariant) {
   const Tensor none;
   if (!records({&q, &k, &v, sinks ? &*sinks : &none, alibi_slopes ? &*alibi_slopes : &none})) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static const auto fwd = op("sdpa::attention_varlen").typed<decltype(attention_varlen_cpu)>();
     return fwd.call(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                    softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision, batch_invariant);
   }
   const variable_list r =
       VarlenFunction::apply(q, k, v, cu_q, cu_k, causal, scale, window_left, window_right, dropout_p, seed, softcap,
-                            softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                            softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                            batch_invariant);
   return {r[0], r[1]};
 }
 
@@ -593,11 +605,13 @@ std::tuple<Tensor, Tensor> attention_paged_autograd(
     const std::optional<Tensor>& cu_seqlens_q, c10::string_view causal, std::optional<double> scale,
     int64_t window_left, int64_t window_right, double softcap, bool softcap_after_bias,
     const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks,
-    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision) {
+    const std::optional<Tensor>& block_mask, int64_t block_q, int64_t block_k, c10::string_view precision,
+    bool batch_invariant) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto fwd = op("sdpa::attention_paged").typed<decltype(attention_paged_cpu)>();
   return fwd.call(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
-                  softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision);
+                  softcap, softcap_after_bias, alibi_slopes, sinks, block_mask, block_q, block_k, precision,
+                  batch_invariant);
 }
 
 // attention_weights: no gradient either (sdpa.torch.MultiheadAttention's weights are for inspection).
@@ -653,7 +667,7 @@ TORCH_LIBRARY(sdpa, m) {
 #define SDPA_PRECISION ", str precision=\"exact\""
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right, float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION
-        ", Tensor? seqlens_k=None) -> (Tensor, Tensor)");
+        ", Tensor? seqlens_k=None, bool batch_invariant=False) -> (Tensor, Tensor)");
   m.def("attention_out(Tensor q, Tensor k, Tensor v, str causal=\"none\", float? scale=None) -> Tensor");
   m.def("attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? mask, "
         "str causal, float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
@@ -661,14 +675,14 @@ TORCH_LIBRARY(sdpa, m) {
         ", Tensor? seqlens_k=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, str causal, "
         "float? scale, int window_left, int window_right, float dropout_p, Tensor? seed" SDPA_MODS
-        SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS SDPA_PRECISION ", bool batch_invariant=False) -> (Tensor, Tensor)");
   m.def("attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
         "Tensor cu_seqlens_k, Tensor out, Tensor lse, str causal, float? scale, int window_left, int window_right, "
         "float dropout_p, Tensor? seed" SDPA_MODS SDPA_BLOCKS ", bool alibi_grad=False" SDPA_PRECISION
         ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("attention_paged(Tensor q, Tensor k_pages, Tensor v_pages, Tensor block_table, Tensor seqlens_k, "
         "Tensor? cu_seqlens_q, str causal, float? scale, int window_left, int window_right" SDPA_MODS
-        SDPA_BLOCKS SDPA_PRECISION ") -> (Tensor, Tensor)");
+        SDPA_BLOCKS SDPA_PRECISION ", bool batch_invariant=False) -> (Tensor, Tensor)");
   m.def("attention_weights(Tensor q, Tensor k, Tensor v, Tensor? mask, str causal, float? scale, int window_left, "
         "int window_right" SDPA_MODS SDPA_BLOCKS SDPA_PRECISION ") -> Tensor");
   m.def("merge_attention(Tensor[] outs, Tensor[] lses, ScalarType? out_dtype=None) -> (Tensor, Tensor)");

@@ -99,6 +99,7 @@ struct Call {
   std::optional<TensorView> alibi_slopes = std::nullopt, sinks = std::nullopt, block_mask = std::nullopt;
   int64_t block_q = 128, block_k = 128;
   std::optional<int64_t> q_start = std::nullopt, k_start = std::nullopt;
+  bool batch_invariant = false;
 };
 
 // Options for `c`; Error naming the argument for a name that is not one of its names.
@@ -120,6 +121,7 @@ inline Options options(const Call& c) {
   opt.block_k = c.block_k;
   opt.q_start = c.q_start;
   opt.k_start = c.k_start;
+  opt.batch_invariant = c.batch_invariant;
   return opt;
 }
 

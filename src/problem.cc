@@ -524,6 +524,7 @@ Problem make_input_problem(const Inputs& in, const Options& opt) {
   if (opt.precision != Precision::kExact && opt.precision != Precision::kFast) {
     fail("precision has an unknown value " + std::to_string(static_cast<int>(opt.precision)));
   }
+  p.batch_invariant = opt.batch_invariant;
   // kFast rounds the weights to q's type; float32 and float64 q (a 16-bit KV cache included)
   // compute exactly whatever it says.
   p.round_p = opt.precision == Precision::kFast && (p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16);

@@ -156,6 +156,9 @@ struct Problem {
   // Options::precision kFast with 16-bit q (k, v: the same type): the weights p are rounded to
   // `dtype` before the products that use them (the header's rule). False: exact.
   bool round_p = false;
+  // Options::batch_invariant: the fused forward plans each row's arithmetic from the row alone
+  // (flash_plan.h's make_plan: fixed key chunks, the block kernel, kSimd products).
+  bool batch_invariant = false;
 
   // Score modifiers (Options::softcap, alibi_slopes, sinks), validated: the tanh cap (0: none)
   // and where it goes, and the slopes ((1 or B) × Hq, row-major; empty: none) and sinks (Hq;

@@ -147,6 +147,19 @@ struct Options {
   Window window;
   Backend backend = Backend::kAuto;
   Precision precision = Precision::kExact;  // for 16-bit inputs (above)
+  // Batch invariance: each query row's out and lse then depend only on the row (its query, its
+  // own keys and values, its mask row, its sequence's length) and these options, bit for bit —
+  // not on B, Nq, the other sequences of an attention_varlen or attention_paged batch (or a
+  // KVCache's), chunked prefill versus token-by-token decode, the page size or the thread count.
+  // Without it (the default) results are already independent of the thread count, but the fused
+  // kernels pick the key split and the kernel from the problem's shape, so a row's last bits may
+  // change with the batch. With it the fused forward (kAuto, kFlash) always cuts a row's keys at
+  // multiples of 4096 from key 0 and merges the pieces in key order, computes decode steps with
+  // the prefill kernel, and uses the portable SIMD products (no vdpbf16ps: KernelPath::kSimd).
+  // Cost (docs/PERFORMANCE.md): decode of few rows loses the decode kernel, 16-bit prefill on
+  // an AVX512_BF16 CPU the bfloat16 instruction. kReference computes one row at a time and is
+  // invariant anyway; kNaive is not covered. The backward ignores it. Tests: batch_invariance_test.cc.
+  bool batch_invariant = false;
   // Dropout on the attention weights, after the softmax: each weight is dropped with
   // probability dropout_p and kept ones are scaled by 1 / (1 - dropout_p). The decision for
   // weight (b, h, i, j) is a pure function of (seed, b, h, i, j) (Philox4x32-10), the same in

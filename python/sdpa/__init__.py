@@ -15,7 +15,7 @@ import numpy as np
 from . import _core
 from ._args import (_BFLOAT16, _FLOAT32, _FLOAT64, _KV8, _KV8_NAME, _LOW, _STORAGE_NAME, _asarray, _block_sizes, _checked_int, _compute_dtype,
                     _describe, _dtype_arg, _out_dtype_arg, _parsed_dropout, _parsed_options, _parsed_softcap, _positions,
-                    _precision_arg, _prepared_indices, _real_array, precision)
+                    _batch_invariant_arg, _precision_arg, _prepared_indices, _real_array, precision)
 from ._arrays import (_MEMORY_BYTES, _converted, _core_view, _empty, _inputs_as_is, _kv8_dtype, _kv8_query_dtype,
                       _narrow_float, _prepared, _prepared_inputs, _prepared_kv_quant, _prepared_seqlens,
                       _readable_in_place, _sequence_ids)
@@ -25,13 +25,17 @@ __all__ = ["attention", "precision", "MultiHeadAttention", "LayerGradients", "St
            "block_mask_documents", "block_mask_from_mask", "document_mask"]
 __version__ = "0.1.0"
 
-def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128, precision=None):
+def _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask=None, block_size=128, precision=None,
+                 batch_invariant=False):
     """The score modifiers as _core's keyword arguments: softcap a real number (_core checks its
     range; _parsed_softcap), slopes and sinks real arrays in the compute dtype
     `dtype` (_core checks shapes and values, naming the batch and heads), a bool block_mask
-    and its block sizes (_core checks its shape against them)."""
+    and its block sizes (_core checks its shape against them), and batch_invariant when True
+    (only the forward calls take it)."""
     softcap, softcap_order = _parsed_softcap(softcap, softcap_order)
     mods = {"softcap": softcap, "softcap_order": softcap_order, "precision": _precision_arg(precision)}
+    if _batch_invariant_arg(batch_invariant):
+        mods["batch_invariant"] = True
     for name, a in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):
         if a is not None:
             mods[name] = np.ascontiguousarray(_real_array(name, a), dtype=dtype)
@@ -94,7 +98,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
               return_weights=False, return_lse=False, dropout_p=0.0, seed=None, backend="auto",
               softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None,
               block_size=128, return_stats=False, topk=8, return_scores=None, precision=None, out_dtype=None,
-              q_start=None, k_start=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+              q_start=None, k_start=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None, batch_invariant=False):
     """Scaled dot-product attention, ``softmax(q @ kᵀ · scale + mask) @ v``, exactly.
 
     Shapes (all of one call have the same number of dims, 2, 3 or 4)::
@@ -227,6 +231,15 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
             precision="fast"). lse = m + log of that sum. weights and stats stay exact mode's
             (asking for them costs an exact pass of their own). ``attention_backward`` with
             precision="fast" rounds p before dv's product and ds before dq's and dk's.
+        batch_invariant: True makes each query row's out and lse depend only on the row, its
+            own keys and the options, bit for bit: not on the batch size, Nq, the other
+            sequences of an ``attention_varlen`` or ``attention_paged`` batch, chunked prefill
+            versus token-by-token decode, the page size or the thread count (an engine then
+            gives the same result however it batches requests). It fixes the key chunks at
+            multiples of 4096 keys, computes decode steps with the prefill kernel and uses the
+            portable SIMD products (no AVX512_BF16 dot instruction); the cost is in
+            docs/PERFORMANCE.md. False (default): results still do not depend on the thread
+            count, but may change in the last bits with the batch's shape.
         softcap, softcap_order, alibi_slopes, sinks: score modifiers, in the fused kernels
             (forward and backward). With x = q·k · scale, query i, key j, query head h::
 
@@ -340,7 +353,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
             and softcap_order == "before_bias" and alibi_slopes is None and sinks is None and block_mask is None
             and type(block_size) is int and block_size == 128 and out_dtype is None and q_start is None
             and k_start is None and k_scale is None and v_scale is None and k_zero is None and v_zero is None
-            and _inputs_as_is(q, k, v)):
+            and batch_invariant is False and _inputs_as_is(q, k, v)):
         shape = q.shape[:-1] + v.shape[-1:]
         # out is q's size when Dv == Dk: an array that exists (q), so _empty's checks pass.
         out = (np.empty(shape, q.dtype) if shape[-1] == q.shape[-1] and q.nbytes <= _MEMORY_BYTES
@@ -359,7 +372,8 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
     seqlens_k = _prepared_seqlens(seqlens_k)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision,
+                        batch_invariant)
 
     lead = q.shape[:-1]  # (…, Hq, Nq)
     out = _empty("out", lead + (v.shape[-1],), _out_dtype_arg(out_dtype, q.dtype, dtype))
@@ -553,7 +567,7 @@ def _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, quantized=False):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      return_lse=False, dropout_p=0.0, seed=None, backend="auto", softcap=0.0,
                      softcap_order="before_bias", alibi_slopes=None, sinks=None, block_mask=None, block_size=128,
-                     precision=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None):
+                     precision=None, k_scale=None, v_scale=None, k_zero=None, v_zero=None, batch_invariant=False):
     """``attention`` on a batch of sequences of different lengths packed end to end, token-major
     (FlashAttention's ``flash_attn_varlen_func`` layout): no padding is stored or computed.
 
@@ -577,7 +591,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     to that sequence's own lengths, dropout draws for (seed, b, h, i, j) with b the sequence and
     i, j positions inside it. Nothing crosses a sequence's boundary. dtypes, scale, window,
     dropout, backend and the score modifiers as in ``attention`` (alibi_slopes (B, Hq) give
-    sequence b row b); results are bitwise reproducible.
+    sequence b row b); results are bitwise reproducible. With ``batch_invariant=True`` a row's
+    bits are also those of its sequence computed alone (``attention``'s batch_invariant).
 
     block_mask (bool) is (…, ceil(max_b Nq_b / bq), ceil(max_b Nk_b / bk)), its leading dims
     broadcasting to (B, Hq): sequence b reads the top-left ceil(Nq_b / bq) × ceil(Nk_b / bk)
@@ -594,7 +609,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale
     dtype, q, k, v, cu_q, cu_k = _prepared_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, quantized=bool(kv_quant))
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
     p, seed = _parsed_dropout(dropout_p, seed)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision,
+                        batch_invariant)
     out = _empty("out", q.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = _empty("lse", (q.shape[1], q.shape[0]), dtype) if return_lse else None
     _core.attention_varlen(*map(_core_view, (q, k, v, cu_q, cu_k, out, lse)), scale, causal_code, left, right, backend,
@@ -658,7 +674,7 @@ def _paged_query(q, pool_dtype, nq_name="q", packed=False):
 def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, backend="auto", softcap=0.0, softcap_order="before_bias",
                     alibi_slopes=None, sinks=None, block_mask=None, block_size=128, precision=None, k_scale=None,
-                    v_scale=None, k_zero=None, v_zero=None):
+                    v_scale=None, k_zero=None, v_zero=None, batch_invariant=False):
     """``attention`` against a paged KV cache (vLLM's and FlashAttention's ``block_table``
     layout): sequence b's key j is row ``j % page_size`` of page ``block_table[b, j // page_size]``.
 
@@ -700,7 +716,9 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
 
     Each sequence's rows are bit for bit the call with q = its rows as (1, Hq, n_b, Dk).
 
-    Score modifiers as in ``attention``. A block_mask counts max_pages · page_size keys (the
+    Score modifiers and batch_invariant as in ``attention`` (with it, a row's bits do not depend
+    on the page size, the other sequences, or whether it is decoded token by token or
+    prefilled in chunks). A block_mask counts max_pages · page_size keys (the
     table's row), and with packed queries it is (…, ceil(max_b n_b / bq), ceil(max_pages ·
     page_size / bk)), of which sequence b reads its first ceil(n_b / bq) rows of blocks (as
     ``attention_varlen`` reads one).
@@ -723,7 +741,8 @@ def attention_paged(q, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q
     cu_q = _prepared_indices("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets into q's rows")
     dtype = _compute_dtype(q.dtype)
     causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
-    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision)
+    mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, block_mask, block_size, precision,
+                        batch_invariant)
     out = _empty("out", q.shape[:-1] + (v_pages.shape[-1],), q.dtype)
     lse_shape = (q.shape[1], q.shape[0]) if cu_q is not None else q.shape[:-1]
     lse = _empty("lse", lse_shape, dtype) if return_lse else None
@@ -865,15 +884,18 @@ class KVCache:
         return self._quant_pool(3, uint8_only=True)
 
     def attention(self, q, seqs, *, causal=False, scale=None, window=None, return_lse=False, backend="auto",
-                  softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, precision=None):
+                  softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None, precision=None,
+                  batch_invariant=False):
         """``attention_paged`` of q (len(seqs), Hq, Nq, Dk) against these sequences (one id, or a
         list, tuple or 1-dim array of integer ids; one may appear more than once): row b attends
-        to sequence seqs[b]. Options as ``attention``."""
+        to sequence seqs[b]. Options as ``attention`` (batch_invariant: a row's bits then do not
+        depend on the other sequences asked with it, nor on decoding token by token or not)."""
         seqs = _sequence_ids(seqs, "q")
         q = _paged_query(q, self._dtype)
         dtype = _compute_dtype(q.dtype)
         causal_code, scale, left, right = _parsed_options(causal, scale, window, backend, dtype)
-        mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, precision=precision)
+        mods = _parsed_mods(softcap, softcap_order, alibi_slopes, sinks, dtype, precision=precision,
+                            batch_invariant=batch_invariant)
         out = _empty("out", q.shape[:-1] + (self._c.head_dim_v,), q.dtype)
         lse = _empty("lse", q.shape[:-1], dtype) if return_lse else None
         self._c.attention(_core_view(q), seqs, _core_view(out), _core_view(lse), scale, causal_code, left, right,

@@ -341,6 +341,14 @@ def _precision_arg(precision):
     return precision
 
 
+def _batch_invariant_arg(batch_invariant):
+    """Options::batch_invariant as _core takes it: a bool (Python's or NumPy's); anything else
+    (1, "yes", None) is TypeError, more likely a slip than a choice."""
+    if not isinstance(batch_invariant, (bool, np.bool_)):
+        raise TypeError(f"batch_invariant must be True or False, got {_describe(batch_invariant)}")
+    return bool(batch_invariant)
+
+
 @contextlib.contextmanager
 def precision(mode):
     """Sets the precision of every sdpa call in the block that does not name its own (NumPy's

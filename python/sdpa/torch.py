@@ -67,7 +67,7 @@ import sys
 import numpy as np
 import torch
 
-from ._args import (_PRECISION, _block_sizes, _causal_name, _check_real, _compute_dtype, _numpy_of_tensor, _parsed_dropout,
+from ._args import (_PRECISION, _batch_invariant_arg, _block_sizes, _causal_name, _check_real, _compute_dtype, _numpy_of_tensor, _parsed_dropout,
                     _parsed_softcap, _precision_arg, _prepared_indices, _real_array, _scale_value, _tensor_of_numpy,
                     _torch_dtypes, _window_bounds)
 
@@ -120,7 +120,8 @@ def _dalibi(q, alibi_slopes, alibi_grad):
 
 @torch.library.register_fake("sdpa::attention")
 def _(q, k, v, mask, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0, softcap_after_bias=False,
-      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact", seqlens_k=None):
+      alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128, precision="exact", seqlens_k=None,
+      batch_invariant=False):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty(q.shape[:-1], dtype=_compute_dtype(q.dtype))
 
 
@@ -141,7 +142,7 @@ def _(dout, q, k, v, out, lse, mask, causal, scale, window_left, window_right, d
 @torch.library.register_fake("sdpa::attention_varlen")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale, window_left, window_right, dropout_p, seed, softcap=0.0,
       softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
-      precision="exact"):
+      precision="exact", batch_invariant=False):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=_compute_dtype(q.dtype))
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
 
@@ -157,7 +158,7 @@ def _(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, causal, scale, window
 @torch.library.register_fake("sdpa::attention_paged")
 def _(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q, causal, scale, window_left, window_right,
       softcap=0.0, softcap_after_bias=False, alibi_slopes=None, sinks=None, block_mask=None, block_q=128, block_k=128,
-      precision="exact"):
+      precision="exact", batch_invariant=False):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return q.new_empty(q.shape[:-1] + v_pages.shape[-1:]), q.new_empty(lse_shape, dtype=_compute_dtype(q.dtype))
 
@@ -370,7 +371,7 @@ def _out(query, key, value, is_causal, scale):
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                                 sinks=None, block_mask=None, block_size=128, precision=None):
+                                 sinks=None, block_mask=None, block_size=128, precision=None, batch_invariant=False):
     """``torch.nn.functional.scaled_dot_product_attention``, computed by sdpa (see the module
     doc for the limits). A float ``attn_mask`` that requires grad gets its gradient;
     ``dropout_p`` must be in [0, 1).
@@ -384,14 +385,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     or (B, H, QB, KB) with QB = ceil(L / bq), KB = ceil(S / bk) for ``block_size`` = bq or
     (bq, bk), default 128) makes it block-sparse as in ``sdpa.attention``: a False block's keys
     are blocked for its queries, and the kernels skip the tiles it empties. ``precision`` as in
-    ``sdpa.attention`` ("exact" or "fast"; None takes the enclosing ``sdpa.precision(...)`` block's)."""
+    ``sdpa.attention`` ("exact" or "fast"; None takes the enclosing ``sdpa.precision(...)`` block's).
+    ``batch_invariant=True``: each query row's out is bit for bit the same however the rows are
+    batched (``sdpa.attention``'s batch_invariant; forward only, the backward is unchanged)."""
     # The checks are written for speed (a decode step of a small model costs a few µs in all).
     # The commonest call (sdpa's layout, no mask, dropout, modifiers or precision) is checked
     # first and goes to attention_out; the common case passes the next checks in a few attribute
     # reads, anything else goes to the checks that name the argument.
     if (attn_mask is None and type(dropout_p) is float and dropout_p == 0.0 and (scale is None or type(scale) is float)
             and type(softcap) is float and softcap == 0.0 and alibi_slopes is None and sinks is None
-            and block_mask is None and precision is None and type(softcap_order) is str
+            and block_mask is None and precision is None and batch_invariant is False and type(softcap_order) is str
             and softcap_order == "before_bias" and type(query) is _Tensor and type(key) is _Tensor
             and type(value) is _Tensor and query.is_cpu and key.is_cpu and value.is_cpu and query.dtype in _FLOATS
             and query.dtype == key.dtype == value.dtype and _PRECISION.get() == "exact"
@@ -415,8 +418,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     precision = _precision_arg(precision)  # the operator checks the name
     # The operator's default, "exact", is left out: a keyword argument costs it ~0.6 µs a call.
     prec = _EXACT if precision == "exact" else {"precision": precision}
+    invariant = _batch_invariant_arg(batch_invariant)
+    if invariant:
+        prec = {**prec, "batch_invariant": True}
     if _direct(query, key, value, attn_mask, enable_gqa):
-        if attn_mask is None and seed is None and not mods and precision == "exact":
+        if attn_mask is None and seed is None and not mods and precision == "exact" and not invariant:
             return _out(query, key, value, is_causal, scale)
         if attn_mask is not None:
             _checked_mask(attn_mask, query, is_causal, query.shape[:-1] + key.shape[-2:-1])
@@ -452,7 +458,7 @@ def _index_tensor(name, t, meaning, ndim=1):
 
 def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=False, scale=None, window=None,
                      dropout_p=0.0, softcap=0.0, softcap_order="before_bias", alibi_slopes=None, sinks=None,
-                     block_mask=None, block_size=128, precision=None):
+                     block_mask=None, block_size=128, precision=None, batch_invariant=False):
     """``sdpa.attention_varlen`` on CPU tensors, with autograd (FlashAttention's
     ``flash_attn_varlen_func`` layout): query (total_q, Hq, Dk), key (total_k, Hkv, Dk), value
     (total_k, Hkv, Dv), cu_seqlens_q and cu_seqlens_k (B + 1,) integer tensors (or sequences);
@@ -462,8 +468,8 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     (``torch.manual_seed`` reproduces it) and reused by the backward. softcap, softcap_order,
     alibi_slopes ((Hq,) or (B, Hq): row b for sequence b) and sinks (both with a gradient) as in
     ``scaled_dot_product_attention``; block_mask and block_size as in ``sdpa.attention_varlen``
-    (each sequence reads the top-left corner of the longest sequence's blocks); precision as in
-    ``scaled_dot_product_attention``."""
+    (each sequence reads the top-left corner of the longest sequence's blocks); precision and
+    batch_invariant as in ``scaled_dot_product_attention``."""
     _check_tensors(("query", "key", "value"), (query, key, value))
     cu_q = _index_tensor("cu_seqlens_q", cu_seqlens_q, "(B + 1,) offsets")
     cu_k = _index_tensor("cu_seqlens_k", cu_seqlens_k, "(B + 1,) offsets")
@@ -473,20 +479,21 @@ def attention_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, *, causal=Fa
     if block_mask is not None:
         mods += _blocks(block_mask, block_size)
     out, _ = _ops.attention_varlen(query, key, value, cu_q, cu_k, _causal_name(causal), scale, left, right, dropout_p,
-                                   seed, *mods, precision=_precision_arg(precision))
+                                   seed, *mods, precision=_precision_arg(precision),
+                                   batch_invariant=_batch_invariant_arg(batch_invariant))
     return out
 
 
 def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqlens_q=None, causal=False, scale=None,
                     window=None, return_lse=False, softcap=0.0, softcap_order="before_bias", alibi_slopes=None,
-                    sinks=None, block_mask=None, block_size=128, precision=None):
+                    sinks=None, block_mask=None, block_size=128, precision=None, batch_invariant=False):
     """``sdpa.attention_paged`` on CPU tensors (forward only: the result carries no gradient):
     query (B, Hq, Nq, Dk) against a paged KV cache, k_pages (num_pages, page_size, Hkv, Dk) and
     v_pages (num_pages, page_size, Hkv, Dv) (any strides with a contiguous last dim), block_table
     (B, max_pages) and seqlens_k (B,) integer tensors; returns out (B, Hq, Nq, Dv) in the query's
     dtype, and lse (B, Hq, Nq) with return_lse. With cu_seqlens_q ((B + 1,) offsets) the query
     is packed, (total_q, Hq, Dk), out (total_q, Hq, Dv) and lse (Hq, total_q). causal, window,
-    scale, the score modifiers, block_mask and precision as in ``sdpa.attention_paged``."""
+    scale, the score modifiers, block_mask, precision and batch_invariant as in ``sdpa.attention_paged``."""
     _check_tensors(("query", "k_pages", "v_pages"), (query, k_pages, v_pages))
     table = _index_tensor("block_table", block_table, "(B, max_pages) page indices", ndim=2)
     lengths = _index_tensor("seqlens_k", seqlens_k, "(B,) key lengths")
@@ -497,7 +504,8 @@ def attention_paged(query, k_pages, v_pages, block_table, seqlens_k, *, cu_seqle
     if block_mask is not None:
         mods += _blocks(block_mask, block_size)
     out, lse = _ops.attention_paged(query, k_pages, v_pages, table, lengths, cu_q, _causal_name(causal), scale, left,
-                                    right, *mods, precision=_precision_arg(precision))
+                                    right, *mods, precision=_precision_arg(precision),
+                                    batch_invariant=_batch_invariant_arg(batch_invariant))
     return (out, lse) if return_lse else out
 
 

@@ -98,45 +98,101 @@ void FinishBlock(D d, const Job<T>& job, Scratch<T>& s, size_t g, const BlockRow
   }
 }
 
-// Runs every block of job j's unit u (a group of blocks and a key chunk) and finishes its rows,
-// or keeps its chunk's partial results for the merge.
+// Runs the blocks blks[0, count) of one unit over keys [k0, k1), leaving their state in s.
 template <typename T, class D>
-void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
+void RunChunk(D d, const Job<T>& job, const BlockRows* blks, size_t count, int64_t k0, int64_t k1, Scratch<T>& s) {
   const Problem& p = *job.p;
-  const Plan& plan = job.plan;
-  const size_t mq = job.mq;
-  BlockRows blks[kMaxGroupBlocks];
-  const int64_t group = u / plan.chunks, c = u % plan.chunks;
-  const size_t count = plan.group(group, blks);
-  const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
-  if (plan.decode) {  // one block per group: decode has few rows per kv head
+  if (job.plan.decode) {  // one block per group: decode has few rows per kv head
     const LaneStats<T> stats = s.block(0).stats;
     if (stats.reals != nullptr) stats.begin();
-    DecodeBlock(d, p, blks[0], k0, k1, mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
+    DecodeBlock(d, p, blks[0], k0, k1, job.mq, /*weights=*/false, s.decode_q.get(), s.decode_o.get(), s.st.get(),
                 s.ot.get(), s.m.get(), s.l.get(), s.bad.get(), s.lanes.data(), s.vtile.get(), stats);
-  } else if (plan.qv == 1) {
+  } else if (job.plan.qv == 1) {
     RunBlocks<1>(d, p, blks, count, k0, k1, s);
   } else {
     RunBlocks<2>(d, p, blks, count, k0, k1, s);
   }
+}
+
+// Copies block g's (ot, m, l, bad) of one key chunk to dst (partial_size elements), and its
+// statistics' lane states to reals and ints, for merge_chunks.
+template <typename T>
+void KeepChunk(const Job<T>& job, Scratch<T>& s, size_t g, T* dst, T* reals, int64_t* ints) {
+  const int64_t Dv = job.p->Dv, mq = static_cast<int64_t>(job.mq);
+  const BlockState<T> bs = s.block(g);
+  std::copy(bs.ot, bs.ot + Dv * mq, dst);
+  std::copy(bs.m, bs.m + mq, dst + Dv * mq);
+  std::copy(bs.l, bs.l + mq, dst + (Dv + 1) * mq);
+  std::copy(bs.bad, bs.bad + kBadClasses * Dv * mq, dst + (Dv + 2) * mq);
+  if (bs.stats.reals != nullptr) {
+    std::copy(bs.stats.reals, bs.stats.reals + LaneStats<T>::reals_size(bs.stats.mq, bs.stats.k), reals);
+    std::copy(bs.stats.ints, bs.stats.ints + LaneStats<T>::ints_size(bs.stats.mq, bs.stats.k), ints);
+  }
+}
+
+// Merges block blk's key chunks (KeepChunk's, chunk after chunk from partial, reals and ints)
+// into scratch block 0 and finishes its rows.
+template <typename T, class D>
+void MergeAndFinish(D d, const Job<T>& job, Scratch<T>& s, const BlockRows& blk, const T* partial, const T* reals,
+                    const int64_t* ints, int64_t chunks) {
+  const BlockState<T> bs = s.block(0);
+  describe_lanes(*job.p, blk, 0, job.p->Nk, bs.lanes);
+  if (bs.stats.reals != nullptr) {  // before merge_chunks overwrites the block's (m, l)
+    merge_stats_chunks<T>(partial, reals, ints, chunks, job.p->Dv, bs.stats);
+  }
+  merge_chunks<T>(partial, chunks, job.p->Dv, job.mq, bs.ot, bs.m, bs.l, bs.bad);
+  FinishBlock(d, job, s, 0, blk);
+}
+
+// Runs every block of job j's unit u (a group of blocks and a key chunk, or every chunk of one
+// block: Plan::local_chunks) and finishes its rows, or keeps its chunk's partial results for
+// the merge after all units.
+template <typename T, class D>
+void RunUnit(D d, Job<T>& job, int64_t u, Scratch<T>& s) {
+  const Problem& p = *job.p;
+  const Plan& plan = job.plan;
+  BlockRows blks[kMaxGroupBlocks];
+  const int64_t group = u / plan.unit_chunks(), c = u % plan.unit_chunks();
+  const size_t count = plan.group(group, blks);
+  const bool stats = s.block(0).stats.reals != nullptr;
+  const int64_t rs = stats ? LaneStats<T>::reals_size(s.block(0).stats.mq, s.block(0).stats.k) : 0;
+  const int64_t is = stats ? LaneStats<T>::ints_size(s.block(0).stats.mq, s.block(0).stats.k) : 0;
+  if (plan.local_chunks) {  // one block (no grouping with chunks): its chunks in key order, merged here
+    // Only the chunks [c0, c1) that hold keys of the block's rows: the merge skips a chunk in
+    // which a lane saw no key (l = 0), so the others change no bit, and a lane's one chunk
+    // merges to its own bits (weight exp(0) = 1). batch_invariance_test checks both.
+    const LaneSpan span = describe_lanes(p, blks[0], 0, p.Nk, s.block(0).lanes);
+    const int64_t c0 = span.begin / plan.chunk_keys;
+    const int64_t c1 = span.begin < span.end ? ceil_blocks(span.end, plan.chunk_keys) : c0 + 1;
+    if (c1 - c0 == 1) {
+      RunChunk(d, job, blks, 1, c0 * plan.chunk_keys, std::min(p.Nk, (c0 + 1) * plan.chunk_keys), s);
+      FinishBlock(d, job, s, 0, blks[0]);
+      return;
+    }
+    s.chunk_partial.resize(static_cast<size_t>(c1 - c0) * job.partial_size);
+    s.chunk_stat_reals.resize(static_cast<size_t>((c1 - c0) * rs));
+    s.chunk_stat_ints.resize(static_cast<size_t>((c1 - c0) * is));
+    for (int64_t cc = c0; cc < c1; ++cc) {
+      const int64_t k0 = cc * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys), at = cc - c0;
+      RunChunk(d, job, blks, 1, k0, k1, s);
+      KeepChunk(job, s, 0, s.chunk_partial.data() + at * job.partial_size, s.chunk_stat_reals.data() + at * rs,
+                s.chunk_stat_ints.data() + at * is);
+    }
+    MergeAndFinish(d, job, s, blks[0], s.chunk_partial.data(), s.chunk_stat_reals.data(), s.chunk_stat_ints.data(),
+                   c1 - c0);
+    return;
+  }
+  const int64_t k0 = c * plan.chunk_keys, k1 = std::min(p.Nk, k0 + plan.chunk_keys);
+  RunChunk(d, job, blks, count, k0, k1, s);
   for (size_t g = 0; g < count; ++g) {
     if (!plan.needs_merge()) {
       FinishBlock(d, job, s, g, blks[g]);
       continue;
     }
     // Keep (ot, m, l, bad) of this block and chunk for the merge.
-    const BlockState<T> bs = s.block(g);
-    T* dst = job.partial.data() + (plan.block_index(blks[g]) * plan.chunks + c) * job.partial_size;
-    std::copy(bs.ot, bs.ot + p.Dv * mq, dst);
-    std::copy(bs.m, bs.m + mq, dst + p.Dv * mq);
-    std::copy(bs.l, bs.l + mq, dst + (p.Dv + 1) * mq);
-    std::copy(bs.bad, bs.bad + kBadClasses * p.Dv * mq, dst + (p.Dv + 2) * mq);
-    if (bs.stats.reals != nullptr) {
-      const int64_t rs = LaneStats<T>::reals_size(bs.stats.mq, bs.stats.k), is = LaneStats<T>::ints_size(bs.stats.mq, bs.stats.k);
-      const int64_t at = plan.block_index(blks[g]) * plan.chunks + c;
-      std::copy(bs.stats.reals, bs.stats.reals + rs, job.partial_stat_reals.data() + at * rs);
-      std::copy(bs.stats.ints, bs.stats.ints + is, job.partial_stat_ints.data() + at * is);
-    }
+    const int64_t at = plan.block_index(blks[g]) * plan.chunks + c;
+    KeepChunk(job, s, g, job.partial.data() + at * job.partial_size, job.partial_stat_reals.data() + at * rs,
+              job.partial_stat_ints.data() + at * is);
   }
 }
 
@@ -162,12 +218,14 @@ void FlashMany(const Problem* const* problems, size_t n) {
     job.mq = job.plan.qv * N;
     // bfloat16 scores with vdpbf16ps: prefill tiles of bfloat16 q and k, where allowed and
     // present. (Not from a paged pool: the instruction reads a tile's keys in place, evenly spaced.)
-    job.dot = job.plan.decode || !bf16_dot_scale_ok(p.scale) || p.k.paged() ? KernelPath::kSimd
+    // Batch invariant: kSimd everywhere, as decode steps and paged prefill (which cannot take the
+    // instruction) must give a row the bits of a dense prefill's.
+    job.dot = job.plan.decode || p.batch_invariant || !bf16_dot_scale_ok(p.scale) || p.k.paged() ? KernelPath::kSimd
                                                                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
     // kFast's p·V with vdpbf16ps: prefill tiles of bfloat16 values (read in place, evenly
     // spaced: not paged), without dropout (whose factor would need a second rounding), where the
     // instruction is allowed and present (an AMX CPU has it too).
-    job.pv_pairs = std::is_same_v<T, float> && p.round_p && p.dtype == DType::kBFloat16 && !job.plan.decode &&
+    job.pv_pairs = std::is_same_v<T, float> && p.round_p && p.dtype == DType::kBFloat16 && !job.plan.decode && !p.batch_invariant &&
                    !p.v.paged() && !p.dropout.enabled() &&
                    Bf16DotPath<T>({p.v.dtype}) != KernelPath::kSimd && cpu_has_avx512_bf16();
     noted = std::max({noted, job.dot, job.pv_pairs ? KernelPath::kAvx512Bf16 : KernelPath::kSimd});
@@ -225,17 +283,12 @@ void FlashMany(const Problem* const* problems, size_t n) {
       const Job<T>& job = jobs[job_of(x, &Job<T>::first_merge)];
       const int64_t bi = x - job.first_merge;
       Scratch<T>& s = scratch(job);
-      const BlockRows blk = job.plan.block(bi);
-      const BlockState<T> bs = s.block(0);
-      describe_lanes(*job.p, blk, 0, job.p->Nk, bs.lanes);
-      const T* partial = job.partial.data() + bi * job.plan.chunks * job.partial_size;
-      if (bs.stats.reals != nullptr) {  // before merge_chunks overwrites the block's (m, l)
-        const int64_t rs = LaneStats<T>::reals_size(bs.stats.mq, bs.stats.k), is = LaneStats<T>::ints_size(bs.stats.mq, bs.stats.k);
-        merge_stats_chunks<T>(partial, job.partial_stat_reals.data() + bi * job.plan.chunks * rs,
-                              job.partial_stat_ints.data() + bi * job.plan.chunks * is, job.plan.chunks, job.p->Dv, bs.stats);
-      }
-      merge_chunks<T>(partial, job.plan.chunks, job.p->Dv, job.mq, bs.ot, bs.m, bs.l, bs.bad);
-      FinishBlock(d, job, s, 0, blk);
+      const LaneStats<T> st = s.block(0).stats;
+      const int64_t rs = st.reals != nullptr ? LaneStats<T>::reals_size(st.mq, st.k) : 0;
+      const int64_t is = st.reals != nullptr ? LaneStats<T>::ints_size(st.mq, st.k) : 0;
+      const int64_t at = bi * job.plan.chunks;
+      MergeAndFinish(d, job, s, job.plan.block(bi), job.partial.data() + at * job.partial_size,
+                     job.partial_stat_reals.data() + at * rs, job.partial_stat_ints.data() + at * is, job.plan.chunks);
     });
   };
   if (threads == 1) {  // no team: a decode step of a small model is shorter than starting one

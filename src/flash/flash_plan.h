@@ -29,6 +29,11 @@ inline constexpr int64_t kMinChunkKeys = 8 * kTileKeys;
 // rather than once per block (at N = 65536, D = 64 the K/V of a head no longer fit in L3).
 inline constexpr int64_t kMaxGroupBlocks = 4;
 inline constexpr int64_t kGroupAboveBytes = int64_t{1} << 19;
+// Options::batch_invariant: keys are cut at multiples of this from key 0 whatever the problem,
+// and the pieces merged in key order (merge_chunks), whether threads take them apart or not.
+// Large, so that prefill of up to 4096 keys pays no merge; a decode step of 32768 keys per kv
+// head still gives threads 8 chunks per kv head.
+inline constexpr int64_t kInvariantChunkKeys = 4 * kMinChunkKeys;
 // Blocks of at most this many rows use the few-rows (decode) kernel, lanes along features.
 inline constexpr int64_t kDecodeMaxRows = 8;
 // A thread joins only with at least this many multiply-adds to do (about 5 µs of one core):
@@ -164,13 +169,18 @@ struct Plan {
   int64_t Hkv = 1;
   int64_t heads = 0;        // B · Hkv
   int64_t chunks = 1, chunk_keys = 1;  // keys split into `chunks` pieces of chunk_keys
+  // Batch invariant with many blocks: a unit runs all chunks of its block and merges them
+  // itself (no partials kept for the whole problem); else each chunk is a unit of its own.
+  bool local_chunks = false;
   int64_t group_blocks = 1, groups_per_head = 0;  // blocks of one kv head swept together
   double work = 0;           // multiply-adds, at most B·Hq·Nq·Nk·(Dk + Dv) (masks not counted)
   int threads = 1;
 
   // A unit of parallel work: one group of blocks and one key chunk.
-  int64_t units() const { return heads * groups_per_head * chunks; }
-  bool needs_merge() const { return chunks > 1; }
+  int64_t unit_chunks() const { return local_chunks ? 1 : chunks; }  // key chunks that are units
+  int64_t units() const { return heads * groups_per_head * unit_chunks(); }
+  // Whether chunks are merged after the units ran (from partials kept per block and chunk).
+  bool needs_merge() const { return chunks > 1 && !local_chunks; }
   BlockRows block(int64_t bi) const {
     const int64_t per_batch = Hkv * blocks_per_head;
     const int64_t r0 = (bi % blocks_per_head) * mq;
@@ -200,11 +210,17 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   plan.rows_per_head = p.Nq * p.group;
   plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
   plan.mq = plan.qv * lanes;
-  plan.decode = plan.rows_per_head <= kDecodeMaxRows;
+  // Batch invariant: a row's sums must not depend on its block, so decode steps take the block
+  // kernel too (the decode kernel sums each dot product along lanes, in another order).
+  plan.decode = !p.batch_invariant && plan.rows_per_head <= kDecodeMaxRows;
   plan.blocks_per_head = ceil_blocks(plan.rows_per_head, plan.mq);
   plan.blocks = p.B * p.Hkv * plan.blocks_per_head;
   plan.chunk_keys = std::max<int64_t>(p.Nk, 1);
-  if (plan.blocks > 0 && plan.blocks < kTargetUnits && p.Nk >= 2 * kMinChunkKeys) {
+  if (p.batch_invariant) {  // the chunks from key 0 alone; threads split them only when few blocks
+    plan.chunk_keys = kInvariantChunkKeys;
+    plan.chunks = std::max<int64_t>(1, ceil_blocks(p.Nk, kInvariantChunkKeys));
+    plan.local_chunks = plan.chunks > 1 && plan.blocks >= kTargetUnits;
+  } else if (plan.blocks > 0 && plan.blocks < kTargetUnits && p.Nk >= 2 * kMinChunkKeys) {
     const int64_t want = ceil_blocks(kTargetUnits, plan.blocks);
     plan.chunk_keys = std::max(kMinChunkKeys, ceil_blocks(ceil_blocks(p.Nk, want), kTileKeys) * kTileKeys);
     plan.chunks = ceil_blocks(p.Nk, plan.chunk_keys);

@@ -123,6 +123,10 @@ struct Scratch {
   int64_t topk;                                       // Outputs::stats' k
   std::vector<T> stat_reals;                          // BlockState::stats of each block
   std::vector<int64_t> stat_ints;
+  // Plan::local_chunks: one block's (ot, m, l, bad) and statistics per key chunk, merged at the
+  // unit's end (flash-inl.h's RunUnit); sized there, on first use.
+  std::vector<T> chunk_partial, chunk_stat_reals;
+  std::vector<int64_t> chunk_stat_ints;
 };
 
 // One online-softmax step of a block over the tile that starts at t (a multiple of
