@@ -182,3 +182,91 @@ def test_torch_front_door_passes_the_option():
     out = st.attention_paged(qb, torch.from_numpy(kp.reshape(-1, 16, HKV, DK)), torch.from_numpy(vp.reshape(-1, 16, HKV, DV)),
                              table, torch.tensor([n_keys, n_keys]), **kw)
     assert np.array_equal(bits(out[1].numpy().transpose(1, 0, 2)), bits(want))
+
+
+def _hm(x):  # (n, H, ...) -> (H, n, ...): values (n, H, D) and scales (n, H) alike
+    return np.ascontiguousarray(np.swapaxes(x, 0, 1))
+
+
+def _q8(x, dtype):
+    """x (n, H, D) quantised per (token, head): [values, scale(, zero)], each token-major."""
+    return list(sdpa.quantize_kv(x, dtype))
+
+
+def _kw8(k8, v8, f):
+    """The 8-bit kwargs of k8 and v8's scale (and zero-point) parts, each mapped by f."""
+    kw = {"k_scale": f(k8[1]), "v_scale": f(v8[1])}
+    if len(k8) == 3:
+        kw.update(k_zero=f(k8[2]), v_zero=f(v8[2]))
+    return kw
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_8bit_rows_are_bitwise_equal_however_batched(dtype, causal):
+    """The same ways as above on an 8-bit cache (values and per (token, head) scales sliced,
+    batched, packed and paged alike; KVCache quantises on append, per token, as quantize_kv)."""
+    for n_keys in (127, 5000):
+        rng = np.random.default_rng(n_keys + causal)
+        q, kf, vf = seq(rng, n_keys, np.float32)
+        k, v = _q8(kf, dtype), _q8(vf, dtype)
+        lo = n_keys // 2 + P  # the other sequence's length, shorter
+        oq, okf, ovf = seq(rng, lo, np.float32)
+        ok, ov = _q8(okf, dtype), _q8(ovf, dtype)
+        first = n_keys - P
+        rows = range(first, n_keys)
+        kw = dict(causal=causal, batch_invariant=True)
+        got = {}
+        for threads in (1, 2):
+            sdpa.set_num_threads(threads)
+            t = f" ({threads} threads)"
+            alone = []
+            for i in rows:
+                n = i + 1 if causal else n_keys
+                cut = lambda a: _hm(a[:n])[None]  # noqa: E731
+                alone.append(sdpa.attention(_hm(q[i:i + 1])[None], cut(k[0]), cut(v[0]), **kw, **_kw8(k, v, cut))[0, :, 0])
+            got["alone" + t] = np.stack(alone)
+            # a dense batch of two with seqlens_k (the other sequence shorter, padded)
+            pad = lambda a, b: np.stack([_hm(a), _hm(np.concatenate([b, np.zeros((n_keys - len(b),) + b.shape[1:], b.dtype)]))])  # noqa: E731
+            qb = np.stack([_hm(q[first:]), _hm(oq[-P:])])
+            out = sdpa.attention(qb, pad(k[0], ok[0]), pad(v[0], ov[0]), seqlens_k=np.array([n_keys, lo]), **kw,
+                                 **{name: pad(a, b) for (name, a), b in zip(_kw8(k, v, lambda x: x).items(),
+                                                                           _kw8(ok, ov, lambda x: x).values())})
+            got["dense batch" + t] = out[0].transpose(1, 0, 2)
+            # varlen beside the other sequence
+            cu_q, cu_k = np.array([0, 2, 2 + P]), np.array([0, lo, lo + n_keys])
+            cat = lambda a, b: np.concatenate([a, b])  # noqa: E731
+            out = sdpa.attention_varlen(cat(oq[-2:], q[first:]), cat(ok[0], k[0]), cat(ov[0], v[0]), cu_q, cu_k, **kw,
+                                        **{name: cat(b, a) for (name, a), b in zip(_kw8(k, v, lambda x: x).items(),
+                                                                                  _kw8(ok, ov, lambda x: x).values())})
+            got["varlen" + t] = out[2:]
+            # paged (pages of 16), the other sequence's pages first
+            ps = 16
+            per_t, per_o = -(-n_keys // ps), -(-lo // ps)
+
+            def pool(a, b):
+                x = np.zeros(((per_o + per_t) * ps,) + a.shape[1:], a.dtype)
+                x[:lo], x[per_o * ps:per_o * ps + n_keys] = b, a
+                return x.reshape((per_o + per_t, ps) + a.shape[1:])
+            table = np.full((2, per_t), -1, np.int32)
+            table[0] = np.arange(per_o, per_o + per_t)
+            table[1, :per_o] = np.arange(per_o)
+            out = sdpa.attention_paged(qb, pool(k[0], ok[0]), pool(v[0], ov[0]), table, np.array([n_keys, lo]), **kw,
+                                       **{name: pool(a, b) for (name, a), b in zip(_kw8(k, v, lambda x: x).items(),
+                                                                                  _kw8(ok, ov, lambda x: x).values())})
+            got["paged 16" + t] = out[0].transpose(1, 0, 2)
+            if causal:  # KVCache token by token, beside the other sequence
+                cache = sdpa.KVCache(2 * (n_keys + lo) // 16 + 4, 16, HKV, DK, DV, dtype=dtype)
+                a, s = cache.new_sequence(), cache.new_sequence()
+                cache.append(a, okf, ovf)
+                cache.append(s, kf[:first], vf[:first])
+                out = []
+                for i in rows:
+                    cache.append(s, kf[i:i + 1], vf[i:i + 1])
+                    out.append(cache.attention(np.stack([_hm(oq[-1:]), _hm(q[i:i + 1])]), [a, s], **kw)[1, :, 0])
+                got["KVCache decode" + t] = np.stack(out)
+        sdpa.set_num_threads(0)
+        want = got["alone (1 threads)"]
+        for way, out in got.items():
+            assert out.shape == want.shape, way
+            assert np.array_equal(bits(out), bits(want)), f"{way}, {n_keys} keys: differs from the row alone"
