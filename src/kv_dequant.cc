@@ -131,6 +131,28 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   if (values) buf.reset(new float[static_cast<size_t>(x.numel())]);  // not zeroed: every row is written below
   TensorView out = contiguous_like(x, buf.get());
   if (D == 0) return out;  // no value: no scale is read
+  if (!values) {
+    // Checked only (a fused call, whose kernels stream k and v in a few milliseconds): first
+    // whether every scale and zero point read is finite, rows split among the threads; only
+    // if one is not, the serial loop below finds the first and names it.
+    const int64_t total = x.numel() / D;
+    bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad) num_threads(num_threads()) if (total >= 4096)
+    for (int64_t r = 0; r < total; ++r) {
+      int64_t idx[4] = {0, 0, 0, 0};
+      for (int64_t d = x.rank - 2, rest = r; d >= 0; --d) idx[d] = rest % x.shape[d], rest /= x.shape[d];
+      if (!reads(idx)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        idx[x.rank - 1] = g;
+        float value;
+        std::memcpy(&value, at(scale, idx), sizeof value);
+        bool finite = std::isfinite(value);
+        if (zero) std::memcpy(&value, at(*zero, idx), sizeof value), finite &= std::isfinite(value);
+        bad = bad || !finite;
+      }
+    }
+    if (!bad) return out;
+  }
   // First the scales and zero points of the rows read, serially (an Error leaves this loop),
   // then the values, rows split among the threads (no check there: nothing throws in parallel).
   std::vector<int64_t> rows;

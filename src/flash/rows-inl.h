@@ -38,6 +38,7 @@ struct Rows {
   const float* const* scales = nullptr;
   const float* const* zeros = nullptr;
   int64_t scale_step = 0, zero_step = 0, width = 0;
+  bool one_group = false;  // one scale per row: group 0 throughout
   const T* row(int64_t r) const { return ptrs != nullptr ? ptrs[r] : data + r * stride; }
 };
 
@@ -75,6 +76,7 @@ Rows<S> QuantRowsInPlace(const View4& v, int64_t b, int64_t h, int64_t n0, int64
     rows.scale_step = v.quant.strides[3];
     rows.zero_step = v.quant.zero_strides[3];
     rows.width = v.quant.width;
+    rows.one_group = v.quant.width >= v.shape[3];
   }
   return rows;
 }
@@ -137,6 +139,7 @@ struct RowReader {
   const float* s = nullptr;
   const float* z = nullptr;
   int64_t s_step = 0, z_step = 0, width = 1;
+  bool one_group = true;
   HWY_INLINE RowReader(const Rows<S>& rows, int64_t j) : x(rows.row(j)) {
     if constexpr (kIs8Bit<S>) {
       s = rows.scales[j];
@@ -144,12 +147,13 @@ struct RowReader {
       s_step = rows.scale_step;
       z_step = rows.zero_step;
       width = rows.width;
+      one_group = rows.one_group;
     }
   }
   template <class D>
   HWY_INLINE hn::Vec<D> Load(D d, int64_t c) const {
     if constexpr (kIs8Bit<S>) {
-      const int64_t g = c / width;
+      const int64_t g = one_group ? 0 : c / width;  // (no division per vector for a scale per row)
       auto xf = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<S, D>(), x + c)));
       if (z != nullptr) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
       return hn::Mul(xf, hn::Set(d, s[g * s_step]));
@@ -159,7 +163,7 @@ struct RowReader {
   }
   HWY_INLINE T At(int64_t c) const {
     if constexpr (kIs8Bit<S>) {
-      const int64_t g = c / width;
+      const int64_t g = one_group ? 0 : c / width;
       const float xf = static_cast<float>(x[c]);
       const float centred = z != nullptr ? xf - z[g * z_step] : xf;
       return static_cast<T>(centred * s[g * s_step]);
