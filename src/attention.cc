@@ -137,9 +137,13 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
   internal::note_kernel_path(KernelPath::kSimd);  // until a kernel says otherwise
   Inputs in = inputs;
   Outputs outs = outputs;
-  internal::Float32Call f32;  // 8-bit K/V: the float32 call standing in for this one
+  internal::Float32Call f32;  // 8-bit K/V: the float32 call standing in for this one, or fused
   if (f32.prepare(in.q, in.k, in.v, in.kv_quant, &in.mask, outs.out, "k", "v",
-                  internal::dense_rows_read(in.k, in.seqlens_k))) {
+                  internal::dense_rows_read(in.k, in.seqlens_k), /*fusable=*/true)) {
+    if (f32.fused()) {
+      internal::run_forward(internal::make_fused_problem(f32, in, outs, options), options.backend);
+      return;
+    }
     internal::run_forward(internal::make_problem(in, outs, options), options.backend);
     f32.finish();
     return;

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "checks.h"
+#include "problem.h"
 #include "storage.h"
 
 namespace sdpa::internal {
@@ -116,7 +117,7 @@ TensorView float32_like(const TensorView& t, std::vector<float>& buf, bool copy)
 // rule; the others 0. Errors on a non-finite scale or zero point of a row read.
 TensorView dequantize(const TensorView& x, const char* x_name, const TensorView& scale,
                       const std::optional<TensorView>& zero, const char* s_name, const char* z_name,
-                      const RowsRead& reads, std::unique_ptr<float[]>& buf) {
+                      const RowsRead& reads, std::unique_ptr<float[]>& buf, bool values = true) {
   const int64_t G = check_scale(s_name, scale, x_name, x);
   if (zero) {
     check_scale(z_name, *zero, x_name, x);
@@ -127,9 +128,31 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   }
   check_has_data(x_name, x);
   const int64_t D = x.shape[x.rank - 1], width = D / G;
-  buf.reset(new float[static_cast<size_t>(x.numel())]);  // not zeroed: every row is written below
+  if (values) buf.reset(new float[static_cast<size_t>(x.numel())]);  // not zeroed: every row is written below
   TensorView out = contiguous_like(x, buf.get());
   if (D == 0) return out;  // no value: no scale is read
+  if (!values) {
+    // Checked only (a fused call, whose kernels stream k and v in a few milliseconds): first
+    // whether every scale and zero point read is finite, rows split among the threads; only
+    // if one is not, the serial loop below finds the first and names it.
+    const int64_t total = x.numel() / D;
+    bool bad = false;
+#pragma omp parallel for schedule(static) reduction(|| : bad) num_threads(num_threads()) if (total >= 4096)
+    for (int64_t r = 0; r < total; ++r) {
+      int64_t idx[4] = {0, 0, 0, 0};
+      for (int64_t d = x.rank - 2, rest = r; d >= 0; --d) idx[d] = rest % x.shape[d], rest /= x.shape[d];
+      if (!reads(idx)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        idx[x.rank - 1] = g;
+        float value;
+        std::memcpy(&value, at(scale, idx), sizeof value);
+        bool finite = std::isfinite(value);
+        if (zero) std::memcpy(&value, at(*zero, idx), sizeof value), finite &= std::isfinite(value);
+        bad = bad || !finite;
+      }
+    }
+    if (!bad) return out;
+  }
   // First the scales and zero points of the rows read, serially (an Error leaves this loop),
   // then the values, rows split among the threads (no check there: nothing throws in parallel).
   std::vector<int64_t> rows;
@@ -137,7 +160,7 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   for_rows(x, [&](const int64_t* lead) {
     const int64_t r = row++;
     if (!reads(lead)) {
-      std::fill_n(buf.get() + r * D, D, 0.0f);  // a row not read: 0, its scale unread
+      if (values) std::fill_n(buf.get() + r * D, D, 0.0f);  // a row not read: 0, its scale unread
       return;
     }
     rows.push_back(r);
@@ -156,6 +179,7 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
       }
     }
   });
+  if (!values) return out;  // checked only: the kernels dequantise in registers
   const bool u8 = x.dtype == DType::kUInt8;
   const int64_t n_rows = static_cast<int64_t>(rows.size());
 #pragma omp parallel for schedule(static) num_threads(num_threads()) if (n_rows * D >= (int64_t{1} << 16))
@@ -184,7 +208,8 @@ bool is_16bit(DType t) { return t == DType::kBFloat16 || t == DType::kFloat16; }
 
 bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::optional<KVQuant>& kv_quant,
                           std::optional<TensorView>* mask, TensorView& out, const char* k_name, const char* v_name,
-                          const RowsRead& reads) {
+                          const RowsRead& reads, bool fusable) {
+  fused_ = false;
   if (!is_8bit_dtype(k.dtype) && !is_8bit_dtype(v.dtype)) {
     if (kv_quant) {
       fail(std::string("kv_quant is given but ") + k_name + " has dtype " + dtype_name(k.dtype) +
@@ -227,6 +252,27 @@ bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::opti
   check_has_data("q", q);
   check_has_data("out", out);
   // Every check above before any copy; dequantize checks the scales as it reads them.
+  if (fusable && q.dtype == DType::kFloat32 && out.dtype == DType::kFloat32) {
+    // The scales checked, nothing copied; fused() tells whether the kernels can read k and v
+    // in place (scale groups of whole vectors: kFusedWidth).
+    const TensorView* xs[2] = {&k, &v};
+    const TensorView* ss[2] = {&kv_quant->k_scale, &kv_quant->v_scale};
+    const std::optional<TensorView>* zs[2] = {&kv_quant->k_zero, &kv_quant->v_zero};
+    const char* names[2][3] = {{k_name, "kv_quant.k_scale", "kv_quant.k_zero"}, {v_name, "kv_quant.v_scale", "kv_quant.v_zero"}};
+    bool whole_vectors = true;
+    for (int t = 0; t < 2; ++t) {
+      std::unique_ptr<float[]> none;
+      dequantize(*xs[t], names[t][0], *ss[t], *zs[t], names[t][1], names[t][2], reads, none, /*values=*/false);
+      const int64_t D = xs[t]->shape[xs[t]->rank - 1];
+      const int64_t G = ss[t]->rank == xs[t]->rank ? ss[t]->shape[ss[t]->rank - 1] : 1;
+      width_[t] = D / G;
+      whole_vectors &= G == 1 || width_[t] % kFusedWidth == 0;
+    }
+    if (whole_vectors) {
+      fused_ = true;
+      return true;
+    }
+  }
   const TensorView kf = dequantize(k, k_name, kv_quant->k_scale, kv_quant->k_zero, "kv_quant.k_scale",
                                    "kv_quant.k_zero", reads, k_);
   const TensorView vf = dequantize(v, v_name, kv_quant->v_scale, kv_quant->v_zero, "kv_quant.v_scale",
@@ -261,6 +307,47 @@ void Float32Call::finish() const {
       store_as(user_out_.dtype, p + e * user_out_.strides[user_out_.rank - 1] * storage_bytes(user_out_.dtype),
                out_[static_cast<size_t>(i++)]);
   });
+}
+
+void Float32Call::attach(View4& view, int which, const TensorView& scale, const std::optional<TensorView>& zero,
+                         int rank, bool paged) const {
+  View4::Quant& qv = view.quant;
+  qv.width = width_[which];
+  const auto place = [&](const TensorView& t, int64_t* strides, int64_t& page_stride) {
+    const bool grouped = t.rank == rank;
+    if (paged) {  // (num_pages, page_size, Hkv[, G]): as the pool's rows (paged.cc's as_rows)
+      page_stride = t.strides[0];
+      strides[0] = 0;
+      strides[1] = t.strides[2];
+      strides[2] = t.strides[1];
+      strides[3] = grouped ? t.strides[3] : 0;
+      return;
+    }
+    // k's leading dims (padded on the left to B, H, N as to_view4 pads k), then the group dim.
+    const int lead = rank - 1, pad = 3 - lead;
+    for (int d = 0; d < lead; ++d) strides[pad + d] = t.shape[d] == 1 ? 0 : t.strides[d];
+    strides[3] = grouped && t.shape[lead] > 1 ? t.strides[lead] : 0;
+  };
+  qv.scale = static_cast<const float*>(scale.data);
+  place(scale, qv.strides, qv.page_stride);
+  if (zero) {
+    qv.zero = static_cast<const float*>(zero->data);
+    place(*zero, qv.zero_strides, qv.zero_page_stride);
+  }
+}
+
+Problem make_fused_problem(const Float32Call& f32, const Inputs& in, const Outputs& outputs, const Options& options) {
+  // make_problem checks the 8-bit views as the float32 views of the same shapes and strides
+  // (prepare checked their dtypes and scales), then they become what they are.
+  Inputs as_f32 = in;
+  as_f32.k.dtype = as_f32.v.dtype = DType::kFloat32;
+  as_f32.kv_quant.reset();
+  Problem p = make_problem(as_f32, outputs, options);
+  p.k.dtype = in.k.dtype;
+  p.v.dtype = in.v.dtype;
+  f32.attach(p.k, 0, in.kv_quant->k_scale, in.kv_quant->k_zero, in.k.rank, /*paged=*/false);
+  f32.attach(p.v, 1, in.kv_quant->v_scale, in.kv_quant->v_zero, in.v.rank, /*paged=*/false);
+  return p;
 }
 
 RowsRead dense_rows_read(const TensorView& k, const std::optional<TensorView>& seqlens_k) {

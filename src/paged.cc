@@ -68,7 +68,9 @@ void check_no_keys(const PagedInputs& in, int64_t B, int64_t page_size, int64_t 
 
 // The validated, paged problem of q (B, Hq, Nq, Dk). Messages name sequence b as
 // first_sequence + b (a packed call passes one sequence at a time).
-Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options& options, int64_t first_sequence) {
+// `fused`: 8-bit pools read in place (kv_dequant.h), in's kv_quant attached to the views.
+Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options& options, int64_t first_sequence,
+                      const Float32Call* fused) {
   const TensorView &kp = in.k_pages, &vp = in.v_pages, &table = in.block_table;
   check_rank("q", in.q, 4, "(B, Hq, Nq, Dk)");
   check_rank("k_pages", kp, 4, "(num_pages, page_size, Hkv, Dk)");
@@ -110,6 +112,7 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
   dense.q = in.q;
   dense.k = as_rows(kp, B, max_pages);
   dense.v = as_rows(vp, B, max_pages);
+  if (fused) dense.k.dtype = dense.v.dtype = DType::kFloat32;  // checked as float32 views (make_fused_problem)
   dense.seqlens_k = in.seqlens_k;
   Outputs checked = outs;
   if (num_pages == 0) {
@@ -156,6 +159,12 @@ Problem paged_problem(const PagedInputs& in, const Outputs& outs, const Options&
   }
   make_paged(p.k, kp, table);
   make_paged(p.v, vp, table);
+  if (fused) {
+    p.k.dtype = kp.dtype;
+    p.v.dtype = vp.dtype;
+    fused->attach(p.k, 0, in.kv_quant->k_scale, in.kv_quant->k_zero, 4, /*paged=*/true);
+    fused->attach(p.v, 1, in.kv_quant->v_scale, in.kv_quant->v_zero, 4, /*paged=*/true);
+  }
   return p;
 }
 
@@ -181,7 +190,8 @@ TensorView entry_of(TensorView t, int64_t b) {
 }
 
 // Packed queries: q (total_q, Hq, Dk) cut by cu_seqlens_q, sequence b against table row b.
-std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs, const Options& options) {
+std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs, const Options& options,
+                                     const Float32Call* fused) {
   check_rank("q", in.q, 3, "(total_q, Hq, Dk) with cu_seqlens_q");
   check_rank("out", outs.out, 3, "(total_q, Hq, Dv) with cu_seqlens_q");
   if (outs.weights) fail("weights are not available with cu_seqlens_q (packed queries)");
@@ -221,7 +231,7 @@ std::vector<Problem> packed_problems(const PagedInputs& in, const Outputs& outs,
     Outputs o;
     o.out = with_batch_of_one(rows_of(outs.out, cu[b], cu[b + 1]));
     if (outs.lse) o.lse = with_batch_of_one(cols_of(*outs.lse, cu[b], cu[b + 1]));
-    problems.push_back(paged_problem(s, o, sequence_options(options, b, cu[b + 1] - cu[b], nk), b));
+    problems.push_back(paged_problem(s, o, sequence_options(options, b, cu[b + 1] - cu[b], nk), b, fused));
     problems.back().dropout.batch_offset = b;
   }
   return problems;
@@ -250,12 +260,12 @@ std::vector<bool> pages_read(const PagedInputs& in) {
   return read;
 }
 
-void run_paged(const PagedInputs& in, const Outputs& outs, const Options& options) {
+void run_paged(const PagedInputs& in, const Outputs& outs, const Options& options, const Float32Call* fused) {
   if (in.cu_seqlens_q) {
-    run_forward_many(packed_problems(in, outs, options), options.backend);
+    run_forward_many(packed_problems(in, outs, options, fused), options.backend);
     return;
   }
-  run_forward(paged_problem(in, outs, options, 0), options.backend);
+  run_forward(paged_problem(in, outs, options, 0, fused), options.backend);
   if (in.k_pages.shape[0] == 0 && outs.weights) {  // no pages: every weight is 0 (see paged_problem)
     const TensorView& w = *outs.weights;
     for (int64_t i = 0; i < w.numel(); ++i) {
@@ -284,11 +294,12 @@ void attention_paged(const PagedInputs& given, const Outputs& outs_given, const 
   if (in.k_pages.rank == 4) {
     const std::vector<bool> read = internal::is_8bit_dtype(in.k_pages.dtype) ? internal::pages_read(in) : std::vector<bool>{};
     dequantised = f32.prepare(in.q, in.k_pages, in.v_pages, in.kv_quant, nullptr, outs.out, "k_pages", "v_pages",
-                              [&read](const int64_t* lead) { return read[static_cast<size_t>(lead[0])]; });
+                              [&read](const int64_t* lead) { return read[static_cast<size_t>(lead[0])]; },
+                              /*fusable=*/true);
   } else if (in.kv_quant || internal::is_8bit_dtype(in.k_pages.dtype)) {
     internal::check_rank("k_pages", in.k_pages, 4, "(num_pages, page_size, Hkv, Dk)");
   }
-  internal::run_paged(in, outs, options);
+  internal::run_paged(in, outs, options, dequantised && f32.fused() ? &f32 : nullptr);
   if (dequantised) f32.finish();
 }
 

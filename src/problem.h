@@ -37,7 +37,21 @@ struct View4 {
   int64_t page_table_stride = 0;  // elements between the table's batch rows
   int64_t page_rows = 0, page_stride = 0;
 
+  // 8-bit K/V read in place (int8 or uint8 dtype; kv_dequant.h's fused calls): element
+  // (b, h, n, d) is fl32(fl32(x - z) · s) (KVQuant's rule), s and z the float32 scale and zero
+  // point (z = 0 without zero points) of group d / width of row (b, h, n). scale and zero are
+  // laid out as the rows are (same page as the row, in a paged pool) with their own strides
+  // (in floats; [3] steps groups) and page_stride.
+  struct Quant {
+    const float* scale = nullptr;
+    const float* zero = nullptr;
+    int64_t strides[4] = {0, 0, 0, 0}, zero_strides[4] = {0, 0, 0, 0};
+    int64_t page_stride = 0, zero_page_stride = 0;
+    int64_t width = 0;  // features per scale
+  } quant;
+
   bool paged() const { return page_table != nullptr; }
+  bool quantized() const { return quant.scale != nullptr; }
   int64_t page_of(int64_t b, int64_t n) const {
     const int64_t at = b * page_table_stride + n / page_rows;
     // memcpy: the table may lie at any address, as seqlens_k and cu_seqlens may (F13).
@@ -66,9 +80,32 @@ struct View4 {
   const void* ptr(int64_t b, int64_t h, int64_t n, int64_t d) const {
     return data + offset(b, h, n, d) * storage_bytes(dtype);
   }
+  // The scale (zero point: `zero`) of group g of row (b, h, n) of an 8-bit view; 0 for a zero
+  // point not given.
+  float quant_at(bool zero, int64_t b, int64_t h, int64_t n, int64_t g) const {
+    const float* row = quant_row(zero, b, h, n);
+    return row == nullptr ? 0.0f : row[g * (zero ? quant.zero_strides : quant.strides)[3]];
+  }
+  // Group 0's scale (zero point) of row (b, h, n): null for zero points not given.
+  const float* quant_row(bool zero, int64_t b, int64_t h, int64_t n) const {
+    const float* base = zero ? quant.zero : quant.scale;
+    if (base == nullptr) return nullptr;
+    const int64_t* st = zero ? quant.zero_strides : quant.strides;
+    const int64_t ps = zero ? quant.zero_page_stride : quant.page_stride;
+    if (paged()) return base + page_of(b, n) * ps + n % page_rows * st[2] + h * st[1];
+    return base + b * st[0] + h * st[1] + n * st[2];
+  }
   // Reads one element of a floating-point view as T (slow path: branches on the storage dtype).
   template <typename T>
   T load(int64_t b, int64_t h, int64_t n, int64_t d) const {
+    if (quantized()) {  // an 8-bit view: dequantised by KVQuant's rule
+      const void* at = ptr(b, h, n, d);
+      const float x = dtype == DType::kInt8 ? static_cast<float>(*static_cast<const int8_t*>(at))
+                                            : static_cast<float>(*static_cast<const uint8_t*>(at));
+      const int64_t g = d / quant.width;
+      const float centred = x - quant_at(true, b, h, n, g);  // fl32(x - z)
+      return static_cast<T>(centred * quant_at(false, b, h, n, g));
+    }
     return load_as<T>(dtype, ptr(b, h, n, d));
   }
   // Writes one element, rounded once to the view's storage dtype.

@@ -95,6 +95,15 @@ std::vector<QCase> cases() {
   c.push_back({"decode_f16_i8_seqlens", 2, 4, 2, 1, 97, 32, 32, f16, i8, 2, 0, MaskKind::kNone, Causal::kNone, {}, 0,
                false, false, true});
   c.push_back({"tiny", 1, 1, 1, 1, 1, 1, 1, f32, i8});
+  // float32 q reads 8-bit K/V in place (kv_dequant.h's fused calls): a scale per token with D
+  // not a multiple of the lanes (the decode kernel's feature tails); groups of 16 features
+  // (whole vectors) beside a scale per token; groups of 8 (not whole AVX-512 vectors: the
+  // float32 stand-in call); a prefill on the block kernel with groups of 16.
+  c.push_back({"decode_f32_i8_odd_d", 1, 8, 2, 1, 300, 97, 33, f32, i8});
+  c.push_back({"decode_f32_u8_groups16_v_per_token", 1, 4, 4, 2, 513, 48, 32, f32, u8, 3, 0});
+  c.push_back({"decode_f32_u8_groups8", 2, 4, 1, 1, 200, 64, 64, f32, u8, 8, 8});
+  c.push_back({"prefill_f32_i8_groups16", 1, 4, 2, 65, 130, 32, 48, f32, i8, 2, 3, MaskKind::kNone,
+               Causal::kBottomRight});
   c.push_back({"prefill_causal_u8", 1, 4, 4, 97, 97, 32, 16, f32, u8, 0, 0, MaskKind::kNone, Causal::kBottomRight});
   c.push_back({"prefill_bf16_mask", 2, 4, 2, 33, 200, 48, 24, bf16, i8, 3, 4, MaskKind::kAdditive});
   c.push_back({"prefill_f16_boolmask", 1, 2, 1, 40, 130, 16, 16, f16, u8, 0, 0, MaskKind::kBool, Causal::kTopLeft});

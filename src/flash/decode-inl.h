@@ -7,7 +7,8 @@
 // K and V rows are each read once per block (up to kDecodeMaxRows rows, e.g. all query heads of
 // a GQA group): the kernel streams memory. 16-bit K and V are widened in registers as they are
 // loaded (storage type S, compute type T): the bytes streamed are half float32's, and no
-// scratch copy of the tile is written and read again.
+// scratch copy of the tile is written and read again. 8-bit K/V (KVQuant views) are
+// dequantised in registers the same way (rows-inl.h's RowReader), a quarter of the bytes.
 // It produces the same (ot, m, l) as RunBlocks, so finishing and chunk merging are shared.
 
 #if defined(SDPA_FLASH_DECODE_INL_H_) == defined(HWY_TARGET_TOGGLE)
@@ -63,7 +64,7 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   int64_t run_first = 0, run_stop = 0;
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
-    const S* kj = keys.row(j);
+    const RowReader<S, T> kj(keys, j);
     // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
     // a key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
     if (const int64_t r = j0 + kTileKeys + j; r < ahead_end) {
@@ -83,14 +84,14 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
     for (int64_t c = 0; c < dk_full; c += N) {
-      const V kv = LoadWidened(d, kj + c);
+      const V kv = kj.Load(d, c);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
     }
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
       T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
-      for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * Widened<T>(kj[c]);
+      for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj.At(c);
       st[r * kTileKeys + j] = dot;
     }
   }
@@ -114,8 +115,8 @@ HWY_INLINE void DecodeValues(D d, const T* HWY_RESTRICT p, int64_t keys, const R
   }
   for (int64_t j = 0; j < keys; ++j) {
     hn::Vec<D> vv[C];
-    const S* v = values.row(j) + e0;
-    for (int64_t c = 0; c < C; ++c) vv[c] = LoadWidened(d, v + c * N);
+    const RowReader<S, T> v(values, j);
+    for (int64_t c = 0; c < C; ++c) vv[c] = v.Load(d, e0 + c * N);
     const bool bad = v_bad != nullptr && v_bad[j];  // v_bad is null on the common path
     if (bad) {  // its non-finite entries go through `bad` scores (flash_plan.h), not the sums
       for (int64_t c = 0; c < C; ++c) vv[c] = hn::IfThenZeroElse(hn::IsNaN(hn::Mul(vv[c], hn::Zero(d))), vv[c]);
@@ -179,13 +180,14 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
 
   const S* key_ptrs[kTileKeys];  // a paged pool's rows of the tile (RowsInPlace)
   const S* value_ptrs[kTileKeys];
+  const float* quant_ptrs[4][kTileKeys];  // 8-bit K/V: the rows' scales and zero points (k, v)
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
     // A tile the block mask blocks for every row changes no sum: skipped unread.
     if (p.block_mask && !lanes_see_keys(p, blk.b, lanes, R, j0, j0 + n)) continue;
-    const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
-    const Rows<S> values = RowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs);
+    const Rows<S> keys = QuantRowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs, quant_ptrs[0], quant_ptrs[1]);
+    const Rows<S> values = QuantRowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs, quant_ptrs[2], quant_ptrs[3]);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
     //    are BlockTile's, one piece each (score_tile-inl.h: ShiftedExp, AddTTerm,
@@ -264,8 +266,10 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
         for (int64_t e = dv_full; e < p.Dv; ++e) {
           T acc = rescale(o[r * dvp + e], alpha[r]);
           for (int64_t j = 0; j < n; ++j) {
-            if (bad && bad[j] && (st[r * kTileKeys + j] == T(0) || !std::isfinite(Widened<T>(values.row(j)[e])))) continue;
-            acc += st[r * kTileKeys + j] * Widened<T>(values.row(j)[e]);
+            using Stored = std::remove_cv_t<std::remove_pointer_t<decltype(values.data)>>;
+            const T x = RowReader<Stored, T>(values, j).At(e);
+            if (bad && bad[j] && (st[r * kTileKeys + j] == T(0) || !std::isfinite(x))) continue;
+            acc += st[r * kTileKeys + j] * x;
           }
           o[r * dvp + e] = acc;
         }
@@ -307,11 +311,12 @@ void DecodeWeights(D d, S, const Problem& p, const BlockRows& blk, const LaneRow
     WeightsRow<T>{p, blk.b, lanes[r].h, lanes[r].i}.clear();
   }
   const S* key_ptrs[kTileKeys];
+  const float* quant_ptrs[2][kTileKeys];  // 8-bit K: the rows' scales and zero points
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
     if (p.block_mask && !lanes_see_keys(p, blk.b, lanes, R, j0, j0 + n)) continue;  // weights stay 0
-    const Rows<S> keys = RowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs);
+    const Rows<S> keys = QuantRowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs, quant_ptrs[0], quant_ptrs[1]);
     DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), st);
     for (int64_t r = 0; r < R; ++r) {
       const WeightsRow<T> row{p, blk.b, lanes[r].h, lanes[r].i};

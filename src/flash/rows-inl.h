@@ -27,13 +27,23 @@ namespace hn = hwy::HWY_NAMESPACE;
 // Rows of T: row r at data + r · stride (stride may be negative: a view's own row stride), or,
 // with `ptrs` (the decode kernel's tiles of a paged pool, rows in several pages), at ptrs[r].
 // Kernels that read data and stride directly never get ptrs (ReadRows gathers instead).
+// 8-bit rows (T int8_t or uint8_t, a KVQuant view read in place) carry each row's scales and
+// zero points (zeros: null without them): group 0's, groups scale_step (zero_step) floats apart,
+// `width` features each.
 template <typename T>
 struct Rows {
   const T* data = nullptr;
   int64_t stride = 0;
   const T* const* ptrs = nullptr;
+  const float* const* scales = nullptr;
+  const float* const* zeros = nullptr;
+  int64_t scale_step = 0, zero_step = 0, width = 0;
+  bool one_group = false;  // one scale per row: group 0 throughout
   const T* row(int64_t r) const { return ptrs != nullptr ? ptrs[r] : data + r * stride; }
 };
+
+template <typename S>
+inline constexpr bool kIs8Bit = std::is_same_v<S, int8_t> || std::is_same_v<S, uint8_t>;
 
 // Rows [n0, n0 + n) of head (b, h) of v in place, as storage type S: evenly spaced, or for a
 // paged view through `ptrs` (n entries, one table lookup per page).
@@ -47,6 +57,28 @@ Rows<S> RowsInPlace(const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n,
     r = stop;
   }
   return {ptrs[0], v.strides[2], ptrs};
+}
+
+// RowsInPlace's rows of an 8-bit view, with each row's scales and zero points (n entries of
+// `scales` and `zeros`); for any other storage, RowsInPlace's.
+template <typename S>
+Rows<S> QuantRowsInPlace(const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n, const S** ptrs,
+                         const float** scales, const float** zeros) {
+  Rows<S> rows = RowsInPlace(v, b, h, n0, n, ptrs);
+  if constexpr (kIs8Bit<S>) {
+    const bool has_zero = v.quant.zero != nullptr;
+    for (int64_t r = 0; r < n; ++r) {
+      scales[r] = v.quant_row(false, b, h, n0 + r);
+      if (has_zero) zeros[r] = v.quant_row(true, b, h, n0 + r);
+    }
+    rows.scales = scales;
+    rows.zeros = has_zero ? zeros : nullptr;
+    rows.scale_step = v.quant.strides[3];
+    rows.zero_step = v.quant.zero_strides[3];
+    rows.width = v.quant.width;
+    rows.one_group = v.quant.width >= v.shape[3];
+  }
+  return rows;
 }
 
 // dst[0, n) = src[0, n) of storage dtype `from`, widened to T.
@@ -97,14 +129,60 @@ HWY_INLINE T Widened(S x) {
   }
 }
 
+// Row j of rows of storage type S as T, in registers: S widened exactly (LoadWidened,
+// Widened), or 8-bit values dequantised by KVQuant's rule, fl32(fl32(x - z) · s) (a Sub then a
+// Mul: two roundings, as Float32Call's scratch copy has them; x - 0 is x, so no zero point
+// needs no Sub). Load's N elements must lie in one scale group (width % N == 0, or one group).
+template <typename S, typename T>
+struct RowReader {
+  const S* x;
+  const float* s = nullptr;
+  const float* z = nullptr;
+  int64_t s_step = 0, z_step = 0, width = 1;
+  bool one_group = true;
+  HWY_INLINE RowReader(const Rows<S>& rows, int64_t j) : x(rows.row(j)) {
+    if constexpr (kIs8Bit<S>) {
+      s = rows.scales[j];
+      z = rows.zeros != nullptr ? rows.zeros[j] : nullptr;
+      s_step = rows.scale_step;
+      z_step = rows.zero_step;
+      width = rows.width;
+      one_group = rows.one_group;
+    }
+  }
+  template <class D>
+  HWY_INLINE hn::Vec<D> Load(D d, int64_t c) const {
+    if constexpr (kIs8Bit<S>) {
+      const int64_t g = one_group ? 0 : c / width;  // (no division per vector for a scale per row)
+      auto xf = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<S, D>(), x + c)));
+      if (z != nullptr) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
+      return hn::Mul(xf, hn::Set(d, s[g * s_step]));
+    } else {
+      return LoadWidened(d, x + c);
+    }
+  }
+  HWY_INLINE T At(int64_t c) const {
+    if constexpr (kIs8Bit<S>) {
+      const int64_t g = one_group ? 0 : c / width;
+      const float xf = static_cast<float>(x[c]);
+      const float centred = z != nullptr ? xf - z[g * z_step] : xf;
+      return static_cast<T>(centred * s[g * s_step]);
+    } else {
+      return Widened<T>(x[c]);
+    }
+  }
+};
+
 // Calls f(S{}) with S the storage type of dtype `storage` for compute type T: T itself, or
-// (T = float) hwy::bfloat16_t / hwy::float16_t. The kernels that widen in registers are
-// instantiated per storage type through this.
+// (T = float) hwy::bfloat16_t / hwy::float16_t, or int8_t / uint8_t (an 8-bit KVQuant view).
+// The kernels that widen in registers are instantiated per storage type through this.
 template <typename T, typename F>
 HWY_INLINE void WithStorage(DType storage, const F& f) {
   if constexpr (sizeof(T) == 4) {
     if (storage == DType::kBFloat16) return f(hwy::bfloat16_t{});
     if (storage == DType::kFloat16) return f(hwy::float16_t{});
+    if (storage == DType::kInt8) return f(int8_t{});
+    if (storage == DType::kUInt8) return f(uint8_t{});
   }
   f(T{});
 }
@@ -116,6 +194,25 @@ template <class D, typename T = hn::TFromD<D>>
 HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n0, int64_t n, int64_t width,
                             T* HWY_RESTRICT scratch) {
   if (v.dtype == dtype_of<T>() && n0 + n <= v.run_end(n0)) return {v.at<T>(b, h, n0), v.strides[2]};
+  if (v.quantized()) {  // 8-bit: dequantised by KVQuant's rule, a group of one scale at a time
+    const int64_t width_g = v.quant.width;
+    for (int64_t r = 0; r < n; ++r) {
+      T* HWY_RESTRICT dst = scratch + r * width;
+      for (int64_t g0 = 0; g0 < width; g0 += width_g) {
+        const float s = v.quant_at(false, b, h, n0 + r, g0 / width_g);
+        const float z = v.quant_at(true, b, h, n0 + r, g0 / width_g);
+        const auto dequant = [&](const auto* x) {
+          for (int64_t c = g0; c < g0 + width_g; ++c) {
+            const float centred = static_cast<float>(x[c]) - z;  // fl32(x - z)
+            dst[c] = static_cast<T>(centred * s);
+          }
+        };
+        v.dtype == DType::kInt8 ? dequant(static_cast<const int8_t*>(v.ptr(b, h, n0 + r, 0)))
+                                : dequant(static_cast<const uint8_t*>(v.ptr(b, h, n0 + r, 0)));
+      }
+    }
+    return {scratch, width};
+  }
   for (int64_t r = 0; r < n; ++r) WidenRow(d, v.dtype, v.ptr(b, h, n0 + r, 0), width, scratch + r * width);
   return {scratch, width};
 }
