@@ -204,7 +204,7 @@ TEST_F(NpyTest, ErrorBigEndian) {
 
 TEST_F(NpyTest, ErrorUnsupportedDtype) {
   // '<V1' is what numpy.save writes for ml_dtypes' 1-byte types (float8_e4m3fn, int4, ...).
-  for (const char* descr : {"<u4", "<u2", "<i2", "<c16", "|u1", "<U3", "<V1", "<V4", "|V2", "<e2"}) {
+  for (const char* descr : {"<u4", "<u2", "<i2", "<c16", "<u8", "<U3", "<V1", "<V4", "|V2", "<e2"}) {
     const std::string dict = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': (1,), }";
     const std::string message = read_error(file("a.npy", npy_bytes(dict, std::string(16, '\0'))));
     EXPECT_NE(message.find(std::string("unsupported dtype '") + descr + "'"), std::string::npos) << message;
