@@ -81,8 +81,11 @@ double flop_count(const BenchCase& c) {
   return c.causal == Causal::kNone ? f : f / 2;
 }
 
+bool is_8bit(DType t) { return t == DType::kInt8 || t == DType::kUInt8; }
+
 double kv_bytes(const BenchCase& c) {
   const double keys = c.page_size > 0 ? total_keys(c) : static_cast<double>(c.B) * c.Nk;
+  if (is_8bit(c.kv)) return 2.0 * c.Hkv * keys * (c.D + (c.kv == DType::kUInt8 ? 8 : 4));
   return 2.0 * c.Hkv * keys * c.D * dtype_size(c.dtype);
 }
 
@@ -138,6 +141,24 @@ std::vector<BenchCase> float32_cases() {
   };
 }
 
+// The 8-bit KV cache's decode cases (issue 30): float32 q against int8 / uint8 K/V.
+std::vector<BenchCase> kv8_cases() {
+  std::vector<BenchCase> cases;
+  for (DType kv : {DType::kInt8, DType::kUInt8}) {
+    const std::string tag = std::string(" ") + dtype_tag(kv);
+    BenchCase dense{"decode gqa 32:8 d128" + tag, 1, 32, 8, 1, 32768, 128};
+    BenchCase page16{"paged decode 32 seqs page 16" + tag, 32, 32, 8, 1, 32768, 128};
+    BenchCase page128{"paged decode 32 seqs page 128" + tag, 32, 32, 8, 1, 32768, 128};
+    page16.page_size = 16;
+    page128.page_size = 128;
+    for (BenchCase* c : {&dense, &page16, &page128}) {
+      c->kv = kv;
+      cases.push_back(*c);
+    }
+  }
+  return cases;
+}
+
 BenchCase in_dtype(BenchCase c, DType dtype) {
   c.dtype = dtype;
   if (dtype != DType::kFloat32) c.name += std::string(" ") + dtype_tag(dtype);
@@ -160,6 +181,7 @@ std::vector<BenchCase> default_cases() {
     const auto c = std::find_if(all.begin(), all.end(), [&](const BenchCase& x) { return x.name == name; });
     if (c != all.end()) cases.push_back(in_dtype(*c, DType::kBFloat16));
   }
+  for (const BenchCase& c : kv8_cases()) cases.push_back(c);
   return cases;
 }
 
@@ -190,6 +212,17 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   for (auto* buf : {&q_, &k_, &v_}) {
     const size_t n = buf->size() / es;
     for (size_t i = 0; i < n; ++i) store(c.dtype, *buf, i, normal(rng));
+  }
+  if (is_8bit(c.kv)) {  // random 8-bit values (any byte is one), a scale (and zero point) per row
+    const size_t rows = k_.size() / es / c.D;
+    k_.resize(rows * c.D);
+    v_.resize(rows * c.D);
+    for (auto* buf : {&k_, &v_})
+      for (char& x : *buf) x = static_cast<char>(rng());
+    for (int s = 0; s < (c.kv == DType::kUInt8 ? 4 : 2); ++s) {
+      scales_[s].resize(rows);
+      for (float& x : scales_[s]) x = s < 2 ? 0.01f : static_cast<float>(rng() % 256);
+    }
   }
   if (c.backward) {  // the forward's out and lse, and a random incoming gradient
     lse_.resize(c.B * c.Hq * c.Nq * dtype_size(compute));
@@ -248,18 +281,42 @@ void CaseData::run(Backend backend) {
   opt.batch_invariant = c_.batch_invariant;
   Outputs outs;
   outs.out = TensorView::contiguous(out_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
+  const bool kv8 = is_8bit(c_.kv);
+  const DType kv = kv8 ? c_.kv : c_.dtype;
+  // An 8-bit cache's scale views, shaped like k (or the pool) without its last dim, with the
+  // same strides divided by D (one float per row where k has D values).
+  const auto quant = [&](const TensorView& k) {
+    KVQuant q;
+    TensorView* views[4] = {&q.k_scale, &q.v_scale, nullptr, nullptr};
+    if (c_.kv == DType::kUInt8) {
+      q.k_zero = TensorView{};
+      q.v_zero = TensorView{};
+      views[2] = &*q.k_zero;
+      views[3] = &*q.v_zero;
+    }
+    for (int s = 0; s < 4 && views[s] != nullptr; ++s) {
+      TensorView& t = *views[s];
+      t = k;
+      t.rank = 3;
+      t.dtype = DType::kFloat32;
+      t.data = scales_[s].data();
+      for (int d = 0; d < 3; ++d) t.strides[d] = k.strides[d] / c_.D;
+    }
+    return q;
+  };
   if (c_.page_size > 0) {
-    const int64_t pages = static_cast<int64_t>(k_.size()) / (c_.page_size * c_.Hkv * c_.D * dtype_size(c_.dtype));
+    const int64_t pages = static_cast<int64_t>(k_.size()) / (c_.page_size * c_.Hkv * c_.D * dtype_size(kv));
     PagedInputs in;
     in.q = TensorView::contiguous(q_.data(), c_.dtype, {c_.B, c_.Hq, c_.Nq, c_.D});
-    in.k_pages = TensorView::contiguous(k_.data(), c_.dtype, {pages, c_.page_size, c_.Hkv, c_.D});
-    in.v_pages = TensorView::contiguous(v_.data(), c_.dtype, {pages, c_.page_size, c_.Hkv, c_.D});
+    in.k_pages = TensorView::contiguous(k_.data(), kv, {pages, c_.page_size, c_.Hkv, c_.D});
+    in.v_pages = TensorView::contiguous(v_.data(), kv, {pages, c_.page_size, c_.Hkv, c_.D});
     if (!c_.token_major_pages) {  // memory (pages, Hkv, page_size, D): a head's rows of a page contiguous
       for (TensorView* t : {&in.k_pages, &in.v_pages}) {
         t->strides[1] = c_.D;
         t->strides[2] = c_.page_size * c_.D;
       }
     }
+    if (kv8) in.kv_quant = quant(in.k_pages);
     in.block_table = TensorView::contiguous(table_.data(), DType::kInt32,
                                             {c_.B, static_cast<int64_t>(table_.size()) / c_.B});
     in.seqlens_k = TensorView::contiguous(lengths_.data(), DType::kInt64, {c_.B});
@@ -267,7 +324,12 @@ void CaseData::run(Backend backend) {
     return;
   }
   if (!c_.backward) {
-    attention(inputs(), outs, opt);
+    Inputs in = inputs();
+    if (kv8) {
+      in.k.dtype = in.v.dtype = kv;
+      in.kv_quant = quant(in.k);
+    }
+    attention(in, outs, opt);
     return;
   }
   const TensorView lse = TensorView::contiguous(lse_.data(), compute_dtype(c_.dtype), {c_.B, c_.Hq, c_.Nq});

@@ -33,6 +33,10 @@ struct BenchCase {
   // The pool's memory: head-major within a page, (pages, Hkv, page_size, D) (KVCache's), or
   // token-major, C order (pages, page_size, Hkv, D).
   bool token_major_pages = false;
+  // kInt8 / kUInt8: an 8-bit K/V cache (KVQuant) read by float32 q: k and v hold random 8-bit
+  // values with a float32 scale (and, for uint8, zero point) per (token, kv head); the type
+  // column prints its tag. Anything else: k and v are `dtype` as q is.
+  DType kv = DType::kFloat32;
   Precision precision = Precision::kExact;  // Options::precision (sdpa bench --precision)
   bool batch_invariant = false;              // Options::batch_invariant (sdpa bench --batch-invariant)
 };
@@ -45,7 +49,8 @@ int64_t keys_of(const BenchCase& c, int64_t b);
 // With a window, Nq·Nk becomes the number of (i, j) pairs that causal and the window allow.
 double flop_count(const BenchCase& c);
 bool has_window(const BenchCase& c);
-// Bytes of K and V (of the sequences' keys), which a decode step (small Nq) must stream from memory.
+// Bytes of K and V (of the sequences' keys), which a decode step (small Nq) must stream from
+// memory; for an 8-bit cache the 1-byte values and the float32 scales (and zero points).
 double kv_bytes(const BenchCase& c);
 bool is_decode(const BenchCase& c);  // Nq·(Hq/Hkv) small: bandwidth, not flops, is the measure
 
@@ -71,6 +76,7 @@ class CaseData {
   Inputs inputs() const;
   BenchCase c_;
   std::vector<char> q_, k_, v_, out_, mask_, lse_, dout_, dq_, dk_, dv_;
+  std::vector<float> scales_[4];  // an 8-bit cache's k_scale, v_scale, k_zero, v_zero (one per row of k_)
   std::vector<int32_t> table_;    // paged: (B, max_pages)
   std::vector<int64_t> lengths_;  // paged: (B,)
 };

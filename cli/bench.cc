@@ -18,6 +18,12 @@
 namespace sdpa_cli {
 namespace {
 
+// The type column: the 8-bit cache's type for its cases (float32 q), else the inputs' dtype.
+sdpa::DType shown_type(const sdpa::bench::BenchCase& c) {
+  return c.kv == sdpa::DType::kInt8 || c.kv == sdpa::DType::kUInt8 ? c.kv : c.dtype;
+}
+
+
 const char* mask_name(sdpa::bench::MaskKind m) {
   switch (m) {
     case sdpa::bench::MaskKind::kNone: return "none";
@@ -129,7 +135,7 @@ void bench_command(const BenchOptions& options) {
           "\"Nk\": %lld, \"D\": %lld, "
           "\"mask\": \"%s\", \"causal\": \"%s\", \"window\": [%lld, %lld], \"median_ms\": %.4f, "
           "\"gflops\": %.2f, \"peak_share\": %.4f, \"kv_gbs\": %.2f, \"bandwidth_share\": %.4f, \"path\": \"%s\"}%s\n",
-          r.c.name.c_str(), sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
+          r.c.name.c_str(), sdpa::bench::dtype_tag(shown_type(r.c)), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
           (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
           (long long)r.c.window.left, (long long)r.c.window.right, r.seconds * 1e3, r.gflops, r.gflops / peak, r.kv_gbs,
           r.kv_gbs / bandwidth, r.path, i + 1 < rows.size() ? "," : "");
@@ -145,13 +151,13 @@ void bench_command(const BenchOptions& options) {
   std::printf(
       "GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (backward: 10*B*Hq*Nq*Nk*D), halved for causal;\n"
       "  with a window, Nq*Nk counts the (i, j) pairs it and causal allow; the same for every dtype;\n"
-      "KV GB/s = bytes of K and V (in the case's dtype) / time\n\n");
+      "KV GB/s = bytes of K and V (in the case's dtype; an 8-bit cache's values and float32 scales and zero points) / time\n\n");
   std::printf("%-32s %-4s %3s %3s %3s %5s %6s %4s %-8s %-12s %9s %8s %6s %8s %5s %s\n", "case", "type", "B", "Hq",
               "Hkv", "Nq", "Nk", "D", "mask", "causal", "median ms", "GFLOP/s", "%peak", "KV GB/s", "%bw", "path");
   for (const auto& r : rows) {
     const bool decode = sdpa::bench::is_decode(r.c);
     std::printf("%-32s %-4s %3lld %3lld %3lld %5lld %6lld %4lld %-8s %-12s %9.4f %8.1f %5.1f%% ", r.c.name.c_str(),
-                sdpa::bench::dtype_tag(r.c.dtype), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
+                sdpa::bench::dtype_tag(shown_type(r.c)), (long long)r.c.B, (long long)r.c.Hq, (long long)r.c.Hkv,
                 (long long)r.c.Nq, (long long)r.c.Nk, (long long)r.c.D, mask_name(r.c.mask), causal_name(r.c.causal),
                 r.seconds * 1e3, r.gflops, 100 * r.gflops / peak);
     if (decode) {

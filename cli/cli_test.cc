@@ -595,6 +595,18 @@ TEST_F(CliTest, BenchJsonSmoke) {
   expect_one_line_error(sdpa("bench --filter 'no such case' --reps 1"), "--filter 'no such case' matches no case");
 }
 
+TEST_F(CliTest, BenchHasTheEightBitCacheDecodeRows) {
+  // float32 q against a uint8 K/V cache (values, scales and zero points; issue 30): its type
+  // column says u8 and its bytes count 1 per value plus 8 per row (scale and zero point).
+  const Result r = sdpa("bench --filter 'decode gqa 32:8 d128 u8' --reps 1 --threads 1 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(JsonChecker(r.out).valid()) << r.out;
+  for (const char* key : {"\"name\": \"decode gqa 32:8 d128 u8\"", "\"dtype\": \"u8\"", "\"kv_gbs\":"}) {
+    EXPECT_NE(r.out.find(key), std::string::npos) << key << " in: " << r.out;
+  }
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '{'), 2) << "the run and exactly one case: " << r.out;
+}
+
 TEST_F(CliTest, BenchDtypeRunsTheTableInThatDtype) {
   const Result r = sdpa("bench --dtype f16 --filter 'decode mha 8 d64' --reps 1 --threads 1 --json");
   ASSERT_EQ(r.status, 0) << r.err;
