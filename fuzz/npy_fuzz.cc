@@ -83,10 +83,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   // Parsed: it must describe itself consistently.
   if (a.shape.size() > 4) fail("rank " + std::to_string(a.shape.size()) + " accepted");
-  // int32 / int64 ('<i4', '<i8') since the reader takes seqlens_k files (commit b4401bb).
+  // int32 / int64 ('<i4', '<i8') since the reader takes seqlens_k files (commit b4401bb); int8 /
+  // uint8 ('|i1', '|u1') since the dtype table has the 8-bit KV cache's rows (issue 30).
   if (a.dtype != sdpa::DType::kFloat32 && a.dtype != sdpa::DType::kFloat64 && a.dtype != sdpa::DType::kBool &&
       a.dtype != sdpa::DType::kFloat16 && a.dtype != sdpa::DType::kBFloat16 && a.dtype != sdpa::DType::kInt32 &&
-      a.dtype != sdpa::DType::kInt64) {
+      a.dtype != sdpa::DType::kInt64 && a.dtype != sdpa::DType::kInt8 && a.dtype != sdpa::DType::kUInt8) {
     fail("unknown dtype accepted");
   }
   const int64_t numel = sdpa_cli::checked_numel("parsed", a.shape);
