@@ -10,6 +10,9 @@
 // widening and rounding below (load_as, store_as; write_row's row loop in problem.h), the
 // kernels' row reader (flash/rows-inl.h's WidenRow, Widened, WithStorage) and the tests. Names,
 // sizes, compute types, validation's lists of dtypes and the .npy descriptor follow the row.
+// Any new row also reaches: the .npy reader (cli/npy.cc takes every row's descriptor: npy_test's
+// unsupported descriptors and fuzz/npy_fuzz.cc's accepted dtypes must follow) and every switch
+// over DType (-Werror=switch: tests/test_util.cc, bench/cases.cc, cli/cli_test.cc).
 #pragma once
 
 #include <cmath>
