@@ -142,9 +142,11 @@ def bfloat16_table(rng):
     print(f"\nbfloat16, GFLOP/s = 4*B*Hq*Nq*Nk*D / median time (halved for causal); "
           f"sdpa's path: {'AMX' if has_amx else 'AVX512_BF16' if has_dot else 'SIMD (no bf16 dot on this CPU)'}")
     print("sdpa: precision exact (the default); fast: precision=\"fast\" (the weights rounded to bfloat16 "
-          "before p·V, as the peers do); ratios are fast's")
-    print(f"{'case':34} {'sdpa':>9} {'fast':>9} {'no dot':>9} {'torch':>9} {'openvino':>9} {'fast/exact':>11} "
-          f"{'fast/torch':>11} {'fast/ov':>9}")
+          "before p·V, as the peers do); fast vdp: fast capped at AVX512_BF16 (no AMX tiles; shown where the CPU "
+          "has AMX); no dot: exact without the bfloat16 products; f32: sdpa float32 on the same values; "
+          "ratios are fast's")
+    print(f"{'case':34} {'sdpa':>9} {'fast':>9} {'fast vdp':>9} {'no dot':>9} {'f32':>9} {'torch':>9} {'openvino':>9} "
+          f"{'fast/exact':>11} {'fast/f32':>9} {'fast/torch':>11} {'fast/ov':>9}")
     for B, Hq, Hkv, Nq, Nk, D, causal in CASES[:4] + [(1, 8, 8, 2048, 2048, 128, True)]:  # issue 28's five
         q = rng.standard_normal((B, Hq, Nq, D), dtype=np.float32).astype(bf16)
         k = rng.standard_normal((B, Hkv, Nk, D), dtype=np.float32).astype(bf16)
@@ -152,9 +154,16 @@ def bfloat16_table(rng):
         flops = 4 * B * Hq * Nq * Nk * D / (2 if causal else 1)
         t_sdpa = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
         t_fast = median_time(lambda: sdpa.attention(q, k, v, causal=causal, precision="fast"), args.reps)
+        t_vdp = None
+        if has_amx:
+            sdpa._core._limit_kernel_path_to_avx512_bf16(True)
+            t_vdp = median_time(lambda: sdpa.attention(q, k, v, causal=causal, precision="fast"), args.reps)
+            sdpa._core._limit_kernel_path_to_avx512_bf16(False)
         sdpa._core._limit_kernel_path_to_simd(True)
         t_nodot = median_time(lambda: sdpa.attention(q, k, v, causal=causal), args.reps)
         sdpa._core._limit_kernel_path_to_simd(False)
+        q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+        t_f32 = median_time(lambda: sdpa.attention(q32, k32, v32, causal=causal), args.reps)
         t_torch = t_ov = None
         if torch is not None:
             tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
@@ -166,8 +175,8 @@ def bfloat16_table(rng):
         name = f"B{B} H{Hq}/{Hkv} {Nq}x{Nk} d{D}{' causal' if causal else ''}"
         g = lambda t: f"{flops / t / 1e9:9.1f}" if t else f"{'n/a':>9}"
         r = lambda t, w: f"{t / t_fast:{w - 1}.2f}x" if t else f"{'n/a':>{w}}"
-        print(f"{name:34} {g(t_sdpa)} {g(t_fast)} {g(t_nodot)} {g(t_torch)} {g(t_ov)} {r(t_sdpa, 11)} "
-              f"{r(t_torch, 11)} {r(t_ov, 9)}", flush=True)
+        print(f"{name:34} {g(t_sdpa)} {g(t_fast)} {g(t_vdp)} {g(t_nodot)} {g(t_f32)} {g(t_torch)} {g(t_ov)} "
+              f"{r(t_sdpa, 11)} {r(t_f32, 9)} {r(t_torch, 11)} {r(t_ov, 9)}", flush=True)
 
 
 def main():

@@ -719,4 +719,8 @@ NB_MODULE(_core, m) {
   m.def("_limit_kernel_path_to_simd", [](bool on) {
     sdpa::set_max_kernel_path(on ? sdpa::KernelPath::kSimd : sdpa::KernelPath::kAmxBf16);
   }, nb::arg("on"));
+  // ... and to AVX512_BF16 (True: no AMX tiles) or back to the best (False).
+  m.def("_limit_kernel_path_to_avx512_bf16", [](bool on) {
+    sdpa::set_max_kernel_path(on ? sdpa::KernelPath::kAvx512Bf16 : sdpa::KernelPath::kAmxBf16);
+  }, nb::arg("on"));
 }

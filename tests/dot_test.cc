@@ -147,4 +147,74 @@ TEST_P(DotKernels, AKeysScoreDoesNotDependOnTheBlocking) {
 INSTANTIATE_TEST_SUITE_P(Paths, DotKernels, testing::ValuesIn(kernels()),
                          [](const testing::TestParamInfo<Kernel>& info) { return std::string(info.param.name); });
 
+// kFast's p·V products, Bf16DotAccumulate (vdpbf16ps, values packed by PackBf16ValuePairs) and
+// AmxDotAccumulate (AMX tiles, values packed by PackAmxValuePairs), against float64: ot = alpha
+// · ot + Σ_j p_j · v_j over keys [first, first + n) of a tile, p bfloat16 weights in [0, 1]
+// held in float32. Every size class: first 0, 1 and 5 (an odd first splits a key pair), n up
+// to the tile's 128 keys, dv 1 … 127 (tiles of 16 columns and their tails), 16 and 32 lanes,
+// value rows padded or negative-strided. Bound: a float32 sum of n + 1 terms (the rescaled
+// accumulator and n exact products), (n + 2)·u·Σ|term|, u = 2^-24.
+TEST(DotAccumulate, MatchFloat64WithinTheSummationBound) {
+  using sdpa::internal::amx_value_pairs_size;
+  struct Path {
+    const char* name;
+    bool amx;
+    bool available;
+  };
+  const Path paths[] = {{"vdpbf16ps", false, sdpa::internal::cpu_has_avx512_bf16()},
+                        {"amx", true, sdpa::internal::cpu_has_amx_bf16()}};
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  int ran = 0;
+  for (const Path& path : paths) {
+    if (!path.available) continue;
+    for (int64_t first : {0, 1, 5}) {
+      for (int64_t n : {1, 2, 15, 16, 17, 33, 97, 123}) {
+        if (first + n > 128) continue;
+        for (int64_t dv : {1, 15, 16, 17, 33, 64, 127}) {
+          for (size_t mq : {16, 32}) {
+            for (int64_t stride : {dv, -(dv + 3)}) {
+              SCOPED_TRACE(testing::Message() << path.name << " first " << first << " n " << n << " dv " << dv
+                                              << " mq " << mq << " stride " << stride);
+              const int64_t rows = first + n, span = (rows - 1) * std::abs(stride) + dv;
+              std::vector<uint16_t> values(static_cast<size_t>(span));
+              for (auto& x : values) x = to_bf16(normal(rng));
+              const uint16_t* v0 = values.data() + (stride < 0 ? (rows - 1) * -stride : 0);
+              Aligned<float> p(n * mq), alpha(mq), ot(dv * mq), before(dv * mq);
+              for (int64_t i = 0; i < n * static_cast<int64_t>(mq); ++i) p.data[i] = static_cast<float>(from_bf16(to_bf16(unit(rng))));
+              for (size_t l = 0; l < mq; ++l) alpha.data[l] = unit(rng);
+              for (int64_t i = 0; i < dv * static_cast<int64_t>(mq); ++i) before.data[i] = ot.data[i] = normal(rng);
+              Aligned<uint32_t> vp((128 + 1) / 2 * dv), vt(amx_value_pairs_size(dv)), pp((128 / 2 + 1) * mq);
+              if (path.amx) {
+                sdpa::internal::PackAmxValuePairs(v0, stride, rows, dv, vp.data, vt.data);
+                sdpa::internal::AmxDotAccumulate(p.data, mq, first, n, vt.data, dv, alpha.data, pp.data, ot.data);
+              } else {
+                sdpa::internal::PackBf16ValuePairs(v0, stride, rows, dv, vp.data);
+                sdpa::internal::Bf16DotAccumulate(p.data, mq, first, n, vp.data, dv, alpha.data, pp.data, ot.data);
+              }
+              int64_t bad = 0;
+              for (int64_t e = 0; e < dv; ++e) {
+                for (size_t l = 0; l < mq; ++l) {
+                  const double scaled = static_cast<double>(alpha.data[l]) * before.data[e * mq + l];
+                  double exact = scaled, magnitude = std::fabs(scaled);
+                  for (int64_t j = 0; j < n; ++j) {
+                    const double term = static_cast<double>(p.data[j * mq + l]) * from_bf16(v0[(first + j) * stride + e]);
+                    exact += term;
+                    magnitude += std::fabs(term);
+                  }
+                  bad += std::fabs(ot.data[e * mq + l] - exact) > (n + 2) * magnitude * 0x1p-24;
+                }
+              }
+              EXPECT_EQ(bad, 0);
+              ++ran;
+            }
+          }
+        }
+      }
+    }
+  }
+  if (ran == 0) GTEST_SKIP() << "no bfloat16 dot-product instruction on this CPU";
+}
+
 }  // namespace

@@ -1,8 +1,8 @@
 // Options::precision kFast (issue 28): 16-bit inputs whose weights p are rounded to the inputs'
 // type before p·V, with the normaliser summed from the same rounded weights. The sweep's 16-bit
 // cases against the float64 oracle with the tolerance rule, where the naive yardstick
-// (Backend::kNaive with kFast) rounds the same p, on every path this machine has (vdpbf16ps,
-// the widening path with the rounding, AVX2); rows that stay stochastic; the weights and
+// (Backend::kNaive with kFast) rounds the same p, on every path this machine has (AMX tiles,
+// vdpbf16ps, the widening path with the rounding, AVX2); rows that stay stochastic; the weights and
 // statistics that stay exact mode's; determinism across thread counts; float32 and float64
 // inputs, which ignore it.
 #include <gtest/gtest.h>
@@ -41,11 +41,17 @@ std::vector<Case> half_sweep_cases() {
   return cases;
 }
 
-// Runs f on every path the machine has: the best, the widening one, AVX2.
+// Runs f on every path the machine has: the best, vdpbf16ps where the best is AMX, the
+// widening one, AVX2.
 template <typename F>
 void on_every_path(const F& f) {
   {
     SCOPED_TRACE("best path");
+    f();
+  }
+  if (sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16)) {
+    SCOPED_TRACE("capped at kAvx512Bf16");
+    const KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
     f();
   }
   {

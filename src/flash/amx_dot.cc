@@ -57,23 +57,42 @@ struct alignas(64) TileConfig {
 
 constexpr int64_t kKeys = 16, kDepth = 32;  // keys per C tile; features per A tile
 
-// Tiles: 0, 1 C (lanes 0-15, 16-31); 2 A; 3, 4 B (lanes 0-15, 16-31); 5 A of the last features
-// (tail_pairs pairs); 6, 7 its B.
+// Tiles of the scores: 0, 1 C (lanes 0-15, 16-31); 2 A; 3, 4 B (lanes 0-15, 16-31); 5 A of the
+// last features (tail_pairs pairs); 6, 7 its B. Of p·V: 0-3 C, 4-5 A, 6-7 B. Without a tail every
+// tile is 16 rows of 64 bytes, one configuration for both products.
 TileConfig make_config(int64_t tail_pairs) {
   TileConfig c;
-  for (int t = 0; t < 5; ++t) {
+  for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
   if (tail_pairs > 0) {
-    c.rows[5] = 16;
     c.colsb[5] = static_cast<uint16_t>(4 * tail_pairs);
-    for (int t = 6; t < 8; ++t) {
-      c.rows[t] = static_cast<uint8_t>(tail_pairs);
-      c.colsb[t] = 64;
-    }
+    for (int t = 6; t < 8; ++t) c.rows[t] = static_cast<uint8_t>(tail_pairs);
   }
   return c;
+}
+
+// The configuration this thread has loaded (its tail_pairs; -1: none) and whether an AmxScope
+// is open on it (then the products leave the tiles configured for the next one).
+thread_local int64_t g_loaded = -1;
+thread_local int g_scopes = 0;
+
+__attribute__((target("amx-tile"))) void configure(int64_t tail_pairs) {
+  if (g_loaded == tail_pairs) return;
+  const TileConfig config = make_config(tail_pairs);
+  _tile_loadconfig(&config);
+  g_loaded = tail_pairs;
+}
+
+__attribute__((target("amx-tile"))) void release() {
+  if (g_loaded >= 0) _tile_release();
+  g_loaded = -1;
+}
+
+// After a product: the tiles are released unless a scope keeps them.
+void done() {
+  if (g_scopes == 0) release();
 }
 
 // One block of 16 keys: rows at k (row r at k + r·ks elements, the full chunks read in place),
@@ -117,7 +136,6 @@ template <bool kTwo>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
                                                       int64_t ks, int64_t n, float scale, float* st) {
   const int64_t chunks = dk / kDepth, tail_features = dk % kDepth, tail_pairs = (tail_features + 1) / 2;
-  const TileConfig config = make_config(tail_pairs);
   // Zero-padded copies: the last features of a block's rows, and whole rows of a last partial
   // block (then read with the padded row length).
   const int64_t padded = (chunks + (tail_pairs > 0)) * kDepth;
@@ -125,7 +143,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* q
   thread_local std::vector<float> c_rows;
   tail.assign(kKeys * kDepth, 0);
   c_rows.resize(kKeys * mq);
-  _tile_loadconfig(&config);
+  configure(tail_pairs);
   for (int64_t j = 0; j < n; j += kKeys) {
     const int64_t count = std::min(kKeys, n - j);
     const uint16_t* block = k + j * ks;
@@ -149,7 +167,111 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* q
     Scale(out, count * static_cast<int64_t>(mq), scale);
     if (count < kKeys) std::memcpy(st + j * static_cast<int64_t>(mq), out, count * mq * sizeof(float));
   }
-  _tile_release();
+  done();
+}
+
+// Every lane: the masked forms, whose unmasked ones g++ 12 warns about (as bf16_dot.cc).
+constexpr __mmask16 kAll = 0xffff;
+constexpr __mmask8 kAll8 = 0xff;
+
+// 16 rows of 16 words (row r at in[r], zero where null; words past `valid` zero) transposed
+// into out[c·out_stride + r]: the unpack / shuffle network, 64 permutes.
+__attribute__((target("avx512f"))) inline void Transpose16(const uint32_t* const* in, __mmask16 valid, uint32_t* out,
+                                                           int64_t out_stride) {
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = in[i] ? _mm512_maskz_loadu_epi32(valid, in[i]) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {  // lane L of t[i]: (r_i, r_i+1) of columns 4L, 4L+1; t[i+1]: 4L+2, 4L+3
+    t[i] = _mm512_maskz_unpacklo_epi32(kAll, r[i], r[i + 1]);
+    t[i + 1] = _mm512_maskz_unpackhi_epi32(kAll, r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane L of r[i + k]: rows i .. i+3 of column 4L + k
+    r[i] = _mm512_maskz_unpacklo_epi64(kAll8, t[i], t[i + 2]);
+    r[i + 1] = _mm512_maskz_unpackhi_epi64(kAll8, t[i], t[i + 2]);
+    r[i + 2] = _mm512_maskz_unpacklo_epi64(kAll8, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_maskz_unpackhi_epi64(kAll8, t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {  // t[h + k]: columns k, k + 8; t[h + 4 + k]: 4 + k, 12 + k (rows h .. h+7)
+    for (int k = 0; k < 4; ++k) {
+      t[h + k] = _mm512_maskz_shuffle_i32x4(kAll, r[h + k], r[h + 4 + k], 0x88);
+      t[h + 4 + k] = _mm512_maskz_shuffle_i32x4(kAll, r[h + k], r[h + 4 + k], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {  // columns k and k + 8 from rows 0-7 (t[k]) and 8-15 (t[8 + k])
+    _mm512_storeu_si512(out + k * out_stride, _mm512_maskz_shuffle_i32x4(kAll, t[k], t[8 + k], 0x88));
+    _mm512_storeu_si512(out + (k + 8) * out_stride, _mm512_maskz_shuffle_i32x4(kAll, t[k], t[8 + k], 0xdd));
+  }
+}
+
+__attribute__((target("avx512f"))) void PackTransposed(const uint16_t* v, int64_t vs, int64_t n, int64_t dv,
+                                                        uint32_t* vp, uint32_t* vt) {
+  PackBf16ValuePairs(v, vs, n, dv, vp);  // vp[j2·dv + e]
+  const int64_t pairs = (n + 1) / 2, rows = (dv + 15) / 16 * 16, filled = (pairs + 15) / 16 * 16;
+  for (int64_t e = 0; e < rows; e += 16) {
+    const __mmask16 valid = static_cast<__mmask16>(dv - e >= 16 ? 0xffff : (1u << (dv - e)) - 1);
+    for (int64_t j2 = 0; j2 < filled; j2 += 16) {
+      const uint32_t* in[16];
+      for (int r = 0; r < 16; ++r) in[r] = j2 + r < pairs ? vp + (j2 + r) * dv + e : nullptr;
+      Transpose16(in, valid, vt + e * kAmxPairsRow + j2, kAmxPairsRow);
+    }
+    for (int64_t c = 0; c < 16; ++c) std::fill(vt + (e + c) * kAmxPairsRow + filled, vt + (e + c + 1) * kAmxPairsRow, 0u);
+  }
+}
+
+// C tiles 0..3 = value columns e0 .. e0+15 and (two) e0+16 .. e0+31, lanes 0-15 and (QV 2) 16-31,
+// summed over `chunks` of 16 key pairs; then ot rows e = alpha · ot + C for e < dv.
+template <int QV, bool kTwo>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColumns(const uint32_t* pp, size_t mq, int64_t chunks,
+                                                                                const uint32_t* vt, int64_t e0, int64_t dv,
+                                                                                const __m512* alpha, float* ot) {
+  const int64_t bstride = static_cast<int64_t>(mq) * 4, astride = kAmxPairsRow * 4;
+  _tile_zero(0);
+  if constexpr (QV == 2) _tile_zero(1);
+  if constexpr (kTwo) _tile_zero(2);
+  if constexpr (kTwo && QV == 2) _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t* b = pp + c * 16 * static_cast<int64_t>(mq);
+    _tile_loadd(6, b, bstride);
+    if constexpr (QV == 2) _tile_loadd(7, b + 16, bstride);
+    _tile_loadd(4, vt + e0 * kAmxPairsRow + c * 16, astride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (QV == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwo) {
+      _tile_loadd(5, vt + (e0 + 16) * kAmxPairsRow + c * 16, astride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (QV == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float buf[2][16 * 32];
+  const int64_t ld = static_cast<int64_t>(mq) * 4;
+  _tile_stored(0, buf[0], ld);
+  if constexpr (QV == 2) _tile_stored(1, buf[0] + 16, ld);
+  if constexpr (kTwo) _tile_stored(2, buf[1], ld);
+  if constexpr (kTwo && QV == 2) _tile_stored(3, buf[1] + 16, ld);
+  const int64_t end = std::min(dv, e0 + (kTwo ? 32 : 16));
+  for (int64_t e = e0; e < end; ++e) {
+    const float* sum = buf[(e - e0) / 16] + (e - e0) % 16 * static_cast<int64_t>(mq);
+    for (int v = 0; v < QV; ++v) {
+      float* o = ot + e * static_cast<int64_t>(mq) + v * 16;
+      _mm512_store_ps(o, _mm512_fmadd_ps(alpha[v], _mm512_load_ps(o), _mm512_load_ps(sum + v * 16)));
+    }
+  }
+}
+
+template <int QV>
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
+                                                              const uint32_t* vt, int64_t dv, const float* alpha,
+                                                              uint32_t* pp, float* ot) {
+  PackBf16WeightPairs(p, mq, first, n, pp);
+  const int64_t j2_0 = first / 2, pairs = (first + n + 1) / 2 - j2_0, chunks = (pairs + 15) / 16;
+  std::fill(pp + pairs * static_cast<int64_t>(mq), pp + chunks * 16 * static_cast<int64_t>(mq), 0u);
+  __m512 al[QV];
+  for (int v = 0; v < QV; ++v) al[v] = _mm512_load_ps(alpha + v * 16);
+  configure(0);
+  const uint32_t* from = vt + j2_0;  // the A tiles start at the block's first pair
+  int64_t e = 0;
+  for (; e + 16 < dv; e += 32) AccumulateColumns<QV, true>(pp, mq, chunks, from, e, dv, al, ot);
+  if (e < dv) AccumulateColumns<QV, false>(pp, mq, chunks, from, e, dv, al, ot);
+  done();
 }
 
 }  // namespace
@@ -157,6 +279,27 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* q
 bool cpu_has_amx_bf16() {
   static const bool has = detect();
   return has;
+}
+
+AmxScope::AmxScope(bool on) : on_(on && cpu_has_amx_bf16()) {
+  if (on_) ++g_scopes;
+}
+
+AmxScope::~AmxScope() {
+  if (on_ && --g_scopes == 0) release();
+}
+
+void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt) {
+  PackTransposed(v, v_stride, n, dv, vp, vt);
+}
+
+void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
+                      const float* alpha, uint32_t* pp, float* ot) {
+  if (mq == 16) {
+    Accumulate<1>(p, mq, first, n, vt, dv, alpha, pp, ot);
+  } else {
+    Accumulate<2>(p, mq, first, n, vt, dv, alpha, pp, ot);
+  }
 }
 
 void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
@@ -172,6 +315,11 @@ void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, 
 
 bool cpu_has_amx_bf16() { return false; }
 void AmxDotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
+AmxScope::AmxScope(bool) : on_(false) {}
+AmxScope::~AmxScope() = default;
+void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {}
+void AmxDotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
+                      float*) {}
 
 #endif
 

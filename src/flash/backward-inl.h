@@ -601,6 +601,7 @@ void FlashBackward(const BackwardProblem& bp) {
       rs.any_bad_keys = any_bad_keys != 0;
     }  // (its barrier publishes them)
     BackwardScratch<T> s(p, static_cast<size_t>(mq), dot, grad_pairs);
+    const AmxScope amx_scope(dot == KernelPath::kAmxBf16);  // tiles configured once per thread and call
     if (chunks == 0) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t u = 0; u < p.B * p.Hkv * key_blocks; ++u) {

@@ -100,22 +100,27 @@ __attribute__((target("avx512f,avx512bf16"))) inline void AccumulateBlock(const 
     for (int v = 0; v < QV; ++v) _mm512_store_ps(ot + e * mq + v * 16, acc[e][v]);
 }
 
-template <int QV>
-__attribute__((target("avx512f,avx512bf16"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
-                                                               const uint32_t* vp, int64_t dv, const float* alpha,
-                                                               uint32_t* pp, float* ot) {
+__attribute__((target("avx512f"))) void PackWeightPairs(const float* p, size_t mq, int64_t first, int64_t n, uint32_t* pp) {
   // The weight pairs of keys (2·j2, 2·j2 + 1) from the pair holding `first`: a key outside
   // [first, first + n) weighs 0. Each float32 p is a bfloat16 value: its top half.
   const int64_t j2_0 = first / 2, j2_1 = (first + n + 1) / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t j2 = j2_0; j2 < j2_1; ++j2) {
     const int64_t a = 2 * j2 - first, b = a + 1;  // rows of p
-    for (int v = 0; v < QV; ++v) {
-      const __m512i pa = a >= 0 ? _mm512_load_si512(p + a * mq + v * 16) : _mm512_setzero_si512();
-      const __m512i pb = b < n ? _mm512_load_si512(p + b * mq + v * 16) : _mm512_setzero_si512();
-      _mm512_store_si512(pp + (j2 - j2_0) * mq + v * 16, _mm512_or_si512(_mm512_maskz_srli_epi32(kAll, pa, 16), _mm512_and_si512(pb, high)));
+    for (size_t v = 0; v < mq; v += 16) {
+      const __m512i pa = a >= 0 ? _mm512_load_si512(p + a * mq + v) : _mm512_setzero_si512();
+      const __m512i pb = b < n ? _mm512_load_si512(p + b * mq + v) : _mm512_setzero_si512();
+      _mm512_store_si512(pp + (j2 - j2_0) * mq + v, _mm512_or_si512(_mm512_maskz_srli_epi32(kAll, pa, 16), _mm512_and_si512(pb, high)));
     }
   }
+}
+
+template <int QV>
+__attribute__((target("avx512f,avx512bf16"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
+                                                               const uint32_t* vp, int64_t dv, const float* alpha,
+                                                               uint32_t* pp, float* ot) {
+  PackWeightPairs(p, mq, first, n, pp);
+  const int64_t j2_0 = first / 2, j2_1 = (first + n + 1) / 2;
   __m512 al[QV];
   for (int v = 0; v < QV; ++v) al[v] = _mm512_load_ps(alpha + v * 16);
   constexpr int EB = QV == 1 ? 16 : 12;  // EB·QV accumulators + QV + 1 of the 32 registers
@@ -218,6 +223,10 @@ void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t 
   PackPairs(v, v_stride, n, dv, vp);
 }
 
+void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, uint32_t* pp) {
+  PackWeightPairs(p, mq, first, n, pp);
+}
+
 void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
                        const float* alpha, uint32_t* pp, float* ot) {
   if (mq == 16) {
@@ -246,6 +255,7 @@ void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
 bool cpu_has_avx512_bf16() { return false; }
 void Bf16DotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
 void PackBf16ValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
+void PackBf16WeightPairs(const float*, size_t, int64_t, int64_t, uint32_t*) {}
 void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*,
                 uint32_t*, float*) {}
 void Bf16DotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,

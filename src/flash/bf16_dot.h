@@ -81,6 +81,10 @@ void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t 
 // ((n + 1) / 2 + 1) · mq words, 64-byte aligned. Only after cpu_has_avx512_bf16() returned true.
 void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
                        const float* alpha, uint32_t* pp, float* ot);
+// The weights of keys [first, first + n) in pairs, as both p·V products take them: pp[(j2 -
+// first / 2)·mq + lane] holds p of key 2·j2 (low half) and 2·j2 + 1 for the pairs j2 from
+// first / 2 to (first + n + 1) / 2, 0 for a key outside the range. p and pp as above.
+void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, uint32_t* pp);
 
 // The backward's one-pass dq += ds · k in kFast, with the ds tile as KeyBlockGrads holds it:
 // acc[r·width + c] += Σ_{l < nk} w[r·mq + l] · k_l[c] for rows r < n and c < dk (acc rows
@@ -98,5 +102,35 @@ bool cpu_has_amx_bf16();
 // error bound, other bits. Only after cpu_has_amx_bf16() returned true.
 void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
                   float scale, float* st);
+
+// kFast's p·V on AMX tiles: Bf16DotAccumulate's result (the same arguments, range rules and
+// error bound, other bits) with C tiles of 16 value columns × 16 lanes, A = the tile's values
+// transposed (16 columns × 32 keys), B = the weight pairs (16 key pairs × 16 lanes). vt as
+// PackAmxValuePairs made it; pp as Bf16DotAccumulate's.
+inline constexpr int64_t kAmxPairsRow = 80;  // words per column of vt: a tile's 64 key pairs and
+                                             // 16 of zeros, so a last A tile never reads past it
+// vt[e·kAmxPairsRow + j2] = v_{2·j2}[e] | v_{2·j2+1}[e] << 16 for e below dv rounded up to 16
+// and j2 < kAmxPairsRow (bfloat16 bits, row r at v + r·v_stride, n ≤ 128 rows; 0 past n and dv):
+// PackBf16ValuePairs' words (made in vp, its scratch), transposed 16 × 16 at a time.
+void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt);
+void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
+                      const float* alpha, uint32_t* pp, float* ot);
+inline int64_t amx_value_pairs_size(int64_t dv) { return (dv + 15) / 16 * 16 * kAmxPairsRow; }
+
+// The tile configuration (LDTILECFG) is loaded once per thread and call, not per product: an
+// AmxScope on a thread's stack for the span of a call's work keeps it loaded between the Amx*
+// products it makes (they reload it only to switch between the layouts they need) and releases
+// the tiles when it ends. A product called without one loads and releases the tiles itself.
+// (Per call, not per thread: other code on the thread, oneDNN in PyTorch, may load its own.)
+class AmxScope {
+ public:
+  explicit AmxScope(bool on);
+  ~AmxScope();
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+
+ private:
+  bool on_;
+};
 
 }  // namespace sdpa::internal

@@ -56,6 +56,7 @@ struct Job {
   Plan plan;
   KernelPath dot = KernelPath::kSimd;
   bool pv_pairs = false;  // kFast's p·V with vdpbf16ps (Scratch::pv_pairs)
+  bool pv_amx = false;    // ... on AMX tiles (Scratch::pv_amx)
   size_t mq = 0, partial_size = 0;
   std::vector<T> partial;
   // The statistics' lane states (LaneStats' two arrays) of each block and chunk, when asked for.
@@ -65,7 +66,7 @@ struct Job {
   // What a thread's Scratch depends on: jobs that agree share one (a varlen batch: all do).
   bool same_scratch(const Job& o) const {
     return p->Dk == o.p->Dk && p->Dv == o.p->Dv && p->k.dtype == o.p->k.dtype && p->v.dtype == o.p->v.dtype &&
-           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot && pv_pairs == o.pv_pairs &&
+           p->k.paged() == o.p->k.paged() && mq == o.mq && plan.group_blocks == o.plan.group_blocks && dot == o.dot && pv_pairs == o.pv_pairs && pv_amx == o.pv_amx &&
            p->stats.in_pass() == o.p->stats.in_pass() && p->stats.topk == o.p->stats.topk;
   }
 };
@@ -210,6 +211,7 @@ void FlashMany(const Problem* const* problems, size_t n) {
   int64_t units = 0, merges = 0;
   double work = 0;
   KernelPath noted = KernelPath::kSimd;
+  bool amx = false;  // whether a job's products use AMX tiles (then each thread keeps them configured)
   for (size_t j = 0; j < n; ++j) {
     Job<T>& job = jobs[j];
     const Problem& p = *problems[j];
@@ -228,7 +230,9 @@ void FlashMany(const Problem* const* problems, size_t n) {
     job.pv_pairs = std::is_same_v<T, float> && p.round_p && p.dtype == DType::kBFloat16 && !job.plan.decode && !p.batch_invariant &&
                    !p.v.paged() && !p.dropout.enabled() &&
                    Bf16DotPath<T>({p.v.dtype}) != KernelPath::kSimd && cpu_has_avx512_bf16();
-    noted = std::max({noted, job.dot, job.pv_pairs ? KernelPath::kAvx512Bf16 : KernelPath::kSimd});
+    job.pv_amx = job.pv_pairs && Bf16DotPath<T>({p.v.dtype}) == KernelPath::kAmxBf16;
+    noted = std::max({noted, job.dot, job.pv_amx ? KernelPath::kAmxBf16 : job.pv_pairs ? KernelPath::kAvx512Bf16 : KernelPath::kSimd});
+    amx |= job.dot == KernelPath::kAmxBf16 || job.pv_amx;
     job.partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * job.mq;  // (ot, m, l, bad) of one block and chunk
     if (job.plan.needs_merge()) {
       const int64_t pieces = job.plan.blocks * job.plan.chunks, mq = static_cast<int64_t>(job.mq);
@@ -266,13 +270,14 @@ void FlashMany(const Problem* const* problems, size_t n) {
   // One thread's part: `each(n, f)` calls f(i) for the i in [0, n) this thread takes (all of
   // them without a team; an orphaned `omp for`, ending in a barrier, within one).
   const auto thread_part = [&](const auto& each) {
+    const AmxScope amx_scope(amx);  // the tile configuration loaded once per thread and call
     // This thread's scratch, one per kind of job it meets (a varlen batch has one kind).
     std::vector<std::pair<const Job<T>*, std::unique_ptr<Scratch<T>>>> scratches;
     const auto scratch = [&](const Job<T>& job) -> Scratch<T>& {
       for (auto& [owner, sc] : scratches)
         if (owner->same_scratch(job)) return *sc;
       scratches.emplace_back(&job, std::make_unique<Scratch<T>>(*job.p, job.mq, N, job.plan.group_blocks, job.dot,
-                                                                 job.pv_pairs));
+                                                                 job.pv_pairs, job.pv_amx));
       return *scratches.back().second;
     };
     each(units, [&](int64_t u) {

@@ -45,12 +45,14 @@ struct ScratchPart {
 // into parts (a decode step of a small model is shorter than a dozen mallocs).
 template <typename T>
 struct Scratch {
-  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot, bool pv_pairs = false)
+  Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot, bool pv_pairs = false,
+          bool pv_amx = false)
       : mq(mq),
         Dk(static_cast<size_t>(p.Dk)),
         Dv(static_cast<size_t>(p.Dv)),
         bf16_dot(dot != KernelPath::kSimd),
         pv_pairs(pv_pairs),
+        pv_amx(pv_pairs && pv_amx),
         amx(dot == KernelPath::kAmxBf16),
         v_bad(kTileKeys),
         lanes(group * mq),
@@ -76,9 +78,10 @@ struct Scratch {
     const size_t qp_size = bf16_dot ? at_least_1(group * ((Dk + 1) / 2) * mq) : 1;   // uint32_t
     const size_t vp_size = pv_pairs ? at_least_1((kt + 1) / 2 * Dv) : 1;             // uint32_t
     const size_t pp_size = pv_pairs ? ((kt + 1) / 2 + 1) * mq : 1;                     // uint32_t
+    const size_t vt_size = this->pv_amx ? static_cast<size_t>(amx_value_pairs_size(p.Dv)) : 1;  // uint32_t
     const auto rounded = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
     size_t total = rounded(qp_size * sizeof(uint32_t)) + rounded(vp_size * sizeof(uint32_t)) +
-                   rounded(pp_size * sizeof(uint32_t));
+                   rounded(pp_size * sizeof(uint32_t)) + rounded(vt_size * sizeof(uint32_t));
     for (size_t n : sizes) total += rounded(n * sizeof(T));
     storage = hwy::AllocateAligned<uint8_t>(total);
     uint8_t* at = storage.get();
@@ -88,6 +91,8 @@ struct Scratch {
     at += rounded(vp_size * sizeof(uint32_t));
     pp.ptr = reinterpret_cast<uint32_t*>(at);
     at += rounded(pp_size * sizeof(uint32_t));
+    vt.ptr = reinterpret_cast<uint32_t*>(at);
+    at += rounded(vt_size * sizeof(uint32_t));
     ScratchPart<T>* parts[] = {&qt, &st, &mask_rows, &ot, &m, &l, &decode_q, &decode_o, &ktile, &vtile, &bad};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
       parts[i]->ptr = reinterpret_cast<T*>(at);
@@ -117,7 +122,8 @@ struct Scratch {
   ScratchPart<uint32_t> qp;           // BlockState::qp of each block, when bf16_dot
   ScratchPart<uint32_t> vp, pp;       // kFast's p·V pairs (bf16_dot.h), when pv_pairs: a tile's
                                       // values (PackBf16ValuePairs) and a block's weights
-  bool bf16_dot, pv_pairs, amx;  // the bfloat16 products (qp; kFast's p·V), with AMX
+  ScratchPart<uint32_t> vt;           // when pv_amx: the tile's values as PackAmxValuePairs makes them
+  bool bf16_dot, pv_pairs, pv_amx, amx;  // the bfloat16 products (qp; kFast's p·V, on AMX tiles), scores with AMX
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
   int64_t topk;                                       // Outputs::stats' k
@@ -134,12 +140,12 @@ struct Scratch {
 // keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it);
 // v_bad (null: none) flags the value rows holding NaN or inf, from k0 on.
 // v_pairs (kFast, bfloat16, with vdpbf16ps: Problem::round_p): the tile's values as
-// PackBf16ValuePairs made them from key k0 on, and pp Bf16DotAccumulate's scratch; null: p·V
-// from `values`.
+// PackBf16ValuePairs made them from key k0 on (pv_amx: as PackAmxValuePairs did, for
+// AmxDotAccumulate), and pp their scratch; null: p·V from `values`.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
                int64_t k0, const Rows<T>& keys, bool keys_in_range, const Rows<T>& values, const uint8_t* v_bad,
-               const uint32_t* v_pairs = nullptr, uint32_t* pp = nullptr) {
+               const uint32_t* v_pairs = nullptr, uint32_t* pp = nullptr, bool pv_amx = false) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -276,7 +282,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     if (v_pairs != nullptr) {  // kFast: the rounded weights times bfloat16 values, vdpbf16ps
       alignas(64) float alphas[QV * hn::MaxLanes(d)];
       for (size_t q = 0; q < QV; ++q) hn::Store(alpha[q], d, alphas + q * N);
-      Bf16DotAccumulate(st, mq, j0 - k0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+      (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - k0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
       return;
     }
   }
@@ -327,13 +333,18 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     // the instruction's range (which also leaves out NaN and inf); else they are widened.
     const bool v_pairs = s.pv_pairs && Bf16RowsInDotRange(d, p.v.template at<uint16_t>(blk.b, blk.kvh, k0),
                                                           p.v.strides[2], k1 - k0, p.Dv);
-    if (v_pairs) PackBf16ValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get());
+    if (v_pairs && s.pv_amx) {
+      PackAmxValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get(), s.vt.get());
+    } else if (v_pairs) {
+      PackBf16ValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get());
+    }
     const Rows<T> values = v_pairs ? Rows<T>{} : ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
     const bool v_bad = !v_pairs && FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
       if (!sees[g]) continue;
       BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, keys_in_range, values,
-                    v_bad ? s.v_bad.data() : nullptr, v_pairs ? s.vp.get() : nullptr, s.pp.get());
+                    v_bad ? s.v_bad.data() : nullptr, v_pairs ? (s.pv_amx ? s.vt.get() : s.vp.get()) : nullptr, s.pp.get(),
+                    s.pv_amx);
     }
   }
   for (size_t g = 0; g < count; ++g) {
