@@ -60,17 +60,26 @@ inline int64_t padded_width(int64_t width, size_t n) {
 }
 
 // acc[e·mq + lane] += Σ_{r < n} w[r·mq + lane] · row_r[e] for e < width, w holding bfloat16
-// values in float32 and the rows as PackBf16ValuePairs made them: Bf16DotAccumulate with alpha
-// 1 (only where kBf16DotTarget and T is float; BackwardScratch::grad_pairs is false elsewhere).
+// values in float32 and rows r < n (n ≤ kTileKeys) bfloat16 at rows + r·stride: with alpha 1,
+// AmxDotAccumulate where the call's products use AMX (amx; vt its packed rows), else
+// Bf16DotAccumulate (only where kBf16DotTarget and T is float; BackwardScratch::grad_pairs is
+// false elsewhere). row_pairs and scratch: PackBf16ValuePairs' and the weight pairs' scratch.
 template <typename T>
-HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint32_t* row_pairs, int64_t width,
-                               uint32_t* scratch, T* acc) {
+HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint16_t* rows, int64_t stride, int64_t width,
+                               bool amx, uint32_t* row_pairs, uint32_t* vt, uint32_t* scratch, T* acc) {
   if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
     alignas(64) float ones[64];
     std::fill(ones, ones + 64, 1.0f);
-    Bf16DotAccumulate(w, mq, 0, n, row_pairs, width, ones, scratch, acc);
+    if (amx) {
+      PackAmxValuePairs(rows, stride, n, width, row_pairs, vt);
+      AmxDotAccumulate(w, mq, 0, n, vt, width, ones, scratch, acc);
+    } else {
+      PackBf16ValuePairs(rows, stride, n, width, row_pairs);
+      Bf16DotAccumulate(w, mq, 0, n, row_pairs, width, ones, scratch, acc);
+    }
   } else {
-    (void)w, (void)mq, (void)n, (void)row_pairs, (void)width, (void)scratch, (void)acc;
+    (void)w, (void)mq, (void)n, (void)rows, (void)stride, (void)width, (void)amx, (void)row_pairs, (void)vt,
+        (void)scratch, (void)acc;
     HWY_ASSERT(false);
   }
 }
@@ -98,6 +107,7 @@ struct BackwardScratch {
         grad_pairs(grad_pairs),
         rp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * std::max<int64_t>({1, p.Dk, p.Dv}) : 1)),
         wp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * mq : 1)),
+        vt(hwy::AllocateAligned<uint32_t>(grad_pairs && amx ? amx_value_pairs_size(std::max<int64_t>({1, p.Dk, p.Dv})) : 1)),
         kq(hwy::AllocateAligned<uint32_t>(grad_pairs ? mq / 2 * padded_width(p.Dk, hn::Lanes(hn::ScalableTag<T>())) : 1)),
         xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
         yp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
@@ -132,7 +142,8 @@ struct BackwardScratch {
   // vdpbf16ps (bf16_dot.h's Bf16DotAccumulate) from the rounded p~ and ds~, where the rows they
   // meet are in its range; rp holds those rows in pairs, wp the weights in pairs.
   bool grad_pairs;
-  hwy::AlignedFreeUniquePtr<uint32_t[]> rp, wp, kq;  // kq: the one-pass dq's key pairs (Bf16DsKeys)
+  hwy::AlignedFreeUniquePtr<uint32_t[]> rp, wp;
+  hwy::AlignedFreeUniquePtr<uint32_t[]> vt, kq;  // vt: AMX's packed rows (amx); kq: the one-pass dq's key pairs (Bf16DsKeys)
   hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
@@ -381,20 +392,22 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // dv += Σ_r p~_r · dout_r and dk += Σ_r ds~_r · q_r: vdpbf16ps on kFast's bfloat16 values
       // where the rows are in its range (which leaves out NaN and inf), else float32 products.
       if (s.grad_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
-        PackBf16ValuePairs(bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], n, p.Dv, s.rp.get());
-        Bf16Accumulate(pt, mq, n, s.rp.get(), p.Dv, s.wp.get(), s.gv.get());
+        Bf16Accumulate(pt, mq, n, bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], p.Dv, s.amx, s.rp.get(),
+                       s.vt.get(), s.wp.get(), s.gv.get());
       } else {
         AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
       }
       if (s.grad_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
-        PackBf16ValuePairs(p.q.at<uint16_t>(b, h, first), p.q.strides[2], n, p.Dk, s.rp.get());
-        Bf16Accumulate(dpt, mq, n, s.rp.get(), p.Dk, s.wp.get(), s.gk.get());
+        Bf16Accumulate(dpt, mq, n, p.q.at<uint16_t>(b, h, first), p.q.strides[2], p.Dk, s.amx, s.rp.get(), s.vt.get(),
+                       s.wp.get(), s.gk.get());
       } else {
         AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
       }
       if (dq_rows != nullptr) {
         T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;
-        if (s.grad_pairs && k_pairs) {  // kFast: ds~ · k with vdpbf16ps (k_pairs: the keys in its range)
+        // kFast: ds~ · k with vdpbf16ps (k_pairs: the keys in its range); not where the call has
+        // AMX: on those CPUs (Sapphire Rapids) vdpbf16ps is slower than widening (PERFORMANCE.md).
+        if (s.grad_pairs && k_pairs && !s.amx) {
           Bf16DsKeysOf(dpt, mq, n, nread, p.k.at<uint16_t>(b, kvh, j0), p.k.strides[2], p.Dk, dq_width, s.kq.get(),
                        s.wp.get(), acc);
         } else {
@@ -487,8 +500,8 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
     const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
     if (s.grad_pairs && Bf16RowsInDotRange(d, p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], n, p.Dk)) {
-      PackBf16ValuePairs(p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], n, p.Dk, s.rp.get());
-      Bf16Accumulate(dpt, mq, n, s.rp.get(), p.Dk, s.wp.get(), s.gk.get());
+      Bf16Accumulate(dpt, mq, n, p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], p.Dk, s.amx, s.rp.get(),
+                     s.vt.get(), s.wp.get(), s.gk.get());
     } else {
       AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
     }

@@ -40,6 +40,65 @@ struct ScratchPart {
   U* get() const { return ptr; }
 };
 
+// What a thread learns about the tiles of the kv head its units are on, kept while consecutive
+// units stay on it (they do: units run head after head): whether each tile's keys and values
+// lie in the bfloat16 products' range (TileKeysInDotRange, and the same for the values: whole
+// tiles, whichever keys a group of blocks visits, so the choice never depends on the grouping
+// or the thread count), and for kFast's p·V on AMX the value tiles as PackAmxValuePairs makes
+// them, packed on first use into slots (tile i in slot i mod slots), so that the blocks of a
+// head share one transposition of each tile instead of one per block.
+struct HeadTiles {
+  static constexpr size_t kMaxBytes = size_t{8} << 20;  // the packed tiles' memory per thread
+  const Problem* p = nullptr;
+  int64_t b = -1, kvh = -1;
+  std::vector<uint8_t> k_state, v_state;  // per tile: 0 not looked at yet, 1 in range, 2 not
+  std::vector<int64_t> slot_tile;         // the tile each slot holds (-1: none)
+  hwy::AlignedFreeUniquePtr<uint32_t[]> words;
+  int64_t tile_words = 0;
+
+  void select(const Problem& q, int64_t b_, int64_t kvh_, bool pack) {
+    if (p == &q && b == b_ && kvh == kvh_) return;
+    p = &q, b = b_, kvh = kvh_;
+    const int64_t tiles = ceil_blocks(q.Nk, kTileKeys);
+    k_state.assign(static_cast<size_t>(tiles), 0);
+    v_state.assign(static_cast<size_t>(tiles), 0);
+    if (!pack) return;
+    tile_words = amx_value_pairs_size(q.Dv);
+    const int64_t slots = std::clamp<int64_t>(static_cast<int64_t>(kMaxBytes / 4) / tile_words, 1, tiles);
+    if (static_cast<int64_t>(slot_tile.size()) < slots || words == nullptr) {
+      words = hwy::AllocateAligned<uint32_t>(static_cast<size_t>(slots * tile_words));
+    }
+    slot_tile.assign(static_cast<size_t>(slots), -1);
+  }
+  // Whether tile t's keys (values) are in range, looked at once.
+  template <class D>
+  bool keys_ok(D d, int64_t t) {
+    uint8_t& st = k_state[static_cast<size_t>(t / kTileKeys)];
+    if (st == 0) st = TileKeysInDotRange(d, *p, b, kvh, t) ? 1 : 2;
+    return st == 1;
+  }
+  template <class D>
+  bool values_ok(D d, int64_t t) {
+    uint8_t& st = v_state[static_cast<size_t>(t / kTileKeys)];
+    if (st == 0) {
+      const int64_t n = std::min(kTileKeys, p->keys_of(b) - t);
+      st = Bf16RowsInDotRange(d, p->v.at<uint16_t>(b, kvh, t), p->v.strides[2], n, p->Dv) ? 1 : 2;
+    }
+    return st == 1;
+  }
+  // Tile t's values for AmxDotAccumulate (row 0 = key t), packed here on first use (vp: scratch).
+  const uint32_t* amx_values(int64_t t, uint32_t* vp) {
+    const int64_t tile = t / kTileKeys, slot = tile % static_cast<int64_t>(slot_tile.size());
+    uint32_t* at = words.get() + slot * tile_words;
+    if (slot_tile[static_cast<size_t>(slot)] != tile) {
+      const int64_t n = std::min(kTileKeys, p->keys_of(b) - t);
+      PackAmxValuePairs(p->v.at<uint16_t>(b, kvh, t), p->v.strides[2], n, p->Dv, vp, at);
+      slot_tile[static_cast<size_t>(slot)] = tile;
+    }
+    return at;
+  }
+};
+
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
 // O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N. One aligned allocation cut
 // into parts (a decode step of a small model is shorter than a dozen mallocs).
@@ -78,10 +137,9 @@ struct Scratch {
     const size_t qp_size = bf16_dot ? at_least_1(group * ((Dk + 1) / 2) * mq) : 1;   // uint32_t
     const size_t vp_size = pv_pairs ? at_least_1((kt + 1) / 2 * Dv) : 1;             // uint32_t
     const size_t pp_size = pv_pairs ? ((kt + 1) / 2 + 1) * mq : 1;                     // uint32_t
-    const size_t vt_size = this->pv_amx ? static_cast<size_t>(amx_value_pairs_size(p.Dv)) : 1;  // uint32_t
     const auto rounded = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
     size_t total = rounded(qp_size * sizeof(uint32_t)) + rounded(vp_size * sizeof(uint32_t)) +
-                   rounded(pp_size * sizeof(uint32_t)) + rounded(vt_size * sizeof(uint32_t));
+                   rounded(pp_size * sizeof(uint32_t));
     for (size_t n : sizes) total += rounded(n * sizeof(T));
     storage = hwy::AllocateAligned<uint8_t>(total);
     uint8_t* at = storage.get();
@@ -91,8 +149,6 @@ struct Scratch {
     at += rounded(vp_size * sizeof(uint32_t));
     pp.ptr = reinterpret_cast<uint32_t*>(at);
     at += rounded(pp_size * sizeof(uint32_t));
-    vt.ptr = reinterpret_cast<uint32_t*>(at);
-    at += rounded(vt_size * sizeof(uint32_t));
     ScratchPart<T>* parts[] = {&qt, &st, &mask_rows, &ot, &m, &l, &decode_q, &decode_o, &ktile, &vtile, &bad};
     for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); ++i) {
       parts[i]->ptr = reinterpret_cast<T*>(at);
@@ -122,8 +178,8 @@ struct Scratch {
   ScratchPart<uint32_t> qp;           // BlockState::qp of each block, when bf16_dot
   ScratchPart<uint32_t> vp, pp;       // kFast's p·V pairs (bf16_dot.h), when pv_pairs: a tile's
                                       // values (PackBf16ValuePairs) and a block's weights
-  ScratchPart<uint32_t> vt;           // when pv_amx: the tile's values as PackAmxValuePairs makes them
   bool bf16_dot, pv_pairs, pv_amx, amx;  // the bfloat16 products (qp; kFast's p·V, on AMX tiles), scores with AMX
+  HeadTiles head;                        // when bf16_dot or pv_pairs
   std::vector<uint8_t> v_bad;                         // which V rows of the tile hold NaN or inf
   std::vector<LaneRow> lanes;
   int64_t topk;                                       // Outputs::stats' k
@@ -140,12 +196,12 @@ struct Scratch {
 // keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it);
 // v_bad (null: none) flags the value rows holding NaN or inf, from k0 on.
 // v_pairs (kFast, bfloat16, with vdpbf16ps: Problem::round_p): the tile's values as
-// PackBf16ValuePairs made them from key k0 on (pv_amx: as PackAmxValuePairs did, for
+// PackBf16ValuePairs made them from key v0 on (pv_amx: as PackAmxValuePairs did, for
 // AmxDotAccumulate), and pp their scratch; null: p·V from `values`.
 template <size_t QV, class D, typename T = hn::TFromD<D>>
 void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* HWY_RESTRICT mask_rows, int64_t t,
                int64_t k0, const Rows<T>& keys, bool keys_in_range, const Rows<T>& values, const uint8_t* v_bad,
-               const uint32_t* v_pairs = nullptr, uint32_t* pp = nullptr, bool pv_amx = false) {
+               const uint32_t* v_pairs = nullptr, int64_t v0 = 0, uint32_t* pp = nullptr, bool pv_amx = false) {
   using V = hn::Vec<D>;
   const size_t N = hn::Lanes(d);
   const size_t mq = QV * N;
@@ -282,7 +338,7 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     if (v_pairs != nullptr) {  // kFast: the rounded weights times bfloat16 values, vdpbf16ps
       alignas(64) float alphas[QV * hn::MaxLanes(d)];
       for (size_t q = 0; q < QV; ++q) hn::Store(alpha[q], d, alphas + q * N);
-      (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - k0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+      (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
       return;
     }
   }
@@ -326,25 +382,29 @@ void RunBlocks(D d, const Problem& p, const BlockRows* blks, size_t count, int64
     if (!any_sees) continue;
     bool pairs = false, widen_keys = false;  // widened unless every block scores from bfloat16 pairs
     for (size_t g = 0; g < count; ++g) (states[g].qp != nullptr ? pairs : widen_keys) = true;
-    const bool keys_in_range = pairs && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    if (pairs || s.pv_pairs) s.head.select(p, blk.b, blk.kvh, s.pv_amx);
+    const bool keys_in_range = pairs && s.head.keys_ok(d, t);
     widen_keys |= !keys_in_range;
     const Rows<T> keys = widen_keys ? ReadRows(d, p.k, blk.b, blk.kvh, k0, k1 - k0, p.Dk, s.ktile.get()) : Rows<T>{};
     // kFast's bfloat16 p·V (Scratch::pv_pairs) takes the tile's values as pairs when they lie in
     // the instruction's range (which also leaves out NaN and inf); else they are widened.
-    const bool v_pairs = s.pv_pairs && Bf16RowsInDotRange(d, p.v.template at<uint16_t>(blk.b, blk.kvh, k0),
-                                                          p.v.strides[2], k1 - k0, p.Dv);
-    if (v_pairs && s.pv_amx) {
-      PackAmxValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get(), s.vt.get());
-    } else if (v_pairs) {
-      PackBf16ValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get());
+    const uint32_t* v_pairs = nullptr;
+    int64_t v0 = k0;
+    if (s.pv_pairs && s.head.values_ok(d, t)) {
+      if (s.pv_amx) {
+        v_pairs = s.head.amx_values(t, s.vp.get());
+        v0 = t;
+      } else {
+        PackBf16ValuePairs(p.v.template at<uint16_t>(blk.b, blk.kvh, k0), p.v.strides[2], k1 - k0, p.Dv, s.vp.get());
+        v_pairs = s.vp.get();
+      }
     }
     const Rows<T> values = v_pairs ? Rows<T>{} : ReadRows(d, p.v, blk.b, blk.kvh, k0, k1 - k0, p.Dv, s.vtile.get());
     const bool v_bad = !v_pairs && FlagNonFiniteRows(d, values.data, values.stride, k1 - k0, p.Dv, s.v_bad.data());
     for (size_t g = 0; g < count; ++g) {
       if (!sees[g]) continue;
       BlockTile<QV>(d, p, states[g], s.st.get(), s.mask_rows.get(), t, k0, keys, keys_in_range, values,
-                    v_bad ? s.v_bad.data() : nullptr, v_pairs ? (s.pv_amx ? s.vt.get() : s.vp.get()) : nullptr, s.pp.get(),
-                    s.pv_amx);
+                    v_bad ? s.v_bad.data() : nullptr, v_pairs, v0, s.pp.get(), s.pv_amx);
     }
   }
   for (size_t g = 0; g < count; ++g) {
