@@ -122,8 +122,8 @@ enum class Precision : uint8_t {
   kExact,  // 16-bit inputs widened exactly, everything in float32, results rounded once
   kFast,   // the weights rounded to the inputs' type before the products that use them, as
            // every peer does (FlashAttention, PyTorch's CPU flash attention, OpenVINO), so
-           // that those products run on 16-bit instructions (AVX512_BF16's vdpbf16ps); each
-           // row stays stochastic (below)
+           // that those products run on 16-bit instructions (AVX512_BF16's vdpbf16ps, AMX
+           // tiles where the CPU has them); each row stays stochastic (below)
 };
 // kFast, in the forward: each unnormalised weight p = exp(s - m) (m the row's running max, as
 // the online softmax has it) is rounded to nearest even in the inputs' type, p~, and
@@ -567,7 +567,9 @@ int num_threads();
 // Instruction paths beyond Highway's SIMD targets, in order. Where the CPU has AVX512_BF16 (or
 // AMX), bfloat16 calls compute the forward's scores q·kᵀ (prefill tiles) and the backward's q·kᵀ
 // and dout·vᵀ with its dot-product instruction (exact products, float32 sums: the error bound
-// of the widening path, not its bits), for blocks and tiles whose nonzero values (and the scale)
+// of the widening path, not its bits), and in Precision::kFast also the products of the rounded
+// weights (p·V; the backward's dv and dk, and dq where the path is kAvx512Bf16: on AMX CPUs
+// vdpbf16ps is slower than widening), for blocks and tiles whose nonzero values (and the scale)
 // lie in [2^-40, 2^32), where its reading subnormals as 0 cannot matter; everything else runs on
 // the SIMD target Highway dispatches (16-bit inputs widened to float32). A call uses one path
 // throughout, so its results stay bitwise the same for any thread count.
