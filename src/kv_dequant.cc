@@ -67,6 +67,22 @@ int64_t check_scale(const char* name, const TensorView& s, const char* x_name, c
   return G;
 }
 
+// Whether every element of float32 t is finite, when t is contiguous (C order; false when it
+// is not, or when one is not finite): a vectorised pass over the scales, 4 bytes per row of x
+// against x's D, so that the common case of an 8-bit call costs no per-row loop.
+bool all_finite_contiguous(const TensorView& t) {
+  int64_t stride = 1;
+  for (int d = t.rank - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.strides[d] != stride) return false;
+    stride *= t.shape[d];
+  }
+  const uint32_t* bits = static_cast<const uint32_t*>(t.data);
+  const int64_t n = t.numel();
+  uint32_t non_finite = 0;  // an exponent of all ones: inf or NaN
+  for (int64_t i = 0; i < n; ++i) non_finite |= static_cast<uint32_t>((bits[i] & 0x7f800000u) == 0x7f800000u);
+  return non_finite == 0;
+}
+
 // A contiguous float32 view of t's shape over data.
 TensorView contiguous_like(const TensorView& t, float* data) {
   TensorView out = t;
@@ -77,23 +93,16 @@ TensorView contiguous_like(const TensorView& t, float* data) {
   return out;
 }
 
-// n values of X (int8_t or uint8_t) `stride` apart from `from`, dequantised into dst:
-// fl32(fl32(x - z) · s). A unit stride is a plain loop the compiler vectorises (no contraction:
-// two roundings, as the rule says).
+// n values of X (int8_t or uint8_t) `stride` apart from `from`, dequantised into dst
+// (storage.h's dequantised). A unit stride is a plain loop the compiler vectorises.
 template <typename X>
 void dequantize_run(const char* from, int64_t stride, int64_t n, float z, float s, float* dst) {
   const X* x = reinterpret_cast<const X*>(from);
   if (stride == 1) {
-    for (int64_t e = 0; e < n; ++e) {
-      const float centred = static_cast<float>(x[e]) - z;  // fl32(x - z)
-      dst[e] = centred * s;                                // fl32(fl32(x - z) · s)
-    }
+    for (int64_t e = 0; e < n; ++e) dst[e] = dequantised(static_cast<float>(x[e]), z, s);
     return;
   }
-  for (int64_t e = 0; e < n; ++e) {
-    const float centred = static_cast<float>(x[e * stride]) - z;
-    dst[e] = centred * s;
-  }
+  for (int64_t e = 0; e < n; ++e) dst[e] = dequantised(static_cast<float>(x[e * stride]), z, s);
 }
 
 // A contiguous float32 view of t's shape over buf, holding t's values widened (copy) or not.
@@ -133,8 +142,10 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   if (D == 0) return out;  // no value: no scale is read
   if (!values) {
     // Checked only (a fused call, whose kernels stream k and v in a few milliseconds): first
-    // whether every scale and zero point read is finite, rows split among the threads; only
+    // whether every scale and zero point is finite (rows read or not: one pass over
+    // contiguous tensors), then whether every one read is, rows split among the threads; only
     // if one is not, the serial loop below finds the first and names it.
+    if (all_finite_contiguous(scale) && (!zero || all_finite_contiguous(*zero))) return out;
     const int64_t total = x.numel() / D;
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad) num_threads(num_threads()) if (total >= 4096)

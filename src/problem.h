@@ -103,8 +103,7 @@ struct View4 {
       const float x = dtype == DType::kInt8 ? static_cast<float>(*static_cast<const int8_t*>(at))
                                             : static_cast<float>(*static_cast<const uint8_t*>(at));
       const int64_t g = d / quant.width;
-      const float centred = x - quant_at(true, b, h, n, g);  // fl32(x - z)
-      return static_cast<T>(centred * quant_at(false, b, h, n, g));
+      return static_cast<T>(dequantised(x, quant_at(true, b, h, n, g), quant_at(false, b, h, n, g)));
     }
     return load_as<T>(dtype, ptr(b, h, n, d));
   }

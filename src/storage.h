@@ -154,6 +154,15 @@ inline int64_t index_at(const TensorView& t, int64_t i) {
   return x;
 }
 
+// The value of an 8-bit K/V element x (int8 or uint8, as float) with its zero point z (0 for
+// int8) and scale s (KVQuant's rule): fl32(fl32(x - z) · s), two roundings (the build never
+// contracts them into an FMA). The kernels' vector reads (rows-inl.h's RowReader::Load) are
+// this rule a vector at a time.
+inline float dequantised(float x, float z, float s) {
+  const float centred = x - z;
+  return centred * s;
+}
+
 // Element `p` of a float tensor of dtype t, widened to T (exact unless T is narrower than t).
 template <typename T>
 T load_as(DType t, const void* p) {

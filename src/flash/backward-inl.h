@@ -473,7 +473,7 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     T* pt = s.pt.get();
     T* dpt = s.dpt.get();
     const Rows<T> keys = ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());  // (dq += ds · k)
-    const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    const bool keys_in_range = bs.qp != nullptr && TileRowsInDotRange(d, p, p.k, p.Dk, blk.b, blk.kvh, t);
     T* slope = p.softcap != 0 ? s.ct.get() : nullptr;
     ScoreTile<QV>(d, p, bs, pt, mq, j0, n, partial, keys, keys_in_range, s.mask_rows.get(), slope);
     if (dout_pairs && Bf16RowsInDotRange(d, p.v.at<uint16_t>(blk.b, blk.kvh, j0), p.v.strides[2], n, p.Dv)) {  // dp = dout · vᵀ

@@ -92,13 +92,15 @@ HWY_INLINE bool Bf16RowsInDotRange(D d, const uint16_t* rows, int64_t stride, in
   }
 }
 
-// Whether the keys of the tile that starts at t (a multiple of kTileKeys) in head (b, kvh) are
-// all in Bf16DotScores' range. The whole tile, whichever of its keys a block visits, so that the
-// forward, its weights pass and the backward make the same choice for each (row, key).
+// Whether the rows of the tile that starts at t (a multiple of kTileKeys) in head (b, kvh) of
+// `rows` (p.k, width Dk, or p.v, width Dv) are all in Bf16DotScores' range. The whole tile,
+// whichever of its keys a block visits, so that the forward, its weights pass and the backward
+// make the same choice for each (row, key), whatever the grouping of blocks or the thread count.
 template <class D>
-HWY_INLINE bool TileKeysInDotRange(D d, const Problem& p, int64_t b, int64_t kvh, int64_t t) {
+HWY_INLINE bool TileRowsInDotRange(D d, const Problem& p, const View4& rows, int64_t width, int64_t b, int64_t kvh,
+                                   int64_t t) {
   const int64_t n = std::min(kTileKeys, p.keys_of(b) - t);  // keys past the sequence's length are never read
-  return Bf16RowsInDotRange(d, p.k.at<uint16_t>(b, kvh, t), p.k.strides[2], n, p.Dk);
+  return Bf16RowsInDotRange(d, rows.at<uint16_t>(b, kvh, t), rows.strides[2], n, width);
 }
 
 }  // namespace sdpa::internal::HWY_NAMESPACE

@@ -42,7 +42,7 @@ struct ScratchPart {
 
 // What a thread learns about the tiles of the kv head its units are on, kept while consecutive
 // units stay on it (they do: units run head after head): whether each tile's keys and values
-// lie in the bfloat16 products' range (TileKeysInDotRange, and the same for the values: whole
+// lie in the bfloat16 products' range (TileRowsInDotRange, for the keys and the values: whole
 // tiles, whichever keys a group of blocks visits, so the choice never depends on the grouping
 // or the thread count), and for kFast's p·V on AMX the value tiles as PackAmxValuePairs makes
 // them, packed on first use into slots (tile i in slot i mod slots), so that the blocks of a
@@ -73,17 +73,16 @@ struct HeadTiles {
   // Whether tile t's keys (values) are in range, looked at once.
   template <class D>
   bool keys_ok(D d, int64_t t) {
-    uint8_t& st = k_state[static_cast<size_t>(t / kTileKeys)];
-    if (st == 0) st = TileKeysInDotRange(d, *p, b, kvh, t) ? 1 : 2;
-    return st == 1;
+    return in_range(d, k_state, p->k, p->Dk, t);
   }
   template <class D>
   bool values_ok(D d, int64_t t) {
-    uint8_t& st = v_state[static_cast<size_t>(t / kTileKeys)];
-    if (st == 0) {
-      const int64_t n = std::min(kTileKeys, p->keys_of(b) - t);
-      st = Bf16RowsInDotRange(d, p->v.at<uint16_t>(b, kvh, t), p->v.strides[2], n, p->Dv) ? 1 : 2;
-    }
+    return in_range(d, v_state, p->v, p->Dv, t);
+  }
+  template <class D>
+  bool in_range(D d, std::vector<uint8_t>& state, const View4& rows, int64_t width, int64_t t) {
+    uint8_t& st = state[static_cast<size_t>(t / kTileKeys)];
+    if (st == 0) st = TileRowsInDotRange(d, *p, rows, width, b, kvh, t) ? 1 : 2;
     return st == 1;
   }
   // Tile t's values for AmxDotAccumulate (row 0 = key t), packed here on first use (vp: scratch).
@@ -426,7 +425,7 @@ void WriteWeights(D d, const Problem& p, const BlockRows& blk, const T* m, const
     const int64_t j0 = std::max(t, bs.span.begin);
     const int64_t n = std::min(t + kTileKeys, bs.span.end) - j0;
     if (p.block_mask && !lanes_see_keys(p, blk.b, bs.lanes, blk.rows, j0, j0 + n)) continue;  // weights stay 0
-    const bool keys_in_range = bs.qp != nullptr && TileKeysInDotRange(d, p, blk.b, blk.kvh, t);
+    const bool keys_in_range = bs.qp != nullptr && TileRowsInDotRange(d, p, p.k, p.Dk, blk.b, blk.kvh, t);
     const Rows<T> keys = keys_in_range ? Rows<T>{} : ReadRows(d, p.k, blk.b, blk.kvh, j0, n, p.Dk, s.ktile.get());
     ScoreTile<QV>(d, p, bs, s.st.get(), mq, j0, n, /*partial=*/true, keys, keys_in_range, s.mask_rows.get());
     for (int64_t lane = 0; lane < blk.rows; ++lane) {

@@ -164,9 +164,7 @@ struct RowReader {
   HWY_INLINE T At(int64_t c) const {
     if constexpr (kIs8Bit<S>) {
       const int64_t g = one_group ? 0 : c / width;
-      const float xf = static_cast<float>(x[c]);
-      const float centred = z != nullptr ? xf - z[g * z_step] : xf;
-      return static_cast<T>(centred * s[g * s_step]);
+      return static_cast<T>(dequantised(static_cast<float>(x[c]), z != nullptr ? z[g * z_step] : 0.0f, s[g * s_step]));
     } else {
       return Widened<T>(x[c]);
     }
@@ -202,10 +200,7 @@ HWY_INLINE Rows<T> ReadRows(D d, const View4& v, int64_t b, int64_t h, int64_t n
         const float s = v.quant_at(false, b, h, n0 + r, g0 / width_g);
         const float z = v.quant_at(true, b, h, n0 + r, g0 / width_g);
         const auto dequant = [&](const auto* x) {
-          for (int64_t c = g0; c < g0 + width_g; ++c) {
-            const float centred = static_cast<float>(x[c]) - z;  // fl32(x - z)
-            dst[c] = static_cast<T>(centred * s);
-          }
+          for (int64_t c = g0; c < g0 + width_g; ++c) dst[c] = static_cast<T>(dequantised(static_cast<float>(x[c]), z, s));
         };
         v.dtype == DType::kInt8 ? dequant(static_cast<const int8_t*>(v.ptr(b, h, n0 + r, 0)))
                                 : dequant(static_cast<const uint8_t*>(v.ptr(b, h, n0 + r, 0)));
@@ -226,6 +221,10 @@ void PackScaledQuery(const Problem& p, int64_t b, int64_t h, int64_t i, T* HWY_R
   if (p.q.dtype == dtype_of<T>()) {
     const T* q = p.q.at<T>(b, h, i);
     for (int64_t c = 0; c < p.Dk; ++c) dst[c * stride] = q[c] * scale;
+  } else if (p.q.dtype == DType::kBFloat16 || p.q.dtype == DType::kFloat16) {  // load's values, without its per-element dispatch
+    const uint16_t* q = p.q.at<uint16_t>(b, h, i);
+    const bool bf16 = p.q.dtype == DType::kBFloat16;
+    for (int64_t c = 0; c < p.Dk; ++c) dst[c * stride] = static_cast<T>(bf16 ? bf16_to_f32(q[c]) : f16_to_f32(q[c])) * scale;
   } else {
     for (int64_t c = 0; c < p.Dk; ++c) dst[c * stride] = p.q.load<T>(b, h, i, c) * scale;
   }
