@@ -44,28 +44,40 @@ struct BlockState {
   uint32_t* qp = nullptr;
   bool amx = false;  // qp's products with AmxDotScores (else Bf16DotScores)
   LaneStats<T> stats = {};  // Outputs::stats' running state (reals null: not asked for)
+  bool qt_packed = false;   // qt written (with qp, only when a tile outside its range needs it)
 };
+
+// qt[d][lane] = q[lane's row][d] · scale, padding lanes zero.
+template <typename T>
+void PackBlockQueries(const Problem& p, BlockState<T>& bs, size_t mq) {
+  std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
+  for (int64_t l = 0; l < bs.blk.rows; ++l) {
+    PackScaledQuery(p, bs.blk.b, bs.lanes[l].h, bs.lanes[l].i, bs.qt + l, static_cast<int64_t>(mq));
+  }
+  bs.qt_packed = true;
+}
 
 // Scores of keys [j0, j0 + n) for a block into st, scaled, masked: from the bfloat16 pairs
 // (bs.qp) and k in place when the tile's keys are in their range (keys_in_range:
-// TileKeysInDotRange), else from qt (the scale folded in) and `keys` (rows of k as T, key j0
+// TileRowsInDotRange), else from qt (the scale folded in) and `keys` (rows of k as T, key j0
 // first; unread on the first way). slope: MaskScores' (the backward's softcap derivative).
 template <size_t QV, class D, typename T = hn::TFromD<D>>
-HWY_INLINE void ScoreTile(D d, const Problem& p, const BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
+HWY_INLINE void ScoreTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, size_t mq, int64_t j0,
                           int64_t n, bool partial, const Rows<T>& keys, bool keys_in_range, T* HWY_RESTRICT mask_rows,
                           T* HWY_RESTRICT slope = nullptr) {
   if (bs.qp != nullptr && keys_in_range) {
     Bf16Dot(bs.qp, mq, p.Dk, p.k, bs.blk.b, bs.blk.kvh, j0, n, p.scale, bs.amx, st);
   } else {
+    if (!bs.qt_packed) PackBlockQueries(p, bs, mq);
     OuterScores<QV>(d, bs.qt, mq, keys.data, keys.stride, p.Dk, n, st);
   }
 
   MaskScores<QV, TileLayout::kKeyMajor>(d, p, bs.blk.b, bs.lanes, bs.blk.rows, j0, n, partial, st, mq, mask_rows, slope);
 }
 
-// Describes the block's lanes for keys [key_begin, key_end) and packs its queries:
-// qt[d][lane] = q[lane's row][d] · scale (padding lanes zero), and bs.qp (when set and the
-// block's queries are in its range; else bs.qp becomes null).
+// Describes the block's lanes for keys [key_begin, key_end) and packs its queries: bs.qp
+// (when set and the block's queries are in its range; else bs.qp becomes null), else qt
+// (PackBlockQueries).
 template <typename T>
 void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64_t key_end, size_t mq,
                 BlockState<T>& bs) {
@@ -80,11 +92,10 @@ void BeginBlock(const Problem& p, const BlockRows& blk, int64_t key_begin, int64
   std::fill(bs.l, bs.l + mq, T(0));
   if (bs.stats.reals != nullptr) bs.stats.begin();
   if (bs.bad != nullptr) std::fill(bs.bad, bs.bad + kBadClasses * p.Dv * mq, -std::numeric_limits<T>::infinity());
-  // qt even with pairs: tiles of keys outside their range use it.
-  std::fill(bs.qt, bs.qt + p.Dk * mq, T(0));
-  for (int64_t l = 0; l < blk.rows; ++l) {
-    PackScaledQuery(p, blk.b, bs.lanes[l].h, bs.lanes[l].i, bs.qt + l, static_cast<int64_t>(mq));
-  }
+  // qt now without pairs; with them, by ScoreTile on the first tile of keys outside their range
+  // (most blocks have none: the packing cost a sixth of a bfloat16 block's time).
+  bs.qt_packed = false;
+  if (bs.qp == nullptr) PackBlockQueries(p, bs, mq);
 }
 
 }  // namespace sdpa::internal::HWY_NAMESPACE
