@@ -238,8 +238,10 @@ TEST_F(Validation, MaskOfAnotherFloatDtype) {
 }
 
 TEST_F(Validation, FloatMaskWithNanOrPlusInfinity) {
-  // -inf blocks and is fine; +inf and NaN have no softmax. Both dtypes, a broadcast shape.
-  for (DType dt : {kF32, DType::kFloat64}) {
+  // -inf blocks and is fine; +inf and NaN (either sign) have no softmax. Every float dtype a
+  // mask may have (problem.cc checks their bits, one rule per dtype), a broadcast shape.
+  for (DType dt : {kF32, DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+    SCOPED_TRACE(dtype_name(dt));
     GuardedTensor q(dt, q_.shape()), k(dt, k_.shape()), v(dt, v_.shape()), out(dt, out_.shape());
     GuardedTensor m(dt, {4, 1, 5});
     for (GuardedTensor* t : {&q, &k, &v, &m}) fill(*t);
@@ -252,6 +254,10 @@ TEST_F(Validation, FloatMaskWithNanOrPlusInfinity) {
     m.set(3 * 5 + 4, 0.0);
     m.set(1 * 5 + 0, std::numeric_limits<double>::quiet_NaN());
     expect_error({"mask has NaN at index (1, 0, 0)"});
+    m.set(1 * 5 + 0, -std::numeric_limits<double>::quiet_NaN());
+    expect_error({"mask has NaN at index (1, 0, 0)"});
+    m.set(1 * 5 + 0, -1e6);  // finite, or -inf in float16: either is allowed
+    EXPECT_NO_THROW(sdpa::attention(in, outs, options));
   }
 }
 
