@@ -119,7 +119,9 @@ enum class Backend : uint8_t {
 // How 16-bit inputs (bfloat16, float16 q, k and v) are computed. float32 and float64 inputs,
 // and float32 q over a 16-bit KV cache, ignore it: they are always computed as kExact.
 enum class Precision : uint8_t {
-  kExact,  // 16-bit inputs widened exactly, everything in float32, results rounded once
+  kExact,  // 16-bit inputs widened exactly, everything in float32, results rounded once (on
+           // AMX, bfloat16's p·V takes each weight as three bfloat16 parts that sum to it
+           // exactly: the same products, summed in float32 in another order)
   kFast,   // the weights rounded to the inputs' type before the products that use them, as
            // every peer does (FlashAttention, PyTorch's CPU flash attention, OpenVINO), so
            // that those products run on 16-bit instructions (AVX512_BF16's vdpbf16ps, AMX

@@ -218,10 +218,13 @@ __attribute__((target("avx512f"))) void PackTransposed(const uint16_t* v, int64_
 }
 
 // C tiles 0..3 = value columns e0 .. e0+15 and (two) e0+16 .. e0+31, lanes 0-15 and (QV 2) 16-31,
-// summed over `chunks` of 16 key pairs; then ot rows e = alpha · ot + C for e < dv.
+// summed over `chunks` of 16 key pairs and over the `parts` weight pairs (part k at pp + k ·
+// part_words); then ot rows e = alpha · ot + C for e < dv.
 template <int QV, bool kTwo>
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColumns(const uint32_t* pp, size_t mq, int64_t chunks,
-                                                                                const uint32_t* vt, int64_t e0, int64_t dv,
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColumns(const uint32_t* pp, int parts,
+                                                                                int64_t part_words, size_t mq,
+                                                                                int64_t chunks, const uint32_t* vt,
+                                                                                int64_t e0, int64_t dv,
                                                                                 const __m512* alpha, float* ot) {
   const int64_t bstride = static_cast<int64_t>(mq) * 4, astride = kAmxPairsRow * 4;
   _tile_zero(0);
@@ -229,16 +232,18 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColum
   if constexpr (kTwo) _tile_zero(2);
   if constexpr (kTwo && QV == 2) _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
-    const uint32_t* b = pp + c * 16 * static_cast<int64_t>(mq);
-    _tile_loadd(6, b, bstride);
-    if constexpr (QV == 2) _tile_loadd(7, b + 16, bstride);
     _tile_loadd(4, vt + e0 * kAmxPairsRow + c * 16, astride);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (QV == 2) _tile_dpbf16ps(1, 4, 7);
-    if constexpr (kTwo) {
-      _tile_loadd(5, vt + (e0 + 16) * kAmxPairsRow + c * 16, astride);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (QV == 2) _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kTwo) _tile_loadd(5, vt + (e0 + 16) * kAmxPairsRow + c * 16, astride);
+    for (int part = 0; part < parts; ++part) {
+      const uint32_t* b = pp + part * part_words + c * 16 * static_cast<int64_t>(mq);
+      _tile_loadd(6, b, bstride);
+      if constexpr (QV == 2) _tile_loadd(7, b + 16, bstride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (QV == 2) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (kTwo) {
+        _tile_dpbf16ps(2, 5, 6);
+        if constexpr (QV == 2) _tile_dpbf16ps(3, 5, 7);
+      }
     }
   }
   alignas(64) float buf[2][16 * 32];
@@ -257,20 +262,25 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColum
   }
 }
 
+// AccumulateColumns over every column of the tile, from weight pairs already packed (parts of
+// them, part_words apart); zeros written past each part's pairs up to whole chunks.
 template <int QV>
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
-                                                              const uint32_t* vt, int64_t dv, const float* alpha,
-                                                              uint32_t* pp, float* ot) {
-  PackBf16WeightPairs(p, mq, first, n, pp);
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void AccumulatePacked(uint32_t* pp, int parts, int64_t part_words,
+                                                                    size_t mq, int64_t first, int64_t n,
+                                                                    const uint32_t* vt, int64_t dv, const float* alpha,
+                                                                    float* ot) {
   const int64_t j2_0 = first / 2, pairs = (first + n + 1) / 2 - j2_0, chunks = (pairs + 15) / 16;
-  std::fill(pp + pairs * static_cast<int64_t>(mq), pp + chunks * 16 * static_cast<int64_t>(mq), 0u);
+  for (int part = 0; part < parts; ++part) {
+    uint32_t* at = pp + part * part_words;
+    std::fill(at + pairs * static_cast<int64_t>(mq), at + chunks * 16 * static_cast<int64_t>(mq), 0u);
+  }
   __m512 al[QV];
   for (int v = 0; v < QV; ++v) al[v] = _mm512_load_ps(alpha + v * 16);
   configure(0);
   const uint32_t* from = vt + j2_0;  // the A tiles start at the block's first pair
   int64_t e = 0;
-  for (; e + 16 < dv; e += 32) AccumulateColumns<QV, true>(pp, mq, chunks, from, e, dv, al, ot);
-  if (e < dv) AccumulateColumns<QV, false>(pp, mq, chunks, from, e, dv, al, ot);
+  for (; e + 16 < dv; e += 32) AccumulateColumns<QV, true>(pp, parts, part_words, mq, chunks, from, e, dv, al, ot);
+  if (e < dv) AccumulateColumns<QV, false>(pp, parts, part_words, mq, chunks, from, e, dv, al, ot);
   done();
 }
 
@@ -295,10 +305,16 @@ void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t d
 
 void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
                       const float* alpha, uint32_t* pp, float* ot) {
+  PackBf16WeightPairs(p, mq, first, n, pp);
+  AmxDotAccumulatePacked(pp, 1, 0, mq, first, n, vt, dv, alpha, ot);
+}
+
+void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t mq, int64_t first, int64_t n,
+                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot) {
   if (mq == 16) {
-    Accumulate<1>(p, mq, first, n, vt, dv, alpha, pp, ot);
+    AccumulatePacked<1>(pp, parts, part_words, mq, first, n, vt, dv, alpha, ot);
   } else {
-    Accumulate<2>(p, mq, first, n, vt, dv, alpha, pp, ot);
+    AccumulatePacked<2>(pp, parts, part_words, mq, first, n, vt, dv, alpha, ot);
   }
 }
 
@@ -320,6 +336,8 @@ AmxScope::~AmxScope() = default;
 void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {}
 void AmxDotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
                       float*) {}
+void AmxDotAccumulatePacked(uint32_t*, int, int64_t, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*,
+                            float*) {}
 
 #endif
 

@@ -115,6 +115,11 @@ inline constexpr int64_t kAmxPairsRow = 80;  // words per column of vt: a tile's
 void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt);
 void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
                       const float* alpha, uint32_t* pp, float* ot);
+// AmxDotAccumulate's sum with the weights already in pairs (PackBf16WeightPairs), as `parts`
+// tiles of pairs part_words apart (each at least 64 · mq words), whose products are all summed
+// in the same C tiles before the one alpha · ot + C: kExact's p = p1 + p2 + p3 on AMX.
+void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t mq, int64_t first, int64_t n,
+                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot);
 inline int64_t amx_value_pairs_size(int64_t dv) { return (dv + 15) / 16 * 16 * kAmxPairsRow; }
 
 // The tile configuration (LDTILECFG) is loaded once per thread and call, not per product: an

@@ -226,11 +226,15 @@ void FlashMany(const Problem* const* problems, size_t n) {
                                                                             : Bf16DotPath<T>({p.q.dtype, p.k.dtype});
     // kFast's p·V with vdpbf16ps: prefill tiles of bfloat16 values (read in place, evenly
     // spaced: not paged), without dropout (whose factor would need a second rounding), where the
-    // instruction is allowed and present (an AMX CPU has it too).
-    job.pv_pairs = std::is_same_v<T, float> && p.round_p && p.dtype == DType::kBFloat16 && !job.plan.decode && !p.batch_invariant &&
+    // instruction is allowed and present (an AMX CPU has it too). kExact's on AMX tiles only, as
+    // the three products of p's exact bfloat16 parts (BlockTile): on vdpbf16ps those would take
+    // 1.5x the float32 product's instructions.
+    const KernelPath pv_path = Bf16DotPath<T>({p.v.dtype});
+    job.pv_pairs = std::is_same_v<T, float> && p.dtype == DType::kBFloat16 && !job.plan.decode && !p.batch_invariant &&
                    !p.v.paged() && !p.dropout.enabled() &&
-                   Bf16DotPath<T>({p.v.dtype}) != KernelPath::kSimd && cpu_has_avx512_bf16();
-    job.pv_amx = job.pv_pairs && Bf16DotPath<T>({p.v.dtype}) == KernelPath::kAmxBf16;
+                   (p.round_p ? pv_path != KernelPath::kSimd && cpu_has_avx512_bf16()
+                              : pv_path == KernelPath::kAmxBf16);
+    job.pv_amx = job.pv_pairs && pv_path == KernelPath::kAmxBf16;
     noted = std::max({noted, job.dot, job.pv_amx ? KernelPath::kAmxBf16 : job.pv_pairs ? KernelPath::kAvx512Bf16 : KernelPath::kSimd});
     amx |= job.dot == KernelPath::kAmxBf16 || job.pv_amx;
     job.partial_size = (p.Dv + 2 + kBadClasses * p.Dv) * job.mq;  // (ot, m, l, bad) of one block and chunk

@@ -101,6 +101,10 @@ struct HeadTiles {
 // Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
 // O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N. One aligned allocation cut
 // into parts (a decode step of a small model is shorter than a dozen mallocs).
+// Words per lane of one part of the weight pairs (Bf16DotAccumulate's and AMX's pp scratch: a
+// tile's key pairs and one more for an odd first key); kExact on AMX packs three parts.
+inline constexpr int64_t kPairsPartWords = (kTileKeys + 1) / 2 + 1;
+
 template <typename T>
 struct Scratch {
   Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot, bool pv_pairs = false,
@@ -135,7 +139,7 @@ struct Scratch {
     };
     const size_t qp_size = bf16_dot ? at_least_1(group * ((Dk + 1) / 2) * mq) : 1;   // uint32_t
     const size_t vp_size = pv_pairs ? at_least_1((kt + 1) / 2 * Dv) : 1;             // uint32_t
-    const size_t pp_size = pv_pairs ? ((kt + 1) / 2 + 1) * mq : 1;                     // uint32_t
+    const size_t pp_size = pv_pairs ? 3 * kPairsPartWords * mq : 1;                   // uint32_t
     const auto rounded = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
     size_t total = rounded(qp_size * sizeof(uint32_t)) + rounded(vp_size * sizeof(uint32_t)) +
                    rounded(pp_size * sizeof(uint32_t));
@@ -334,10 +338,28 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
   }
 
   if constexpr (std::is_same_v<T, float>) {
-    if (v_pairs != nullptr) {  // kFast: the rounded weights times bfloat16 values, vdpbf16ps
+    if (v_pairs != nullptr) {  // bfloat16 values in pairs: vdpbf16ps or AMX tiles
       alignas(64) float alphas[QV * hn::MaxLanes(d)];
       for (size_t q = 0; q < QV; ++q) hn::Store(alpha[q], d, alphas + q * N);
-      (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+      if (p.round_p) {  // kFast: the rounded weights
+        (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+        return;
+      }
+      // kExact on AMX (flash-inl.h's pv_pairs): p = p1 + p2 + p3 exactly, each part a bfloat16
+      // value (RoundWeights keeps 8 significant bits; p - p1 and the next difference are exact
+      // in float32, and p's 24 bits leave at most 8 for p3), all three products summed in the
+      // same float32 tiles. mask_rows (ScoreTile's, done with) holds a part while it is packed.
+      const int64_t count = n * static_cast<int64_t>(mq), part_words = kPairsPartWords * static_cast<int64_t>(mq);
+      for (int part = 0; part < 2; ++part) {
+        for (int64_t x = 0; x < count; x += static_cast<int64_t>(N)) {
+          const V w = hn::Load(d, st + x), head = RoundWeights<Round16::kBf16>(d, w);
+          hn::Store(head, d, mask_rows + x);
+          hn::Store(hn::Sub(w, head), d, st + x);
+        }
+        PackBf16WeightPairs(mask_rows, mq, j0 - v0, n, pp + part * part_words);
+      }
+      PackBf16WeightPairs(st, mq, j0 - v0, n, pp + 2 * part_words);
+      AmxDotAccumulatePacked(pp, 3, part_words, mq, j0 - v0, n, v_pairs, p.Dv, alphas, bs.ot);
       return;
     }
   }
