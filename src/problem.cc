@@ -221,7 +221,8 @@ bool row_may_be_bad(DType dtype, const char* row, int64_t n) {
 // +inf would make a row's softmax undefined (inf - inf), so they are refused with the
 // index of the first one. Reads each stored element once (broadcast dims are not expanded);
 // rows with unit stride first through row_may_be_bad's vectorised pass (the element-wise loop
-// took a serial 8 % of a 2048 x 2048 float32 mask's call on 2 threads).
+// alone, serial, had 1.4 % of a one-thread profile's samples beside the kernel's 17 % for a
+// 2048 x 2048 float32 mask).
 void check_mask_values(const TensorView& m) {
   if (m.numel() == 0) return;  // its other dims may be huge: (2^40, 0) holds nothing to check
   int64_t shape[4] = {1, 1, 1, 1}, strides[4] = {0, 0, 0, 0};

@@ -98,13 +98,13 @@ struct HeadTiles {
   }
 };
 
-// Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
-// O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N. One aligned allocation cut
-// into parts (a decode step of a small model is shorter than a dozen mallocs).
 // Words per lane of one part of the weight pairs (Bf16DotAccumulate's and AMX's pp scratch: a
 // tile's key pairs and one more for an odd first key); kExact on AMX packs three parts.
 inline constexpr int64_t kPairsPartWords = (kTileKeys + 1) / 2 + 1;
 
+// Per-thread working memory for a group of up to `group` blocks that share each K/V tile:
+// O(group · Mq · (Dk + Dv) + Mq · kTileKeys), independent of N. One aligned allocation cut
+// into parts (a decode step of a small model is shorter than a dozen mallocs).
 template <typename T>
 struct Scratch {
   Scratch(const Problem& p, size_t mq, size_t lanes_per_vector, size_t group, KernelPath dot, bool pv_pairs = false,
@@ -348,7 +348,10 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       // kExact on AMX (flash-inl.h's pv_pairs): p = p1 + p2 + p3 exactly, each part a bfloat16
       // value (RoundWeights keeps 8 significant bits; p - p1 and the next difference are exact
       // in float32, and p's 24 bits leave at most 8 for p3), all three products summed in the
-      // same float32 tiles. mask_rows (ScoreTile's, done with) holds a part while it is packed.
+      // same float32 tiles. The tiles flush a part or a product below 2^-126 to 0: an absolute
+      // error under 2^-126 · max|v| per key, bf16_dot.h's bound for kFast's product (the values are
+      // in its range, HeadTiles::values_ok). mask_rows (ScoreTile's, done with) holds a part
+      // while it is packed.
       const int64_t count = n * static_cast<int64_t>(mq), part_words = kPairsPartWords * static_cast<int64_t>(mq);
       for (int part = 0; part < 2; ++part) {
         for (int64_t x = 0; x < count; x += static_cast<int64_t>(N)) {
