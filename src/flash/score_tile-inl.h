@@ -39,14 +39,13 @@ enum class TileLayout { kKeyMajor, kRowMajor };
 // changes no sum it enters but in its last bits at most, while every operation on a subnormal
 // operand costs the CPU a microcode assist (a row whose far keys land there, ALiBi's with a
 // slope near 1, ran 15x slower, its backward 3.6x). Every kernel takes its exps from here.
-// The argument is clamped first: Exp's own scaling of a far-negative x passes through
-// subnormals too (a select, not Max, so that NaN stays NaN).
-// The lanes below are computed at lowest + 4, not at lowest, and then zeroed: Exp scales its
-// polynomial by 2^n in two multiplies, and at n = -126 the second one's product can land below
-// the smallest normal, which on Intel cores costs a microcode assist even though the lane is
-// zeroed next. Every blocked key (s = -inf) took that path: a bool mask with 1 key in 8 blocked
-// ran at 37 % of the unmasked speed on a Sapphire Rapids class Xeon. The kept lanes' values are
-// the same as before.
+// The argument is clamped first, since Exp's own scaling of a far-negative x passes through
+// subnormals too (a select, not Max, so that NaN stays NaN): the lanes below log_min are
+// computed at log_min + 4 and then zeroed. Not at log_min itself: Exp scales its polynomial by
+// 2^n in two multiplies, and at n = -126 the second product can land below the smallest normal,
+// an assist on Intel cores although the lane is zeroed next. Every blocked key (s = -inf) took
+// that path: a bool mask with 1 key in 8 blocked ran at 37 % of the unmasked speed on a
+// Sapphire Rapids class Xeon. The lanes kept are computed as they always were.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V ExpNormal(D d, V x) {
   using T = hn::TFromD<D>;
