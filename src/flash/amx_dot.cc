@@ -58,7 +58,8 @@ struct alignas(64) TileConfig {
 constexpr int64_t kKeys = 16, kDepth = 32;  // keys per C tile; features per A tile
 
 // Tiles of the scores: 0, 1 C (lanes 0-15, 16-31); 2 A; 3, 4 B (lanes 0-15, 16-31); 5 A of the
-// last features (tail_pairs pairs); 6, 7 its B. Of p·V: 0-3 C, 4-5 A, 6-7 B. Without a tail every
+// last features (tail_pairs pairs); 6, 7 its B (without a tail, BlockPair's second block: 5 A,
+// 6, 7 C). Of p·V: 0-3 C, 4-5 A, 6-7 B. Without a tail every
 // tile is 16 rows of 64 bytes, one configuration for both products.
 TileConfig make_config(int64_t tail_pairs) {
   TileConfig c;
@@ -126,6 +127,31 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void Block(const uint32_t* q
   }
 }
 
+// Two blocks of 16 keys at once, the second at k + 16·ks (both whole, no tail features), 32
+// lanes: C tiles 0, 1 (the first block's lanes 0-15, 16-31) and 6, 7 (the second's), A tiles 2
+// and 5, B tiles 3 and 4 loaded once per chunk for both. Four independent sums in flight where
+// Block<true> has two, each tile load serving two products; every C element sums its chunks in
+// the same order as Block's, so the scores' bits are Block's.
+__attribute__((target("amx-tile,amx-bf16"))) inline void BlockPair(const uint32_t* qp, size_t mq, int64_t chunks,
+                                                                  const uint16_t* k, int64_t ks) {
+  const int64_t qstride = static_cast<int64_t>(mq) * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t* b = qp + c * (kDepth / 2) * static_cast<int64_t>(mq);
+    _tile_loadd(2, k + c * kDepth, ks * 2);
+    _tile_loadd(3, b, qstride);
+    _tile_loadd(4, b + 16, qstride);
+    _tile_loadd(5, k + kKeys * ks + c * kDepth, ks * 2);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_dpbf16ps(6, 5, 3);
+    _tile_dpbf16ps(7, 5, 4);
+  }
+}
+
 // rows[0 .. n·mq) *= scale, 16 floats at a time (mq is a multiple of 16), while they are in L1.
 __attribute__((target("avx512f"))) inline void Scale(float* rows, int64_t n, float scale) {
   const __m512 s = _mm512_set1_ps(scale);
@@ -144,7 +170,20 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void Tile(const uint32_t* q
   tail.assign(kKeys * kDepth, 0);
   c_rows.resize(kKeys * mq);
   configure(tail_pairs);
-  for (int64_t j = 0; j < n; j += kKeys) {
+  int64_t j = 0;
+  if constexpr (kTwo) {
+    for (; tail_pairs == 0 && j + 2 * kKeys <= n; j += 2 * kKeys) {
+      BlockPair(qp, mq, chunks, k + j * ks, ks);
+      float* out = st + j * static_cast<int64_t>(mq);
+      const int64_t ld = static_cast<int64_t>(mq) * 4;
+      _tile_stored(0, out, ld);
+      _tile_stored(1, out + 16, ld);
+      _tile_stored(6, out + kKeys * static_cast<int64_t>(mq), ld);
+      _tile_stored(7, out + kKeys * static_cast<int64_t>(mq) + 16, ld);
+      Scale(out, 2 * kKeys * static_cast<int64_t>(mq), scale);
+    }
+  }
+  for (; j < n; j += kKeys) {
     const int64_t count = std::min(kKeys, n - j);
     const uint16_t* block = k + j * ks;
     int64_t stride = ks;

@@ -326,10 +326,18 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       if (first < 0) continue;
       const int64_t n = last + 1 - first;
-      const Rows<T> qrows = ReadRows(d, p.q, b, h, first, n, p.Dk, s.qtile.get());
-      const Rows<T> drows = ReadRows(d, bp.dout, b, h, first, n, p.Dv, s.dtile.get());
-      const T *q = qrows.data, *dout = drows.data;
-      const int64_t qs = qrows.stride, ds = drows.stride;
+      // The rows of q and dout as T, read (widened, for 16-bit storage) only by a product that
+      // does not take them as bfloat16 pairs: widening them for every block of keys cost kFast's
+      // dk/dv pass a tenth of its time when every product reads pairs.
+      Rows<T> qrows{}, drows{};
+      const auto q_rows = [&]() -> const Rows<T>& {
+        if (qrows.data == nullptr) qrows = ReadRows(d, p.q, b, h, first, n, p.Dk, s.qtile.get());
+        return qrows;
+      };
+      const auto dout_rows = [&]() -> const Rows<T>& {
+        if (drows.data == nullptr) drows = ReadRows(d, bp.dout, b, h, first, n, p.Dv, s.dtile.get());
+        return drows;
+      };
       T* pt = s.pt.get();
       T* dpt = s.dpt.get();
       // p = exp(s - lse) with s = q · (k·scale) + bias, -inf outside the row's keys and in the
@@ -338,7 +346,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       if (k_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
         Bf16Dot(s.xp.get(), mq, p.Dk, p.q, b, h, first, n, p.scale, s.amx, pt);
       } else {
-        OuterScores<QV>(d, s.xt.get(), mq, q, qs, p.Dk, n, pt);
+        OuterScores<QV>(d, s.xt.get(), mq, q_rows().data, q_rows().stride, p.Dk, n, pt);
       }
       for (int64_t r = 0; r < n; ++r) {
         const KeyRange kr = p.key_range(b, first + r);
@@ -358,7 +366,7 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       if (v_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
         Bf16Dot(s.yp.get(), mq, p.Dv, bp.dout, b, h, first, n, 1.0, s.amx, dpt);
       } else {
-        OuterScores<QV>(d, s.yt.get(), mq, dout, ds, p.Dv, n, dpt);
+        OuterScores<QV>(d, s.yt.get(), mq, dout_rows().data, dout_rows().stride, p.Dv, n, dpt);
       }
       T* z = s.zt.get();  // row r's dropout factors, key lanes [0, nk)
       for (int64_t r = 0; r < n; ++r) {
@@ -395,13 +403,13 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         Bf16Accumulate(pt, mq, n, bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], p.Dv, s.amx, s.rp.get(),
                        s.vt.get(), s.wp.get(), s.gv.get());
       } else {
-        AccumulateRows<QV>(d, pt, n, mq, dout, ds, p.Dv, ones, dout_bad, s.gv.get());
+        AccumulateRows<QV>(d, pt, n, mq, dout_rows().data, dout_rows().stride, p.Dv, ones, dout_bad, s.gv.get());
       }
       if (s.grad_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
         Bf16Accumulate(dpt, mq, n, p.q.at<uint16_t>(b, h, first), p.q.strides[2], p.Dk, s.amx, s.rp.get(), s.vt.get(),
                        s.wp.get(), s.gk.get());
       } else {
-        AccumulateRows<QV>(d, dpt, n, mq, q, qs, p.Dk, ones, q_bad, s.gk.get());
+        AccumulateRows<QV>(d, dpt, n, mq, q_rows().data, q_rows().stride, p.Dk, ones, q_bad, s.gk.get());
       }
       if (dq_rows != nullptr) {
         T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;

@@ -116,10 +116,9 @@ __attribute__((target("avx512f"))) void PackWeightPairs(const float* p, size_t m
 }
 
 template <int QV>
-__attribute__((target("avx512f,avx512bf16"))) void Accumulate(const float* p, size_t mq, int64_t first, int64_t n,
-                                                               const uint32_t* vp, int64_t dv, const float* alpha,
-                                                               uint32_t* pp, float* ot) {
-  PackWeightPairs(p, mq, first, n, pp);
+__attribute__((target("avx512f,avx512bf16"))) void AccumulatePacked(const uint32_t* pp, size_t mq, int64_t first,
+                                                                     int64_t n, const uint32_t* vp, int64_t dv,
+                                                                     const float* alpha, float* ot) {
   const int64_t j2_0 = first / 2, j2_1 = (first + n + 1) / 2;
   __m512 al[QV];
   for (int v = 0; v < QV; ++v) al[v] = _mm512_load_ps(alpha + v * 16);
@@ -229,10 +228,16 @@ void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, ui
 
 void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
                        const float* alpha, uint32_t* pp, float* ot) {
+  PackWeightPairs(p, mq, first, n, pp);
+  Bf16DotAccumulatePacked(pp, mq, first, n, vp, dv, alpha, ot);
+}
+
+void Bf16DotAccumulatePacked(const uint32_t* pp, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
+                             const float* alpha, float* ot) {
   if (mq == 16) {
-    Accumulate<1>(p, mq, first, n, vp, dv, alpha, pp, ot);
+    AccumulatePacked<1>(pp, mq, first, n, vp, dv, alpha, ot);
   } else {
-    Accumulate<2>(p, mq, first, n, vp, dv, alpha, pp, ot);
+    AccumulatePacked<2>(pp, mq, first, n, vp, dv, alpha, ot);
   }
 }
 
@@ -260,6 +265,8 @@ void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t
                 uint32_t*, float*) {}
 void Bf16DotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
                        float*) {}
+void Bf16DotAccumulatePacked(const uint32_t*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*,
+                             float*) {}
 
 #endif
 

@@ -81,6 +81,9 @@ void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t 
 // ((n + 1) / 2 + 1) · mq words, 64-byte aligned. Only after cpu_has_avx512_bf16() returned true.
 void Bf16DotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
                        const float* alpha, uint32_t* pp, float* ot);
+// Bf16DotAccumulate's sum with the weights already in pairs (PackBf16WeightPairs' layout).
+void Bf16DotAccumulatePacked(const uint32_t* pp, size_t mq, int64_t first, int64_t n, const uint32_t* vp, int64_t dv,
+                             const float* alpha, float* ot);
 // The weights of keys [first, first + n) in pairs, as both p·V products take them: pp[(j2 -
 // first / 2)·mq + lane] holds p of key 2·j2 (low half) and 2·j2 + 1 for the pairs j2 from
 // first / 2 to (first + n + 1) / 2, 0 for a key outside the range. p and pp as above.

@@ -194,6 +194,48 @@ struct Scratch {
   std::vector<int64_t> chunk_stat_ints;
 };
 
+// kFast's bfloat16 weights straight into the pairs both p·V products take (PackBf16WeightPairs'
+// layout and bits): for rows r < n of the score tile st (key-major, mq lanes), p = exp(s -
+// msafe) rounded to bfloat16 (RoundWeights' rounding), summed into sum in row order as
+// BlockTile's loop sums them, and packed two keys to a word, pp[(j2 - first / 2)·mq + lane]
+// holding key 2·j2 - first (low half) and the next (0 for a row outside [0, n)). The weights
+// never go back to st: one pass where rounding, storing and packing took two. No +inf max.
+template <size_t QV, class D, class V = hn::Vec<D>>
+HWY_INLINE void ExpRoundPack(D d, const float* HWY_RESTRICT st, size_t mq, int64_t first, int64_t n,
+                             const V* msafe, V* sum, uint32_t* HWY_RESTRICT pp) {
+  const hn::RebindToUnsigned<D> du;
+  using VU = hn::Vec<decltype(du)>;
+  const size_t N = hn::Lanes(d);
+  const VU high = hn::Set(du, 0xffff0000u);
+  // Row r's rounding bits for the q-th vector of lanes; its rounded weight added to the sum.
+  const auto rounded = [&](int64_t r, size_t q) {
+    const VU bits = Bf16RoundingBits(d, ShiftedExp<false, true>(d, hn::Load(d, st + r * mq + q * N), msafe[q]));
+    sum[q] = hn::Add(sum[q], hn::BitCast(d, hn::And(bits, high)));
+    return bits;
+  };
+  const auto pair = [&](int64_t a, uint32_t* out) {  // rows a, a + 1 (either may be outside)
+    for (size_t q = 0; q < QV; ++q) {
+      const VU lo = a >= 0 ? rounded(a, q) : hn::Zero(du);
+      const VU hi = a + 1 < n ? rounded(a + 1, q) : hn::Zero(du);
+      hn::Store(hn::Or(hn::ShiftRight<16>(lo), hn::And(hi, high)), du, out + q * N);
+    }
+  };
+  int64_t a = -(first % 2);  // the first pair's low row: -1 when first is odd (its key is before the tile)
+  uint32_t* out = pp;
+  if (a < 0) {
+    pair(a, out);
+    a += 2;
+    out += mq;
+  }
+  for (; a + 1 < n; a += 2, out += mq) {
+    for (size_t q = 0; q < QV; ++q) {
+      const VU lo = rounded(a, q), hi = rounded(a + 1, q);
+      hn::Store(hn::Or(hn::ShiftRight<16>(lo), hn::And(hi, high)), du, out + q * N);
+    }
+  }
+  if (a < n) pair(a, out);
+}
+
 // One online-softmax step of a block over the tile that starts at t (a multiple of
 // kTileKeys), clipped to the block's span: scores, new max, rescale, p = exp(s - max), p·V.
 // keys and values hold the tile's rows from key k0 on (k0 <= the block's first key in it);
@@ -245,12 +287,16 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     for (size_t x = 0; topk && x < N; ++x) thresholds[q * N + x] = bs.stats.threshold(static_cast<int64_t>(q * N + x));
     thr[q] = topk ? hn::Load(d, thresholds + q * N) : neg_inf;
   }
-  const auto max_loop = [&](auto stats_const) {
+  // Scores from bfloat16 pairs in the dot products' range (bf16_dot.h) are finite, and no mask
+  // or modifier makes a finite score NaN (problem.cc rejects NaN in a float mask): their tiles
+  // skip the NaN test, a mask operation per score on the port the exp's FMAs need.
+  const bool may_be_nan = bs.qp == nullptr || !keys_in_range;
+  const auto max_loop = [&](auto stats_const, auto nan_const) {
     for (int64_t j = 0; j < n; ++j) {
       for (size_t q = 0; q < QV; ++q) {
         const V s = hn::Load(d, st + j * mq + q * N);
         mnew[q] = hn::Max(mnew[q], s);
-        nan[q] = hn::Or(nan[q], hn::IsNaN(s));
+        if constexpr (decltype(nan_const)::value) nan[q] = hn::Or(nan[q], hn::IsNaN(s));
         if constexpr (decltype(stats_const)::value) {
           count[q] = hn::Add(count[q], hn::IfThenElseZero(hn::Gt(s, neg_inf), one));
           if (topk) {
@@ -265,11 +311,36 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     }
   };
   if (stats) {
-    max_loop(std::true_type{});
+    max_loop(std::true_type{}, std::true_type{});
     if (topk) OfferTile<QV>(d, bs.stats, st, mq, j0, n, candidates);
     TileStatsEnd<QV>(d, bs, st, mq, j0, n, count, mnew);
   } else {
-    max_loop(std::false_type{});
+    // Four running maxima per vector of lanes, merged at the end: one chain of Max would wait on
+    // its latency at every score (the loop ran at a quarter of its throughput). Max is exact, so
+    // the order changes no bit (a NaN lane's max may differ: its sum is NaN whatever m is).
+    const auto plain_max = [&](auto nan_const) {
+      V m1[QV], m2[QV], m3[QV];
+      for (size_t q = 0; q < QV; ++q) m1[q] = m2[q] = m3[q] = neg_inf;
+      const auto take = [&](V& m, int64_t j, size_t q) {
+        const V s = hn::Load(d, st + j * mq + q * N);
+        m = hn::Max(m, s);
+        if constexpr (decltype(nan_const)::value) nan[q] = hn::Or(nan[q], hn::IsNaN(s));
+      };
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
+        for (size_t q = 0; q < QV; ++q) {
+          take(mnew[q], j, q);
+          take(m1[q], j + 1, q);
+          take(m2[q], j + 2, q);
+          take(m3[q], j + 3, q);
+        }
+      }
+      for (; j < n; ++j) {
+        for (size_t q = 0; q < QV; ++q) take(mnew[q], j, q);
+      }
+      for (size_t q = 0; q < QV; ++q) mnew[q] = hn::Max(hn::Max(mnew[q], m1[q]), hn::Max(m2[q], m3[q]));
+    };
+    may_be_nan ? plain_max(std::true_type{}) : plain_max(std::false_type{});
   }
   // A lane whose max is +inf (a score overflowed): shifted_exp's rule, exp(s - m) = 1 where
   // s == m, splits its weight among its +inf keys. Checked once per tile; rare.
@@ -306,6 +377,9 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     }
   };
   using NoRounding = std::integral_constant<Round16, Round16::kNone>;
+  // kFast, bfloat16, p·V from pairs: the weights go straight into pp (ExpRoundPack).
+  const bool fused_pairs = p.round_p && v_pairs != nullptr && p.dtype == DType::kBFloat16 && !inf_max &&
+                           !p.dropout.enabled();
   if (stats) {  // never with kFast: run_forward gives the statistics an exact pass of their own
     inf_max ? exp_tile(std::true_type{}, std::true_type{}, NoRounding{})
             : exp_tile(std::false_type{}, std::true_type{}, NoRounding{});
@@ -316,6 +390,8 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
       const V scaled = hn::Mul(alpha[q], hn::MulAdd(delta, hn::Load(d, bs.l + q * N), hn::LoadU(d, t)));
       hn::StoreU(hn::Add(hn::IfThenZeroElse(hn::Eq(alpha[q], hn::Zero(d)), scaled), tsum[q]), d, t);
     }
+  } else if (fused_pairs) {
+    if constexpr (std::is_same_v<T, float>) ExpRoundPack<QV>(d, st, mq, j0 - v0, n, msafe, sum, pp);
   } else if (std::is_same_v<T, float> && p.round_p) {
     WithRound16(p, [&](auto round) {
       inf_max ? exp_tile(std::true_type{}, std::false_type{}, round) : exp_tile(std::false_type{}, std::false_type{}, round);
@@ -341,6 +417,14 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
     if (v_pairs != nullptr) {  // bfloat16 values in pairs: vdpbf16ps or AMX tiles
       alignas(64) float alphas[QV * hn::MaxLanes(d)];
       for (size_t q = 0; q < QV; ++q) hn::Store(alpha[q], d, alphas + q * N);
+      if (fused_pairs) {  // kFast: the rounded weights, packed
+        if (pv_amx) {
+          AmxDotAccumulatePacked(pp, 1, 0, mq, j0 - v0, n, v_pairs, p.Dv, alphas, bs.ot);
+        } else {
+          Bf16DotAccumulatePacked(pp, mq, j0 - v0, n, v_pairs, p.Dv, alphas, bs.ot);
+        }
+        return;
+      }
       if (p.round_p) {  // kFast: the rounded weights
         (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
         return;

@@ -60,16 +60,22 @@ HWY_INLINE V ExpNormal(D d, V x) {
 // it moves the rounded weight's error by under 1 %; exp(0) = 1 exactly). Degree 4 (6e-5) was
 // measurable: a float16 decode case's lse error went past twice the naive twin's. Less work
 // than ExpNormal's full-precision Exp, which is most of the softmax's share of a short-head
-// tile. 0 where x is below the smallest normal's log (as ExpNormal); x <= 0 (+inf and NaN give
-// values the callers replace or flag).
+// tile. 0 where x is below the smallest normal's log (as ExpNormal); x <= 0 (+inf gives a value
+// the callers replace; NaN gives NaN).
+// n comes from adding 1.5·2^23, which rounds t to an integer (ties to even, as Round) and leaves
+// it in the low bits, where a shift moves it to the exponent: no float-to-int conversion and its
+// overflow fix-up. A lane below is computed from its own x and then zeroed: the exponent add
+// wraps there, but as integer arithmetic, which costs no microcode assist (no float operation
+// sees a subnormal), and NaN and -inf pass through NaN, which is zeroed too.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V ExpForRounding(D d, V x) {
   using T = hn::TFromD<D>;
-  const V lowest = hn::Set(d, std::log(std::numeric_limits<T>::min()));
-  const auto below = hn::Lt(x, lowest);
-  const V t = hn::Mul(hn::IfThenElse(below, lowest, x), hn::Set(d, T(1.4426950408889634)));  // x · log2 e
-  const V n = hn::Round(t);
-  const V f = hn::Sub(t, n);
+  static_assert(std::is_same_v<T, float>, "the shifter and the exponent shift are float32's");
+  const auto below = hn::Lt(x, hn::Set(d, std::log(std::numeric_limits<T>::min())));
+  const V t = hn::Mul(x, hn::Set(d, T(1.4426950408889634)));  // x · log2 e
+  const V shifter = hn::Set(d, T(0x1.8p23));
+  const V y = hn::Add(t, shifter);  // n in its low bits, |t| < 2^22
+  const V f = hn::Sub(t, hn::Sub(y, shifter));
   // 2^f = Σ (f ln 2)^k / k!, k <= 5, in Horner's form.
   V poly = hn::Set(d, T(0.0013333558146428443));                     // ln2^5 / 120
   poly = hn::MulAdd(poly, f, hn::Set(d, T(0.0096181291076284772)));  // ln2^4 / 24
@@ -77,9 +83,9 @@ HWY_INLINE V ExpForRounding(D d, V x) {
   poly = hn::MulAdd(poly, f, hn::Set(d, T(0.24022650695910071)));   // ln2^2 / 2
   poly = hn::MulAdd(poly, f, hn::Set(d, T(0.69314718055994531)));   // ln2
   poly = hn::MulAdd(poly, f, hn::Set(d, T(1)));
-  const hn::RebindToSigned<D> di;
-  const auto scaled = hn::Add(hn::BitCast(di, poly), hn::ShiftLeft<std::numeric_limits<T>::digits - 1>(
-                                                         hn::ConvertTo(di, n)));  // poly · 2^n
+  const hn::RebindToUnsigned<D> du;
+  // poly · 2^n: y's bits are 0x4B400000 + n, whose shift by 23 leaves n << 23 (mod 2^32).
+  const auto scaled = hn::Add(hn::BitCast(du, poly), hn::ShiftLeft<23>(hn::BitCast(du, y)));
   return hn::IfThenZeroElse(below, hn::BitCast(d, scaled));
 }
 
@@ -94,7 +100,12 @@ HWY_INLINE V ExpForRounding(D d, V x) {
 // exp(s - m) = 1 where s == m = +inf, so that the row splits its weight among its +inf keys.
 template <bool kInfMax, bool kForRounding = false, class D, class V = hn::Vec<D>>
 HWY_INLINE V ShiftedExp(D d, V s, V msafe) {
-  const V p = kForRounding ? ExpForRounding(d, hn::Sub(s, msafe)) : ExpNormal(d, hn::Sub(s, msafe));
+  V p;
+  if constexpr (kForRounding && std::is_same_v<hn::TFromD<D>, float>) {  // (double never rounds)
+    p = ExpForRounding(d, hn::Sub(s, msafe));
+  } else {
+    p = ExpNormal(d, hn::Sub(s, msafe));
+  }
   if constexpr (kInfMax) {
     return hn::IfThenElse(hn::Eq(s, hn::Set(d, std::numeric_limits<hn::TFromD<D>>::infinity())),
                           hn::Set(d, hn::TFromD<D>(1)), p);
@@ -116,17 +127,26 @@ HWY_INLINE V AddTTerm(D d, V p, V s, V msafe, V tsum) {
 // a vector at a time, as storage.h's rounded_to_16bit does one value (any sign; float16's
 // overflow to inf from 65520 up; NaN stays NaN).
 enum class Round16 { kNone, kBf16, kF16 };
+// x's bits with bfloat16's rounding carry added: the top 16 bits are x rounded to nearest even
+// bfloat16, the low 16 are to be dropped (RoundWeights masks them off; the forward's weight
+// pairs, PackRoundedPairs, shift them out).
+template <class D, class V = hn::Vec<D>>
+HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Bf16RoundingBits(D, V x) {
+  const hn::RebindToUnsigned<D> du;
+  const auto u = hn::BitCast(du, x);  // sign and magnitude: the carry stays in the magnitude
+  const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
+  return hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd));
+}
 template <Round16 kRound, class D, class V = hn::Vec<D>>
 HWY_INLINE V RoundWeights(D d, V x) {
   if constexpr (kRound == Round16::kNone || !std::is_same_v<hn::TFromD<D>, float>) {
     return x;
   } else {
     const hn::RebindToUnsigned<D> du;
-    const auto u = hn::BitCast(du, x);  // sign and magnitude: the carry stays in the magnitude
     if constexpr (kRound == Round16::kBf16) {  // keep the top 16 bits, ties to even
-      const auto odd = hn::And(hn::ShiftRight<16>(u), hn::Set(du, 1u));
-      return hn::BitCast(d, hn::And(hn::Add(u, hn::Add(hn::Set(du, 0x7fffu), odd)), hn::Set(du, 0xffff0000u)));
+      return hn::BitCast(d, hn::And(Bf16RoundingBits(d, x), hn::Set(du, 0xffff0000u)));
     } else {  // float16: 11 significant bits from 2^-14 up, multiples of 2^-24 below
+      const auto u = hn::BitCast(du, x);  // sign and magnitude: the carry stays in the magnitude
       const auto odd = hn::And(hn::ShiftRight<13>(u), hn::Set(du, 1u));
       const V normal = hn::BitCast(d, hn::And(hn::Add(u, hn::Add(hn::Set(du, 0xfffu), odd)), hn::Set(du, ~0x1fffu)));
       const V subnormal = hn::Mul(hn::Round(hn::Mul(x, hn::Set(d, 0x1p24f))), hn::Set(d, 0x1p-24f));
@@ -452,10 +472,13 @@ HWY_INLINE void MaskScores(D d, const Problem& p, int64_t b, const LaneRow* lane
   } else {
     for (int64_t r = 0; r < count; ++r) {
       T* row = tile + r * s;
-      if (edges) {
-        for (int64_t jj = 0; jj < n; ++jj) {
-          if (j0 + jj < lanes[r].begin || j0 + jj >= lanes[r].end) row[jj] = neg_inf;
-        }
+      if (edges) {  // the keys before the row's first and from its end on: two runs per row
+        // (the backward asks for edges on every tile; a compare per score was a third of its
+        // dk/dv pass's samples)
+        const int64_t lo = std::clamp<int64_t>(lanes[r].begin - j0, 0, n);
+        const int64_t hi = std::clamp<int64_t>(lanes[r].end - j0, lo, n);
+        std::fill(row, row + lo, neg_inf);
+        std::fill(row + hi, row + n, neg_inf);
       }
       if (p.has_alibi()) AddAlibiRow(d, p, b, lanes[r], j0, n, row);
       if (p.mask) add_mask_row(p, b, lanes[r].h, lanes[r].i, j0, n, row);
