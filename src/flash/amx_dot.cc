@@ -323,6 +323,70 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void AccumulatePacked(uint3
   done();
 }
 
+// One 16-column tile of DsKeysTiles: C (tile kC, 0 to 2) = acc's 16 rows × columns c0 .. c0 + 15 (through
+// pad when the block has fewer rows), += A (tile 4: the rows' weight pairs) · B (tile kB: the
+// 16 key pairs of those columns: tile kC + 5).
+template <int kC>
+__attribute__((target("amx-tile,amx-bf16"))) inline void DsKeysColumns(const uint32_t* kp, int64_t width, int64_t c0,
+                                                                      float* acc, int64_t rows, float* pad) {
+  float* c = acc + c0;
+  int64_t ld = width * 4;
+  if (rows < 16) {
+    for (int64_t r = 0; r < 16; ++r) {
+      for (int64_t x = 0; x < 16; ++x) pad[r * 16 + x] = r < rows ? acc[r * width + c0 + x] : 0.0f;
+    }
+    c = pad;
+    ld = 64;
+  }
+  // (The tile intrinsics take register numbers as literals.)
+#define SDPA_DS_KEYS_PRODUCT(C, B)          \
+  _tile_loadd(C, c, ld);                    \
+  _tile_loadd(B, kp + c0, width * 4);       \
+  _tile_dpbf16ps(C, 4, B);                  \
+  _tile_stored(C, c, ld)
+  if constexpr (kC == 0) {
+    SDPA_DS_KEYS_PRODUCT(0, 5);
+  } else if constexpr (kC == 1) {
+    SDPA_DS_KEYS_PRODUCT(1, 6);
+  } else {
+    SDPA_DS_KEYS_PRODUCT(2, 7);
+  }
+#undef SDPA_DS_KEYS_PRODUCT
+  if (rows < 16) {
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(acc + r * width + c0, pad + r * 16, 16 * sizeof(float));
+  }
+}
+
+// Bf16DsKeys on tiles, for mq = 32 (all 32 key lanes one A tile of 16 pairs): kp and wp packed as
+// Bf16DsKeys packs them (PackBf16DsPairs; kp's pairs past nk, up to 16, and wp's rows past n, up
+// to a multiple of 16, zero), then per block of 16 rows the A tile loaded once and the columns
+// taken 16 at a time in three C/B tile slots, so that three products are in flight.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void DsKeysTiles(const float* w, int64_t n, int64_t nk,
+                                                                      const uint16_t* k, int64_t ks, int64_t dk,
+                                                                      int64_t width, uint32_t* kp, uint32_t* wp,
+                                                                      float* acc) {
+  constexpr int64_t kHalf = 16;
+  PackBf16DsPairs(w, 2 * kHalf, n, nk, k, ks, dk, width, kHalf, kp, wp);
+  const int64_t blocks = (n + 15) / 16;
+  std::fill(wp + n * kHalf, wp + blocks * 16 * kHalf, 0u);
+  alignas(64) float pad[3][16 * 16];
+  configure(0);
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, n - r0);
+    float* a = acc + r0 * width;
+    _tile_loadd(4, wp + r0 * kHalf, kHalf * 4);
+    int64_t c0 = 0;
+    for (; c0 + 48 <= width; c0 += 48) {
+      DsKeysColumns<0>(kp, width, c0, a, rows, pad[0]);
+      DsKeysColumns<1>(kp, width, c0 + 16, a, rows, pad[1]);
+      DsKeysColumns<2>(kp, width, c0 + 32, a, rows, pad[2]);
+    }
+    if (c0 < width) DsKeysColumns<0>(kp, width, c0, a, rows, pad[0]);
+    if (c0 + 16 < width) DsKeysColumns<1>(kp, width, c0 + 16, a, rows, pad[1]);
+  }
+  done();
+}
+
 }  // namespace
 
 bool cpu_has_amx_bf16() {
@@ -357,6 +421,15 @@ void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t 
   }
 }
 
+void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+               int64_t width, uint32_t* kp, uint32_t* wp, float* acc) {
+  if (mq == 32) {
+    DsKeysTiles(w, n, nk, k, k_stride, dk, width, kp, wp, acc);
+  } else {
+    Bf16DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+  }
+}
+
 void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
                   float scale, float* st) {
   if (mq == 16) {
@@ -370,6 +443,8 @@ void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, 
 
 bool cpu_has_amx_bf16() { return false; }
 void AmxDotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
+void AmxDsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*,
+               float*) {}
 AmxScope::AmxScope(bool) : on_(false) {}
 AmxScope::~AmxScope() = default;
 void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {}

@@ -88,12 +88,12 @@ HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint16_t*
 // elsewhere).
 template <typename T>
 HWY_INLINE void Bf16DsKeysOf(const T* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride,
-                             int64_t dk, int64_t width, uint32_t* kp, uint32_t* wp, T* acc) {
+                             int64_t dk, int64_t width, uint32_t* kp, uint32_t* wp, bool amx, T* acc) {
   if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
-    Bf16DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+    (amx ? AmxDsKeys : Bf16DsKeys)(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
   } else {
     (void)w, (void)mq, (void)n, (void)nk, (void)k, (void)k_stride, (void)dk, (void)width, (void)kp, (void)wp,
-        (void)acc;
+        (void)amx, (void)acc;
     HWY_ASSERT(false);
   }
 }
@@ -413,11 +413,11 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       }
       if (dq_rows != nullptr) {
         T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;
-        // kFast: ds~ · k with vdpbf16ps (k_pairs: the keys in its range); not where the call has
-        // AMX: on those CPUs (Sapphire Rapids) vdpbf16ps is slower than widening (PERFORMANCE.md).
-        if (s.grad_pairs && k_pairs && !s.amx) {
+        // kFast: ds~ · k with vdpbf16ps or, where the call has AMX, on tiles (k_pairs: the keys in
+        // their range). (On Sapphire Rapids vdpbf16ps was slower than widening; PERFORMANCE.md.)
+        if (s.grad_pairs && k_pairs) {
           Bf16DsKeysOf(dpt, mq, n, nread, p.k.at<uint16_t>(b, kvh, j0), p.k.strides[2], p.Dk, dq_width, s.kq.get(),
-                       s.wp.get(), acc);
+                       s.wp.get(), s.amx, acc);
         } else {
           AccumulateDsKeys(d, dpt, n, mq, nread, s.kpad.get(), dq_width, k_bad, acc);
         }

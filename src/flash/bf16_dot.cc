@@ -170,14 +170,18 @@ __attribute__((target("avx512f,avx512bf16"))) inline void DsKeysPairsBlock(const
     for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + r * width + v * 16, a[r][v]);
 }
 
-__attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t mq, int64_t n, int64_t nk,
-                                                           const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
-                                                           uint32_t* kp, uint32_t* wp, float* acc) {
+__attribute__((target("avx512f"))) void PackDsPairs(const float* w, size_t mq, int64_t n, int64_t nk,
+                                                    const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
+                                                    int64_t kp_pairs, uint32_t* kp, uint32_t* wp) {
   const int64_t pairs = (nk + 1) / 2, half = static_cast<int64_t>(mq) / 2;
-  for (int64_t l2 = 0; l2 < pairs; ++l2) {  // key pairs per column, 0 past dk and past nk
+  for (int64_t l2 = 0; l2 < kp_pairs; ++l2) {  // key pairs per column, 0 past dk and past nk
+    uint32_t* out = kp + l2 * width;
+    if (l2 >= pairs) {
+      std::fill(out, out + width, 0u);
+      continue;
+    }
     const uint16_t* ra = k + 2 * l2 * ks;
     const uint16_t* rb = 2 * l2 + 1 < nk ? ra + ks : nullptr;
-    uint32_t* out = kp + l2 * width;
     for (int64_t c = 0; c < width; ++c) {
       out[c] = c < dk ? (ra[c] | (rb ? static_cast<uint32_t>(rb[c]) << 16 : 0u)) : 0u;
     }
@@ -195,6 +199,13 @@ __attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t
                           _mm512_or_si512(_mm512_maskz_srli_epi32(kAll, even, 16), _mm512_and_si512(odd, high)));
     }
   }
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t mq, int64_t n, int64_t nk,
+                                                           const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
+                                                           uint32_t* kp, uint32_t* wp, float* acc) {
+  const int64_t pairs = (nk + 1) / 2, half = static_cast<int64_t>(mq) / 2;
+  PackDsPairs(w, mq, n, nk, k, ks, dk, width, pairs, kp, wp);
   constexpr int NR = 6, NV = 4;
   for (int64_t c = 0; c < width;) {
     const bool whole = c + NV * 16 <= width;
@@ -220,6 +231,11 @@ void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t
 
 void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp) {
   PackPairs(v, v_stride, n, dv, vp);
+}
+
+void PackBf16DsPairs(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+                     int64_t width, int64_t kp_pairs, uint32_t* kp, uint32_t* wp) {
+  PackDsPairs(w, mq, n, nk, k, k_stride, dk, width, kp_pairs, kp, wp);
 }
 
 void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, uint32_t* pp) {
@@ -260,6 +276,8 @@ void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
 bool cpu_has_avx512_bf16() { return false; }
 void Bf16DotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
 void PackBf16ValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
+void PackBf16DsPairs(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                     uint32_t*, uint32_t*) {}
 void PackBf16WeightPairs(const float*, size_t, int64_t, int64_t, uint32_t*) {}
 void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*,
                 uint32_t*, float*) {}

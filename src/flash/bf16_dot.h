@@ -98,6 +98,12 @@ void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, ui
 void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
                 int64_t width, uint32_t* kp, uint32_t* wp, float* acc);
 
+// Bf16DsKeys' operands in pairs: kp[l2·width + c] = k_{2·l2}[c] | k_{2·l2+1}[c] << 16 for l2 <
+// kp_pairs (0 past dk and for keys past nk), wp[r·(mq / 2) + l2] = the bfloat16 tops of w[r·mq
+// + 2·l2] (low half) and w[r·mq + 2·l2 + 1] for rows r < n. Only after cpu_has_avx512_bf16().
+void PackBf16DsPairs(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+                     int64_t width, int64_t kp_pairs, uint32_t* kp, uint32_t* wp);
+
 // AMX (amx_dot.cc): whether this CPU has AMX-TILE and AMX-BF16, the OS saves the tile state and
 // grants it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once, here).
 bool cpu_has_amx_bf16();
@@ -105,6 +111,13 @@ bool cpu_has_amx_bf16();
 // error bound, other bits. Only after cpu_has_amx_bf16() returned true.
 void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, int64_t k_stride, int64_t n,
                   float scale, float* st);
+
+// Bf16DsKeys' sum with TDPBF16PS (the same arguments, layout and range rules; other bits), for
+// mq = 32: C tiles of 16 rows × 16 columns of acc, loaded and stored in place, A = 16 rows' 16
+// weight pairs (the block's 32 key lanes), B = kp's 16 key pairs × 16 columns. Other mq: Bf16DsKeys.
+// Only after cpu_has_amx_bf16() returned true.
+void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
+               int64_t width, uint32_t* kp, uint32_t* wp, float* acc);
 
 // kFast's p·V on AMX tiles: Bf16DotAccumulate's result (the same arguments, range rules and
 // error bound, other bits) with C tiles of 16 value columns × 16 lanes, A = the tile's values
