@@ -60,13 +60,13 @@ HWY_INLINE V ExpNormal(D d, V x) {
 // it moves the rounded weight's error by under 1 %; exp(0) = 1 exactly). Degree 4 (6e-5) was
 // measurable: a float16 decode case's lse error went past twice the naive twin's. Less work
 // than ExpNormal's full-precision Exp, which is most of the softmax's share of a short-head
-// tile. 0 where x is below the smallest normal's log (as ExpNormal); x <= 0 (+inf gives a value
-// the callers replace; NaN gives NaN).
+// tile. 0 where x is below the smallest normal's log (as ExpNormal); x <= 0 (+inf and NaN give
+// values the callers replace or flag).
 // n comes from adding 1.5·2^23, which rounds t to an integer (ties to even, as Round) and leaves
 // it in the low bits, where a shift moves it to the exponent: no float-to-int conversion and its
 // overflow fix-up. A lane below is computed from its own x and then zeroed: the exponent add
 // wraps there, but as integer arithmetic, which costs no microcode assist (no float operation
-// sees a subnormal), and NaN and -inf pass through NaN, which is zeroed too.
+// sees a subnormal); x = -inf passes through NaN (f = -inf - -inf), zeroed too.
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE V ExpForRounding(D d, V x) {
   using T = hn::TFromD<D>;
@@ -129,7 +129,7 @@ HWY_INLINE V AddTTerm(D d, V p, V s, V msafe, V tsum) {
 enum class Round16 { kNone, kBf16, kF16 };
 // x's bits with bfloat16's rounding carry added: the top 16 bits are x rounded to nearest even
 // bfloat16, the low 16 are to be dropped (RoundWeights masks them off; the forward's weight
-// pairs, PackRoundedPairs, shift them out).
+// pairs, ExpRoundPack in forward_block-inl.h, shift them out).
 template <class D, class V = hn::Vec<D>>
 HWY_INLINE hn::Vec<hn::RebindToUnsigned<D>> Bf16RoundingBits(D, V x) {
   const hn::RebindToUnsigned<D> du;
