@@ -357,16 +357,14 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void DsKeysColumns(const uin
   }
 }
 
-// Bf16DsKeys on tiles, for mq = 32 (all 32 key lanes one A tile of 16 pairs): kp and wp packed as
-// Bf16DsKeys packs them (PackBf16DsPairs; kp's pairs past nk, up to 16, and wp's rows past n, up
-// to a multiple of 16, zero), then per block of 16 rows the A tile loaded once and the columns
-// taken 16 at a time in three C/B tile slots, so that three products are in flight.
-__attribute__((target("amx-tile,amx-bf16,avx512f"))) void DsKeysTiles(const float* w, int64_t n, int64_t nk,
-                                                                      const uint16_t* k, int64_t ks, int64_t dk,
-                                                                      int64_t width, uint32_t* kp, uint32_t* wp,
-                                                                      float* acc) {
+// Bf16DsKeys on tiles, for mq = 32 (all 32 key lanes one A tile of 16 pairs): kp as the caller
+// packed it (its 16 pairs, zero past nk), wp as Bf16DsKeys packs it (PackBf16DsWeightPairs) with
+// its rows past n, up to a multiple of 16, zero; then per block of 16 rows the A tile loaded once
+// and the columns taken 16 at a time in three C/B tile slots, so that three products are in flight.
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) void DsKeysTiles(const float* w, int64_t n, const uint32_t* kp,
+                                                                      int64_t width, uint32_t* wp, float* acc) {
   constexpr int64_t kHalf = 16;
-  PackBf16DsPairs(w, 2 * kHalf, n, nk, k, ks, dk, width, kHalf, kp, wp);
+  PackBf16DsWeightPairs(w, 2 * kHalf, n, wp);
   const int64_t blocks = (n + 15) / 16;
   std::fill(wp + n * kHalf, wp + blocks * 16 * kHalf, 0u);
   alignas(64) float pad[3][16 * 16];
@@ -421,12 +419,12 @@ void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t 
   }
 }
 
-void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-               int64_t width, uint32_t* kp, uint32_t* wp, float* acc) {
+void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint32_t* kp, int64_t width, uint32_t* wp,
+               float* acc) {
   if (mq == 32) {
-    DsKeysTiles(w, n, nk, k, k_stride, dk, width, kp, wp, acc);
+    DsKeysTiles(w, n, kp, width, wp, acc);
   } else {
-    Bf16DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+    Bf16DsKeys(w, mq, n, nk, kp, width, wp, acc);
   }
 }
 
@@ -443,8 +441,7 @@ void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, 
 
 bool cpu_has_amx_bf16() { return false; }
 void AmxDotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
-void AmxDsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*,
-               float*) {}
+void AmxDsKeys(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, uint32_t*, float*) {}
 AmxScope::AmxScope(bool) : on_(false) {}
 AmxScope::~AmxScope() = default;
 void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {}

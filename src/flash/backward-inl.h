@@ -84,16 +84,15 @@ HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint16_t*
   }
 }
 
-// Bf16DsKeys where it exists (kBf16DotTarget, T float; BackwardScratch::grad_pairs is false
-// elsewhere).
+// Bf16DsKeys (AmxDsKeys where the call has AMX) where it exists (kBf16DotTarget, T float;
+// BackwardScratch::grad_pairs is false elsewhere).
 template <typename T>
-HWY_INLINE void Bf16DsKeysOf(const T* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride,
-                             int64_t dk, int64_t width, uint32_t* kp, uint32_t* wp, bool amx, T* acc) {
+HWY_INLINE void Bf16DsKeysOf(const T* w, size_t mq, int64_t n, int64_t nk, const uint32_t* kp, int64_t width,
+                             uint32_t* wp, bool amx, T* acc) {
   if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
-    (amx ? AmxDsKeys : Bf16DsKeys)(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+    (amx ? AmxDsKeys : Bf16DsKeys)(w, mq, n, nk, kp, width, wp, acc);
   } else {
-    (void)w, (void)mq, (void)n, (void)nk, (void)k, (void)k_stride, (void)dk, (void)width, (void)kp, (void)wp,
-        (void)amx, (void)acc;
+    (void)w, (void)mq, (void)n, (void)nk, (void)kp, (void)width, (void)wp, (void)amx, (void)acc;
     HWY_ASSERT(false);
   }
 }
@@ -292,15 +291,24 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
     for (int64_t e = 0; e < p.Dv; ++e) s.yt[e * mq + l] = v[e];
   }
   const int64_t dq_width = padded_width(p.Dk, N);
-  if (dq_rows != nullptr) {  // the keys unscaled, rows padded with zeros to whole vectors
-    std::fill(s.kpad.get(), s.kpad.get() + nk * dq_width, T(0));
-    for (int64_t l = 0; l < nread; ++l) std::copy_n(keys.row(l), p.Dk, s.kpad.get() + l * dq_width);
-  }
   const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(b, kvh, j0) : nullptr;
   bool k_pairs = false, v_pairs = false;  // the same keys and values in bfloat16 pairs
   if (s.bf16_dot) {
     k_pairs = pack_bf16_pairs([&](int64_t l) { return p.k.at<uint16_t>(b, kvh, j0 + l); }, nread, p.Dk, mq, s.xp.get());
     v_pairs = pack_bf16_pairs([&](int64_t l) { return p.v.at<uint16_t>(b, kvh, j0 + l); }, nread, p.Dv, mq, s.yp.get());
+  }
+  // kFast's dq += ds~ · k from bfloat16 key pairs (Bf16DsKeys), packed once here for every head
+  // and row tile of the block.
+  const bool ds_pairs = dq_rows != nullptr && s.grad_pairs && k_pairs;
+  if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
+    if (ds_pairs) {
+      PackBf16KeyPairs(p.k.at<uint16_t>(b, kvh, j0), p.k.strides[2], nread, p.Dk, dq_width,
+                       static_cast<int64_t>(mq) / 2, s.kq.get());
+    }
+  }
+  if (dq_rows != nullptr && !ds_pairs) {  // AccumulateDsKeys' keys: unscaled, rows padded with zeros to whole vectors
+    std::fill(s.kpad.get(), s.kpad.get() + nk * dq_width, T(0));
+    for (int64_t l = 0; l < nread; ++l) std::copy_n(keys.row(l), p.Dk, s.kpad.get() + l * dq_width);
   }
   std::fill(s.gk.get(), s.gk.get() + p.Dk * mq, T(0));
   std::fill(s.gv.get(), s.gv.get() + p.Dv * mq, T(0));
@@ -415,9 +423,8 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
         T* acc = dq_rows + ((h - kvh * p.group) * p.Nq + first) * dq_width;
         // kFast: ds~ · k with vdpbf16ps or, where the call has AMX, on tiles (k_pairs: the keys in
         // their range). (On Sapphire Rapids vdpbf16ps was slower than widening; PERFORMANCE.md.)
-        if (s.grad_pairs && k_pairs) {
-          Bf16DsKeysOf(dpt, mq, n, nread, p.k.at<uint16_t>(b, kvh, j0), p.k.strides[2], p.Dk, dq_width, s.kq.get(),
-                       s.wp.get(), s.amx, acc);
+        if (ds_pairs) {
+          Bf16DsKeysOf(dpt, mq, n, nread, s.kq.get(), dq_width, s.wp.get(), s.amx, acc);
         } else {
           AccumulateDsKeys(d, dpt, n, mq, nread, s.kpad.get(), dq_width, k_bad, acc);
         }

@@ -132,12 +132,14 @@ __attribute__((target("avx512f,avx512bf16"))) void AccumulatePacked(const uint32
   for (; e < dv; ++e) AccumulateBlock<1, QV>(pp, mq, pairs, vps + e, dv, al, ot + e * mq);
 }
 
+// vp[j2·out_stride + e] for e < dv: the pairs of rows (2·j2, 2·j2 + 1) of v (the high half 0 past
+// an odd n).
 __attribute__((target("avx512f,avx512bf16"))) void PackPairs(const uint16_t* v, int64_t vs, int64_t n, int64_t dv,
-                                                              uint32_t* vp) {
+                                                              int64_t out_stride, uint32_t* vp) {
   for (int64_t j2 = 0; 2 * j2 < n; ++j2) {
     const uint16_t* ra = v + 2 * j2 * vs;
     const uint16_t* rb = 2 * j2 + 1 < n ? ra + vs : nullptr;
-    uint32_t* out = vp + j2 * dv;
+    uint32_t* out = vp + j2 * out_stride;
     int64_t e = 0;
     for (; e + 16 <= dv; e += 16) {
       const __m512i a = _mm512_maskz_cvtepu16_epi32(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ra + e)));
@@ -170,22 +172,8 @@ __attribute__((target("avx512f,avx512bf16"))) inline void DsKeysPairsBlock(const
     for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + r * width + v * 16, a[r][v]);
 }
 
-__attribute__((target("avx512f"))) void PackDsPairs(const float* w, size_t mq, int64_t n, int64_t nk,
-                                                    const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
-                                                    int64_t kp_pairs, uint32_t* kp, uint32_t* wp) {
-  const int64_t pairs = (nk + 1) / 2, half = static_cast<int64_t>(mq) / 2;
-  for (int64_t l2 = 0; l2 < kp_pairs; ++l2) {  // key pairs per column, 0 past dk and past nk
-    uint32_t* out = kp + l2 * width;
-    if (l2 >= pairs) {
-      std::fill(out, out + width, 0u);
-      continue;
-    }
-    const uint16_t* ra = k + 2 * l2 * ks;
-    const uint16_t* rb = 2 * l2 + 1 < nk ? ra + ks : nullptr;
-    for (int64_t c = 0; c < width; ++c) {
-      out[c] = c < dk ? (ra[c] | (rb ? static_cast<uint32_t>(rb[c]) << 16 : 0u)) : 0u;
-    }
-  }
+__attribute__((target("avx512f"))) void PackDsWeightPairs(const float* w, size_t mq, int64_t n, uint32_t* wp) {
+  const int64_t half = static_cast<int64_t>(mq) / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   for (int64_t r = 0; r < n; ++r) {  // weight pairs per row: lanes 2·l2 (low half) and 2·l2 + 1
     for (int64_t l = 0; l < static_cast<int64_t>(mq); l += 32) {
@@ -202,10 +190,9 @@ __attribute__((target("avx512f"))) void PackDsPairs(const float* w, size_t mq, i
 }
 
 __attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t mq, int64_t n, int64_t nk,
-                                                           const uint16_t* k, int64_t ks, int64_t dk, int64_t width,
-                                                           uint32_t* kp, uint32_t* wp, float* acc) {
+                                                           const uint32_t* kp, int64_t width, uint32_t* wp, float* acc) {
   const int64_t pairs = (nk + 1) / 2, half = static_cast<int64_t>(mq) / 2;
-  PackDsPairs(w, mq, n, nk, k, ks, dk, width, pairs, kp, wp);
+  PackDsWeightPairs(w, mq, n, wp);
   constexpr int NR = 6, NV = 4;
   for (int64_t c = 0; c < width;) {
     const bool whole = c + NV * 16 <= width;
@@ -224,19 +211,24 @@ __attribute__((target("avx512f,avx512bf16"))) void DsKeys(const float* w, size_t
 
 }  // namespace
 
-void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-                int64_t width, uint32_t* kp, uint32_t* wp, float* acc) {
-  DsKeys(w, mq, n, nk, k, k_stride, dk, width, kp, wp, acc);
+void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint32_t* kp, int64_t width, uint32_t* wp,
+                float* acc) {
+  DsKeys(w, mq, n, nk, kp, width, wp, acc);
 }
 
 void PackBf16ValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp) {
-  PackPairs(v, v_stride, n, dv, vp);
+  PackPairs(v, v_stride, n, dv, dv, vp);
 }
 
-void PackBf16DsPairs(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-                     int64_t width, int64_t kp_pairs, uint32_t* kp, uint32_t* wp) {
-  PackDsPairs(w, mq, n, nk, k, k_stride, dk, width, kp_pairs, kp, wp);
+void PackBf16KeyPairs(const uint16_t* k, int64_t k_stride, int64_t nk, int64_t dk, int64_t width, int64_t kp_pairs,
+                      uint32_t* kp) {
+  PackPairs(k, k_stride, nk, dk, width, kp);
+  const int64_t pairs = (nk + 1) / 2;
+  for (int64_t l2 = 0; l2 < pairs; ++l2) std::fill(kp + l2 * width + dk, kp + (l2 + 1) * width, 0u);
+  std::fill(kp + pairs * width, kp + kp_pairs * width, 0u);
 }
+
+void PackBf16DsWeightPairs(const float* w, size_t mq, int64_t n, uint32_t* wp) { PackDsWeightPairs(w, mq, n, wp); }
 
 void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, uint32_t* pp) {
   PackWeightPairs(p, mq, first, n, pp);
@@ -276,11 +268,10 @@ void Bf16DotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k,
 bool cpu_has_avx512_bf16() { return false; }
 void Bf16DotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, int64_t, float, float*) {}
 void PackBf16ValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*) {}
-void PackBf16DsPairs(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
-                     uint32_t*, uint32_t*) {}
+void PackBf16KeyPairs(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t*) {}
+void PackBf16DsWeightPairs(const float*, size_t, int64_t, uint32_t*) {}
 void PackBf16WeightPairs(const float*, size_t, int64_t, int64_t, uint32_t*) {}
-void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint32_t*,
-                uint32_t*, float*) {}
+void Bf16DsKeys(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, uint32_t*, float*) {}
 void Bf16DotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
                        float*) {}
 void Bf16DotAccumulatePacked(const uint32_t*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*,

@@ -92,17 +92,20 @@ void PackBf16WeightPairs(const float* p, size_t mq, int64_t first, int64_t n, ui
 // The backward's one-pass dq += ds · k in kFast, with the ds tile as KeyBlockGrads holds it:
 // acc[r·width + c] += Σ_{l < nk} w[r·mq + l] · k_l[c] for rows r < n and c < dk (acc rows
 // `width` apart, width a multiple of 16, 64-byte aligned), w holding bfloat16 values in
-// float32 (0 past nk), k's rows bfloat16 at k + l·k_stride, in bf16_dot_range_ok's range (the
-// caller checks). kp: ((nk + 1) / 2) · width words, wp: n · (mq / 2) words of scratch, 64-byte
-// aligned. Only after cpu_has_avx512_bf16() returned true.
-void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-                int64_t width, uint32_t* kp, uint32_t* wp, float* acc);
-
-// Bf16DsKeys' operands in pairs: kp[l2·width + c] = k_{2·l2}[c] | k_{2·l2+1}[c] << 16 for l2 <
-// kp_pairs (0 past dk and for keys past nk), wp[r·(mq / 2) + l2] = the bfloat16 tops of w[r·mq
-// + 2·l2] (low half) and w[r·mq + 2·l2 + 1] for rows r < n. Only after cpu_has_avx512_bf16().
-void PackBf16DsPairs(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-                     int64_t width, int64_t kp_pairs, uint32_t* kp, uint32_t* wp);
+// float32 (0 past nk), the keys in pairs in kp (PackBf16KeyPairs, with kp_pairs = mq / 2; keys
+// in bf16_dot_range_ok's range, the caller checks). wp: n · (mq / 2) words of scratch (rows
+// rounded up to 16 for AmxDsKeys), 64-byte aligned. Only after cpu_has_avx512_bf16() returned
+// true.
+void Bf16DsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint32_t* kp, int64_t width, uint32_t* wp,
+                float* acc);
+// Bf16DsKeys' keys in pairs, packed once per block of keys for every row that takes them:
+// kp[l2·width + c] = k_{2·l2}[c] | k_{2·l2+1}[c] << 16 for l2 < kp_pairs (rows at k + l·k_stride;
+// 0 for c >= dk and for keys past nk). Only after cpu_has_avx512_bf16() returned true.
+void PackBf16KeyPairs(const uint16_t* k, int64_t k_stride, int64_t nk, int64_t dk, int64_t width, int64_t kp_pairs,
+                      uint32_t* kp);
+// Bf16DsKeys' weights in pairs: wp[r·(mq / 2) + l2] = the bfloat16 tops of w[r·mq + 2·l2] (low
+// half) and w[r·mq + 2·l2 + 1] for rows r < n. Only after cpu_has_avx512_bf16() returned true.
+void PackBf16DsWeightPairs(const float* w, size_t mq, int64_t n, uint32_t* wp);
 
 // AMX (amx_dot.cc): whether this CPU has AMX-TILE and AMX-BF16, the OS saves the tile state and
 // grants it to this process (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once, here).
@@ -116,8 +119,8 @@ void AmxDotScores(const uint32_t* qp, size_t mq, int64_t dk, const uint16_t* k, 
 // mq = 32: C tiles of 16 rows × 16 columns of acc, loaded and stored in place, A = 16 rows' 16
 // weight pairs (the block's 32 key lanes), B = kp's 16 key pairs × 16 columns. Other mq: Bf16DsKeys.
 // Only after cpu_has_amx_bf16() returned true.
-void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint16_t* k, int64_t k_stride, int64_t dk,
-               int64_t width, uint32_t* kp, uint32_t* wp, float* acc);
+void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint32_t* kp, int64_t width, uint32_t* wp,
+               float* acc);
 
 // kFast's p·V on AMX tiles: Bf16DotAccumulate's result (the same arguments, range rules and
 // error bound, other bits) with C tiles of 16 value columns × 16 lanes, A = the tile's values
