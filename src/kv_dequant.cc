@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "checks.h"
 #include "problem.h"
@@ -67,14 +68,22 @@ int64_t check_scale(const char* name, const TensorView& s, const char* x_name, c
   return G;
 }
 
-// Whether every element of float32 t is finite, when t is contiguous (C order; false when it
-// is not, or when one is not finite): a vectorised pass over the scales, 4 bytes per row of x
-// against x's D, so that the common case of an 8-bit call costs no per-row loop.
-bool all_finite_contiguous(const TensorView& t) {
-  int64_t stride = 1;
-  for (int d = t.rank - 1; d >= 0; --d) {
-    if (t.shape[d] != 1 && t.strides[d] != stride) return false;
-    stride *= t.shape[d];
+// Whether every element of float32 t is finite, when t's elements fill one span of memory
+// without gaps (C order or any permutation of it, as a paged pool's scales laid out
+// (pages, Hkv, page_size) and viewed as (pages, page_size, Hkv); false when they do not, or
+// when one is not finite): a vectorised pass over the scales, 4 bytes per row of x against
+// x's D, so that the common case of an 8-bit call costs no per-row loop.
+bool all_finite_dense(const TensorView& t) {
+  int dims[4];
+  int n_dims = 0;
+  for (int d = 0; d < t.rank; ++d)
+    if (t.shape[d] != 1) dims[n_dims++] = d;
+  for (int i = 1; i < n_dims; ++i)  // by stride, smallest first (insertion: at most 4 dims)
+    for (int j = i; j > 0 && t.strides[dims[j]] < t.strides[dims[j - 1]]; --j) std::swap(dims[j], dims[j - 1]);
+  int64_t stride = 1;  // each dim must step over the ones before it
+  for (int i = 0; i < n_dims; ++i) {
+    if (t.strides[dims[i]] != stride) return false;
+    stride *= t.shape[dims[i]];
   }
   const char* x = static_cast<const char*>(t.data);
   const int64_t n = t.numel();
@@ -147,9 +156,9 @@ TensorView dequantize(const TensorView& x, const char* x_name, const TensorView&
   if (!values) {
     // Checked only (a fused call, whose kernels stream k and v in a few milliseconds): first
     // whether every scale and zero point is finite (rows read or not: one pass over
-    // contiguous tensors), then whether every one read is, rows split among the threads; only
+    // dense tensors), then whether every one read is, rows split among the threads; only
     // if one is not, the serial loop below finds the first and names it.
-    if (all_finite_contiguous(scale) && (!zero || all_finite_contiguous(*zero))) return out;
+    if (all_finite_dense(scale) && (!zero || all_finite_dense(*zero))) return out;
     const int64_t total = x.numel() / D;
     bool bad = false;
 #pragma omp parallel for schedule(static) reduction(|| : bad) num_threads(num_threads()) if (total >= 4096)

@@ -385,6 +385,14 @@ TEST(KVQuant, PagedEqualsFloat32Call) {
         sdpa::attention_paged(in32, {out32.view(), std::nullopt, lse32.view()});
         EXPECT_TRUE(same_bits("out", out.values(), out32.values()));
         EXPECT_TRUE(same_bits("lse", lse.values(), lse32.values()));
+        // A read row's non-finite scale is an Error in either layout of the scales (v's are all
+        // finite: one pass over them, kv_dequant.cc's all_finite_dense, head-major too).
+        const size_t per_page = k.scale.size() / static_cast<size_t>(P);
+        k.scale[static_cast<size_t>(table[0]) * per_page] = INFINITY;  // row 0 of sequence 0, head 0
+        v.scale[static_cast<size_t>(table[0]) * (v.scale.size() / static_cast<size_t>(P))] = NAN;
+        expect_sdpa_error([&] { sdpa::attention_paged(in, {out.view()}); }, {"kv_quant.k_scale has a non-finite value inf"});
+        k.scale[static_cast<size_t>(table[0]) * per_page] = 1.0f;
+        expect_sdpa_error([&] { sdpa::attention_paged(in, {out.view()}); }, {"kv_quant.v_scale has a non-finite value nan"});
       }
 }
 

@@ -42,6 +42,54 @@ namespace hn = hwy::HWY_NAMESPACE;
 template <int64_t R>
 inline constexpr int64_t kDecodeChunk = (R + 1) * 4 <= kVectorRegisters ? 4 : (R + 1) * 2 <= kVectorRegisters ? 2 : 1;
 
+// sums[r] = Σ of acc[r]'s lanes for r < R, bit for bit GetLane(SumOfLanes(d, acc[r])): the
+// same tree as Highway's x86 reductions (halves added at lane distance N/2, N/4, ..., 1).
+// Four rows share each shuffle and add of the tree on AVX-512 and AVX2 (13 and 10 instructions
+// for four rows where four SumOfLanes take about 40 and 28): the few-rows kernel sums one
+// vector per key and row, a fifth of an 8-bit decode's instructions. Fewer than 3 rows, other
+// targets and float64: one SumOfLanes each.
+template <int64_t R, class D, typename T = hn::TFromD<D>>
+HWY_INLINE void SumsOfLanes(D d, const hn::Vec<D>* HWY_RESTRICT acc, T* HWY_RESTRICT sums) {
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+  if constexpr (std::is_same_v<T, float> && sizeof(hn::Vec<D>) == 64 && R >= 3) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m512 a[4];
+      for (int64_t i = 0; i < 4; ++i) a[i] = r0 + i < R ? acc[r0 + i].raw : _mm512_setzero_ps();
+      // Distance 8: [a0's lanes 0-7 + 8-15, a1's] and [a2's, a3's].
+      const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+      const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+      // Distance 4: block i (4 lanes) holds row r0 + i.
+      const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+      const __m512 z = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));  // distance 2
+      const __m512 w = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));  // distance 1: lane 4i is row r0 + i's sum
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, w);
+      for (int64_t i = 0; i < 4 && r0 + i < R; ++i) sums[r0 + i] = lanes[4 * i];
+    }
+    return;
+  }
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+  if constexpr (std::is_same_v<T, float> && sizeof(hn::Vec<D>) == 32 && R >= 3) {
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m256 a[4];
+      for (int64_t i = 0; i < 4; ++i) a[i] = r0 + i < R ? acc[r0 + i].raw : _mm256_setzero_ps();
+      // Distance 4: [a0's lanes 0-3 + 4-7, a1's] and [a2's, a3's].
+      const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+      const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+      // Distance 2: lanes 0-1 row r0, 2-3 row r0 + 2, 4-5 row r0 + 1, 6-7 row r0 + 3.
+      const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x01, x23, 0x44), _mm256_shuffle_ps(x01, x23, 0xEE));
+      const __m256 w = _mm256_add_ps(y, _mm256_permute_ps(y, 0xB1));  // distance 1
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, w);
+      constexpr int kLane[4] = {0, 4, 2, 6};
+      for (int64_t i = 0; i < 4 && r0 + i < R; ++i) sums[r0 + i] = lanes[kLane[i]];
+    }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < R; ++r) sums[r] = hn::GetLane(hn::SumOfLanes(d, acc[r]));
+}
+
 // s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
 // pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
 // vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
@@ -83,14 +131,17 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
     V acc[R];
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
+#pragma GCC unroll 2
     for (int64_t c = 0; c < dk_full; c += N) {
       const V kv = kj.Load(d, c);
 #pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(hn::Load(d, q + r * dkp + c), kv, acc[r]);
     }
+    T dots[R];
+    SumsOfLanes<R>(d, acc, dots);
 #pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) {
-      T dot = hn::GetLane(hn::SumOfLanes(d, acc[r]));
+      T dot = dots[r];
       for (int64_t c = dk_full; c < p.Dk; ++c) dot += q[r * dkp + c] * kj.At(c);
       st[r * kTileKeys + j] = dot;
     }

@@ -13,6 +13,7 @@
 #define SDPA_FLASH_ROWS_INL_H_
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -67,9 +68,18 @@ Rows<S> QuantRowsInPlace(const View4& v, int64_t b, int64_t h, int64_t n0, int64
   Rows<S> rows = RowsInPlace(v, b, h, n0, n, ptrs);
   if constexpr (kIs8Bit<S>) {
     const bool has_zero = v.quant.zero != nullptr;
-    for (int64_t r = 0; r < n; ++r) {
-      scales[r] = v.quant_row(false, b, h, n0 + r);
-      if (has_zero) zeros[r] = v.quant_row(true, b, h, n0 + r);
+    HWY_DASSERT(has_zero == (std::is_same_v<S, uint8_t>));  // RowReader::Load relies on it
+    // One address per run of evenly spaced rows (a page of a paged pool), as RowsInPlace's:
+    // a row's scales lie in the row's page, st[2] floats past the previous row's.
+    for (int64_t r = 0; r < n;) {
+      const int64_t stop = std::min(n, v.run_end(n0 + r) - n0);
+      const float* s0 = v.quant_row(false, b, h, n0 + r);
+      const float* z0 = has_zero ? v.quant_row(true, b, h, n0 + r) : nullptr;
+      for (int64_t x = r; x < stop; ++x) {
+        scales[x] = s0 + (x - r) * v.quant.strides[2];
+        if (has_zero) zeros[x] = z0 + (x - r) * v.quant.zero_strides[2];
+      }
+      r = stop;
     }
     rows.scales = scales;
     rows.zeros = has_zero ? zeros : nullptr;
@@ -155,7 +165,8 @@ struct RowReader {
     if constexpr (kIs8Bit<S>) {
       const int64_t g = one_group ? 0 : c / width;  // (no division per vector for a scale per row)
       auto xf = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<S, D>(), x + c)));
-      if (z != nullptr) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
+      // uint8 always has zero points, int8 never (Float32Call::prepare): no test per vector.
+      if constexpr (std::is_same_v<S, uint8_t>) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
       return hn::Mul(xf, hn::Set(d, s[g * s_step]));
     } else {
       return LoadWidened(d, x + c);
