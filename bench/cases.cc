@@ -141,7 +141,7 @@ std::vector<BenchCase> float32_cases() {
   };
 }
 
-// The 8-bit KV cache's decode cases (issue 30): float32 q against int8 / uint8 K/V.
+// The 8-bit KV cache's decode cases (issue 30): float32 q (or 16-bit: cases_in) against int8 / uint8 K/V.
 std::vector<BenchCase> kv8_cases() {
   std::vector<BenchCase> cases;
   for (DType kv : {DType::kInt8, DType::kUInt8}) {
@@ -170,6 +170,9 @@ BenchCase in_dtype(BenchCase c, DType dtype) {
 std::vector<BenchCase> cases_in(DType dtype) {
   std::vector<BenchCase> cases;
   for (const BenchCase& c : float32_cases()) cases.push_back(in_dtype(c, dtype));
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {  // 16-bit q against an 8-bit cache
+    for (const BenchCase& c : kv8_cases()) cases.push_back(in_dtype(c, dtype));
+  }
   return cases;
 }
 

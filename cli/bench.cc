@@ -54,7 +54,8 @@ CLI::App* add_bench_command(CLI::App& app, BenchOptions& options) {
   cmd->add_option("--filter", options.filter, "Only cases whose name contains this text");
   cmd->add_option("--dtype", options.dtype,
                   "Every case in this dtype (q, k, v, out; lse float32, float64 for f64) instead of the default "
-                  "table: float32, then the cases named 'bf16' in bfloat16")
+                  "table: float32, then the cases named 'bf16' in bfloat16 (bf16 and f16 also run the 8-bit cache's "
+                  "cases with 16-bit q)")
       ->check(CLI::IsMember({"bf16", "f16", "f32", "f64"}))
       ->type_name("DTYPE");
   cmd->add_option("--precision", options.precision,

@@ -142,6 +142,7 @@ void attention(const Inputs& inputs, const Outputs& outputs, const Options& opti
                   internal::dense_rows_read(in.k, in.seqlens_k), /*fusable=*/true)) {
     if (f32.fused()) {
       internal::run_forward(internal::make_fused_problem(f32, in, outs, options), options.backend);
+      f32.finish();
       return;
     }
     internal::run_forward(internal::make_problem(in, outs, options), options.backend);

@@ -276,34 +276,35 @@ bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::opti
   check_has_data("q", q);
   check_has_data("out", out);
   // Every check above before any copy; dequantize checks the scales as it reads them.
-  if (fusable && q.dtype == DType::kFloat32 && out.dtype == DType::kFloat32) {
-    // The scales checked, nothing copied; fused() tells whether the kernels can read k and v
+  bool fuse = false;
+  if (fusable) {
+    // The scales checked, k and v not copied; fused() tells whether the kernels can read them
     // in place (scale groups of whole vectors: kFusedWidth).
     const TensorView* xs[2] = {&k, &v};
     const TensorView* ss[2] = {&kv_quant->k_scale, &kv_quant->v_scale};
     const std::optional<TensorView>* zs[2] = {&kv_quant->k_zero, &kv_quant->v_zero};
     const char* names[2][3] = {{k_name, "kv_quant.k_scale", "kv_quant.k_zero"}, {v_name, "kv_quant.v_scale", "kv_quant.v_zero"}};
-    bool whole_vectors = true;
+    fuse = true;
     for (int t = 0; t < 2; ++t) {
       std::unique_ptr<float[]> none;
       dequantize(*xs[t], names[t][0], *ss[t], *zs[t], names[t][1], names[t][2], reads, none, /*values=*/false);
       const int64_t D = xs[t]->shape[xs[t]->rank - 1];
       const int64_t G = ss[t]->rank == xs[t]->rank ? ss[t]->shape[ss[t]->rank - 1] : 1;
       width_[t] = D / G;
-      whole_vectors &= G == 1 || width_[t] % kFusedWidth == 0;
-    }
-    if (whole_vectors) {
-      fused_ = true;
-      return true;
+      fuse &= G == 1 || width_[t] % kFusedWidth == 0;
     }
   }
-  const TensorView kf = dequantize(k, k_name, kv_quant->k_scale, kv_quant->k_zero, "kv_quant.k_scale",
-                                   "kv_quant.k_zero", reads, k_);
-  const TensorView vf = dequantize(v, v_name, kv_quant->v_scale, kv_quant->v_zero, "kv_quant.v_scale",
-                                   "kv_quant.v_zero", reads, v_);
-  k = kf;
-  v = vf;
-  kv_quant.reset();
+  if (!fuse) {
+    const TensorView kf = dequantize(k, k_name, kv_quant->k_scale, kv_quant->k_zero, "kv_quant.k_scale",
+                                     "kv_quant.k_zero", reads, k_);
+    const TensorView vf = dequantize(v, v_name, kv_quant->v_scale, kv_quant->v_zero, "kv_quant.v_scale",
+                                     "kv_quant.v_zero", reads, v_);
+    k = kf;
+    v = vf;
+    kv_quant.reset();
+  }
+  // 16-bit q (fused or not): q and a 16-bit mask widened into float32 copies (small beside the
+  // cache a decode step reads), out computed in float32 and rounded once by finish().
   if (is_16bit(q.dtype)) {
     if (mask && *mask && is_16bit((*mask)->dtype)) {
       check_basic("mask", **mask, 1, 4);
@@ -317,6 +318,7 @@ bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::opti
       out = float32_like(out, out_, false);
     }
   }
+  fused_ = fuse;
   return true;
 }
 

@@ -9,7 +9,8 @@
 // pages, varlen) thus reads the same float32 values, bit for bit the call on float32 K/V holding
 // them. Costs float32 copies of k and v (of the pools, for attention_paged) per call, except
 // where the call is fused (prepare's fusable): then the SIMD kernels read the 8-bit values in
-// place and dequantise them in registers by the same rule (the same bits).
+// place and dequantise them in registers by the same rule (the same bits); 16-bit q, a 16-bit
+// mask and out still go through their float32 copies (a decode step's are small).
 #pragma once
 
 #include <functional>
@@ -42,13 +43,14 @@ class Float32Call {
   // q, k, v, mask and out as float32 views over its scratch, and kv_quant as none.
   //
   // fusable (the caller's word that its problem's views can carry the quantisation: the
-  // dense calls; every kernel then reads 8-bit k and v in place, the fused ones dequantising
-  // in registers, the slow paths through View4::load): with float32 q and out and scale groups of
+  // dense and paged calls; every kernel then reads 8-bit k and v in place, the fused ones
+  // dequantising in registers, the slow paths through View4::load): with scale groups of
   // whole vectors (one group per row, or a width that is a multiple of kFusedWidth), prepare
-  // validates as above but copies nothing and returns true with fused() true: q, k, v and
-  // kv_quant stay as given, and attach() puts the quantisation into the problem's k and v
-  // views (problem.h's View4::Quant), which the kernels dequantise in registers, the same
-  // values (rows-inl.h's RowReader, ReadRows). Else the float32 stand-in call above.
+  // validates as above but does not copy k and v and returns true with fused() true: k, v and
+  // kv_quant stay as given (q, mask and out are rewritten as above when q is 16-bit), and
+  // attach() puts the quantisation into the problem's k and v views (problem.h's
+  // View4::Quant), which the kernels dequantise in registers, the same values (rows-inl.h's
+  // RowReader, ReadRows). Else the float32 stand-in call above.
   bool prepare(TensorView& q, TensorView& k, TensorView& v, std::optional<KVQuant>& kv_quant,
                std::optional<TensorView>* mask, TensorView& out, const char* k_name, const char* v_name,
                const RowsRead& reads, bool fusable = false);

@@ -385,6 +385,18 @@ TEST(KVQuant, PagedEqualsFloat32Call) {
         sdpa::attention_paged(in32, {out32.view(), std::nullopt, lse32.view()});
         EXPECT_TRUE(same_bits("out", out.values(), out32.values()));
         EXPECT_TRUE(same_bits("lse", lse.values(), lse32.values()));
+        {  // bfloat16 q (widened exactly) and out (the float32 call's, rounded once): also in place
+          const GuardedTensor q16 = q.converted(DType::kBFloat16, Layout::kContiguous);
+          const GuardedTensor q16f = q16.converted(DType::kFloat32, Layout::kContiguous);
+          GuardedTensor out16(DType::kBFloat16, {B, Hq, Nq, Dv});
+          sdpa::PagedInputs in16 = in, in16f = in32;
+          in16.q = q16.view();
+          in16f.q = q16f.view();
+          sdpa::attention_paged(in16, {out16.view()});
+          sdpa::attention_paged(in16f, {out32.view()});
+          EXPECT_TRUE(same_bits("bfloat16 out", out16.values(),
+                                out32.converted(DType::kBFloat16, Layout::kContiguous).values()));
+        }
         // A read row's non-finite scale is an Error in either layout of the scales (v's are all
         // finite: one pass over them, kv_dequant.cc's all_finite_dense, head-major too).
         const size_t per_page = k.scale.size() / static_cast<size_t>(P);
