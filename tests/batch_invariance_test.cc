@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -22,13 +23,17 @@
 #include "oracle.h"
 #include "sdpa/attention.h"
 #include "sdpa/kv_cache.h"
+#include "test_util.h"
 
 namespace {
 
 using sdpa::DType;
 using sdpa::TensorView;
 
-constexpr int64_t kHq = 4, kHkv = 2, kDk = 64, kDv = 32;
+constexpr int64_t kHq = 4, kHkv = 2;
+// Head dims of the sequences built next: 64 and 32, or odd ones (OddHeadDims below: the
+// kernels' tails of a vector of features).
+int64_t g_dk = 64, g_dv = 32;
 
 void put(uint8_t* p, DType t, double x) {
   if (t == DType::kFloat32) {
@@ -51,7 +56,7 @@ struct Seq {
 
 Seq random_seq(int64_t L, std::mt19937& rng) {
   std::normal_distribution<double> normal;
-  Seq s{L, std::vector<double>(L * kHq * kDk), std::vector<double>(L * kHkv * kDk), std::vector<double>(L * kHkv * kDv)};
+  Seq s{L, std::vector<double>(L * kHq * g_dk), std::vector<double>(L * kHkv * g_dk), std::vector<double>(L * kHkv * g_dv)};
   for (auto* x : {&s.q, &s.k, &s.v})
     for (double& e : *x) e = normal(rng);
   return s;
@@ -99,29 +104,29 @@ class Runner {
     const int64_t B = static_cast<int64_t>(items.size());
     int64_t Nk = 0;
     for (const Item& it : items) Nk = std::max(Nk, it.keys);
-    Buf q(c_.dtype, B * kHq * n * kDk), k(c_.dtype, B * kHkv * Nk * kDk), v(c_.dtype, B * kHkv * Nk * kDv),
-        out(c_.dtype, B * kHq * n * kDv);
+    Buf q(c_.dtype, B * kHq * n * g_dk), k(c_.dtype, B * kHkv * Nk * g_dk), v(c_.dtype, B * kHkv * Nk * g_dv),
+        out(c_.dtype, B * kHq * n * g_dv);
     std::vector<int64_t> lens(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const Item& it = items[b];
       lens[b] = it.keys;
       for (int64_t h = 0; h < kHq; ++h)
         for (int64_t i = 0; i < n; ++i)
-          for (int64_t d = 0; d < kDk; ++d) put(q.at(((b * kHq + h) * n + i) * kDk + d), c_.dtype, it.s->q[((it.q0 + i) * kHq + h) * kDk + d]);
+          for (int64_t d = 0; d < g_dk; ++d) put(q.at(((b * kHq + h) * n + i) * g_dk + d), c_.dtype, it.s->q[((it.q0 + i) * kHq + h) * g_dk + d]);
       for (int64_t h = 0; h < kHkv; ++h)
         for (int64_t j = 0; j < Nk; ++j) {
-          for (int64_t d = 0; d < kDk; ++d)
-            put(k.at(((b * kHkv + h) * Nk + j) * kDk + d), c_.dtype, j < it.keys ? it.s->k[(j * kHkv + h) * kDk + d] : 0.0);
-          for (int64_t d = 0; d < kDv; ++d)
-            put(v.at(((b * kHkv + h) * Nk + j) * kDv + d), c_.dtype, j < it.keys ? it.s->v[(j * kHkv + h) * kDv + d] : 0.0);
+          for (int64_t d = 0; d < g_dk; ++d)
+            put(k.at(((b * kHkv + h) * Nk + j) * g_dk + d), c_.dtype, j < it.keys ? it.s->k[(j * kHkv + h) * g_dk + d] : 0.0);
+          for (int64_t d = 0; d < g_dv; ++d)
+            put(v.at(((b * kHkv + h) * Nk + j) * g_dv + d), c_.dtype, j < it.keys ? it.s->v[(j * kHkv + h) * g_dv + d] : 0.0);
         }
     }
-    sdpa::Inputs in{q.view({B, kHq, n, kDk}), k.view({B, kHkv, Nk, kDk}), v.view({B, kHkv, Nk, kDv})};
+    sdpa::Inputs in{q.view({B, kHq, n, g_dk}), k.view({B, kHkv, Nk, g_dk}), v.view({B, kHkv, Nk, g_dv})};
     if (seqlens) in.seqlens_k = TensorView::contiguous(lens.data(), DType::kInt64, {B});
-    sdpa::attention(in, {out.view({B, kHq, n, kDv})}, opt_);
+    sdpa::attention(in, {out.view({B, kHq, n, g_dv})}, opt_);
     std::vector<Row> rows;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < n; ++i) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return ((b * kHq + h) * n + i) * kDv + e; }));
+      for (int64_t i = 0; i < n; ++i) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return ((b * kHq + h) * n + i) * g_dv + e; }));
     return rows;
   }
 
@@ -129,21 +134,21 @@ class Runner {
   std::vector<Row> varlen(const std::vector<const Seq*>& seqs, const std::vector<int64_t>& nq) {
     std::vector<int64_t> cq{0}, ck{0};
     for (size_t b = 0; b < seqs.size(); ++b) cq.push_back(cq.back() + nq[b]), ck.push_back(ck.back() + seqs[b]->L);
-    Buf q(c_.dtype, cq.back() * kHq * kDk), k(c_.dtype, ck.back() * kHkv * kDk), v(c_.dtype, ck.back() * kHkv * kDv),
-        out(c_.dtype, cq.back() * kHq * kDv);
+    Buf q(c_.dtype, cq.back() * kHq * g_dk), k(c_.dtype, ck.back() * kHkv * g_dk), v(c_.dtype, ck.back() * kHkv * g_dv),
+        out(c_.dtype, cq.back() * kHq * g_dv);
     for (size_t b = 0; b < seqs.size(); ++b) {
       const Seq& s = *seqs[b];
-      for (int64_t i = 0; i < nq[b] * kHq * kDk; ++i) put(q.at(cq[b] * kHq * kDk + i), c_.dtype, s.q[(s.L - nq[b]) * kHq * kDk + i]);
-      for (int64_t i = 0; i < s.L * kHkv * kDk; ++i) put(k.at(ck[b] * kHkv * kDk + i), c_.dtype, s.k[i]);
-      for (int64_t i = 0; i < s.L * kHkv * kDv; ++i) put(v.at(ck[b] * kHkv * kDv + i), c_.dtype, s.v[i]);
+      for (int64_t i = 0; i < nq[b] * kHq * g_dk; ++i) put(q.at(cq[b] * kHq * g_dk + i), c_.dtype, s.q[(s.L - nq[b]) * kHq * g_dk + i]);
+      for (int64_t i = 0; i < s.L * kHkv * g_dk; ++i) put(k.at(ck[b] * kHkv * g_dk + i), c_.dtype, s.k[i]);
+      for (int64_t i = 0; i < s.L * kHkv * g_dv; ++i) put(v.at(ck[b] * kHkv * g_dv + i), c_.dtype, s.v[i]);
     }
     const int64_t B1 = static_cast<int64_t>(cq.size());
-    sdpa::attention_varlen({q.view({cq.back(), kHq, kDk}), k.view({ck.back(), kHkv, kDk}), v.view({ck.back(), kHkv, kDv}),
+    sdpa::attention_varlen({q.view({cq.back(), kHq, g_dk}), k.view({ck.back(), kHkv, g_dk}), v.view({ck.back(), kHkv, g_dv}),
                             TensorView::contiguous(cq.data(), DType::kInt64, {B1}),
                             TensorView::contiguous(ck.data(), DType::kInt64, {B1})},
-                           {out.view({cq.back(), kHq, kDv})}, opt_);
+                           {out.view({cq.back(), kHq, g_dv})}, opt_);
     std::vector<Row> rows;
-    for (int64_t r = 0; r < cq.back(); ++r) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return (r * kHq + h) * kDv + e; }));
+    for (int64_t r = 0; r < cq.back(); ++r) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return (r * kHq + h) * g_dv + e; }));
     return rows;
   }
 
@@ -160,8 +165,8 @@ class Runner {
     std::vector<int32_t> order(static_cast<size_t>(pages)), table(static_cast<size_t>(B * max_pages), -1);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
-    Buf k(c_.dtype, pages * page_size * kHkv * kDk), v(c_.dtype, pages * page_size * kHkv * kDv), q(c_.dtype, B * kHq * nq * kDk),
-        out(c_.dtype, B * kHq * nq * kDv);
+    Buf k(c_.dtype, pages * page_size * kHkv * g_dk), v(c_.dtype, pages * page_size * kHkv * g_dv), q(c_.dtype, B * kHq * nq * g_dk),
+        out(c_.dtype, B * kHq * nq * g_dv);
     std::vector<int64_t> lens;
     size_t next = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -170,47 +175,47 @@ class Runner {
       for (int64_t pg = 0; pg * page_size < s.L; ++pg) table[b * max_pages + pg] = order[next++];
       for (int64_t j = 0; j < s.L; ++j) {
         const int64_t row = table[b * max_pages + j / page_size] * page_size + j % page_size;
-        for (int64_t x = 0; x < kHkv * kDk; ++x) put(k.at(row * kHkv * kDk + x), c_.dtype, s.k[j * kHkv * kDk + x]);
-        for (int64_t x = 0; x < kHkv * kDv; ++x) put(v.at(row * kHkv * kDv + x), c_.dtype, s.v[j * kHkv * kDv + x]);
+        for (int64_t x = 0; x < kHkv * g_dk; ++x) put(k.at(row * kHkv * g_dk + x), c_.dtype, s.k[j * kHkv * g_dk + x]);
+        for (int64_t x = 0; x < kHkv * g_dv; ++x) put(v.at(row * kHkv * g_dv + x), c_.dtype, s.v[j * kHkv * g_dv + x]);
       }
       for (int64_t h = 0; h < kHq; ++h)
         for (int64_t i = 0; i < nq; ++i)
-          for (int64_t d = 0; d < kDk; ++d) put(q.at(((b * kHq + h) * nq + i) * kDk + d), c_.dtype, s.q[((s.L - nq + i) * kHq + h) * kDk + d]);
+          for (int64_t d = 0; d < g_dk; ++d) put(q.at(((b * kHq + h) * nq + i) * g_dk + d), c_.dtype, s.q[((s.L - nq + i) * kHq + h) * g_dk + d]);
     }
-    sdpa::PagedInputs in{q.view({B, kHq, nq, kDk}), k.view({pages, page_size, kHkv, kDk}), v.view({pages, page_size, kHkv, kDv}),
+    sdpa::PagedInputs in{q.view({B, kHq, nq, g_dk}), k.view({pages, page_size, kHkv, g_dk}), v.view({pages, page_size, kHkv, g_dv}),
                          TensorView::contiguous(table.data(), DType::kInt32, {B, max_pages}),
                          TensorView::contiguous(lens.data(), DType::kInt64, {B})};
-    sdpa::attention_paged(in, {out.view({B, kHq, nq, kDv})}, opt_);
+    sdpa::attention_paged(in, {out.view({B, kHq, nq, g_dv})}, opt_);
     std::vector<Row> rows;
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < nq; ++i) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return ((b * kHq + h) * nq + i) * kDv + e; }));
+      for (int64_t i = 0; i < nq; ++i) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return ((b * kHq + h) * nq + i) * g_dv + e; }));
     return rows;
   }
 
   // A KVCache (pages of 16) decoding the target token by token beside another sequence: the
   // target's rows at positions [first, L) (causal).
   std::vector<Row> kv_cache_decode(const Seq& target, const Seq& other, int64_t first) {
-    sdpa::KVCache cache(2 * ((target.L + other.L) / 16 + 2), 16, kHkv, kDk, kDv, c_.dtype);
+    sdpa::KVCache cache(2 * ((target.L + other.L) / 16 + 2), 16, kHkv, g_dk, g_dv, c_.dtype);
     const int64_t a = cache.new_sequence(), t = cache.new_sequence();
     const auto append = [&](int64_t seq, const Seq& s, int64_t j0, int64_t j1) {
       if (j1 <= j0) return;
-      Buf k(c_.dtype, (j1 - j0) * kHkv * kDk), v(c_.dtype, (j1 - j0) * kHkv * kDv);
-      for (int64_t x = 0; x < (j1 - j0) * kHkv * kDk; ++x) put(k.at(x), c_.dtype, s.k[j0 * kHkv * kDk + x]);
-      for (int64_t x = 0; x < (j1 - j0) * kHkv * kDv; ++x) put(v.at(x), c_.dtype, s.v[j0 * kHkv * kDv + x]);
-      cache.append(seq, k.view({j1 - j0, kHkv, kDk}), v.view({j1 - j0, kHkv, kDv}));
+      Buf k(c_.dtype, (j1 - j0) * kHkv * g_dk), v(c_.dtype, (j1 - j0) * kHkv * g_dv);
+      for (int64_t x = 0; x < (j1 - j0) * kHkv * g_dk; ++x) put(k.at(x), c_.dtype, s.k[j0 * kHkv * g_dk + x]);
+      for (int64_t x = 0; x < (j1 - j0) * kHkv * g_dv; ++x) put(v.at(x), c_.dtype, s.v[j0 * kHkv * g_dv + x]);
+      cache.append(seq, k.view({j1 - j0, kHkv, g_dk}), v.view({j1 - j0, kHkv, g_dv}));
     };
     append(a, other, 0, other.L - 1);
     append(t, target, 0, first);
     std::vector<Row> rows;
     for (int64_t pos = first; pos < target.L; ++pos) {
       append(t, target, pos, pos + 1);
-      Buf q(c_.dtype, 2 * kHq * kDk), out(c_.dtype, 2 * kHq * kDv);
+      Buf q(c_.dtype, 2 * kHq * g_dk), out(c_.dtype, 2 * kHq * g_dv);
       const Seq* s[2] = {&other, &target};
       const int64_t at[2] = {other.L - 1, pos};
       for (int64_t b = 0; b < 2; ++b)
-        for (int64_t x = 0; x < kHq * kDk; ++x) put(q.at(b * kHq * kDk + x), c_.dtype, s[b]->q[at[b] * kHq * kDk + x]);
-      cache.attention(q.view({2, kHq, 1, kDk}), {a, t}, {out.view({2, kHq, 1, kDv})}, opt_);
-      rows.push_back(gather(out, [&](int64_t h, int64_t e) { return (kHq + h) * kDv + e; }));
+        for (int64_t x = 0; x < kHq * g_dk; ++x) put(q.at(b * kHq * g_dk + x), c_.dtype, s[b]->q[at[b] * kHq * g_dk + x]);
+      cache.attention(q.view({2, kHq, 1, g_dk}), {a, t}, {out.view({2, kHq, 1, g_dv})}, opt_);
+      rows.push_back(gather(out, [&](int64_t h, int64_t e) { return (kHq + h) * g_dv + e; }));
     }
     return rows;
   }
@@ -220,7 +225,7 @@ class Runner {
   Row gather(Buf& out, Index index) const {
     Row r;
     for (int64_t h = 0; h < kHq; ++h)
-      for (int64_t e = 0; e < kDv; ++e) {
+      for (int64_t e = 0; e < g_dv; ++e) {
         const uint8_t* p = out.at(index(h, e));
         r.insert(r.end(), p, p + sz_);
       }
@@ -308,6 +313,24 @@ INSTANTIATE_TEST_SUITE_P(All, BatchInvariance,
                            return name_of(std::get<0>(info.param)) + (std::get<1>(info.param) ? "_causal" : "") +
                                   (std::get<2>(info.param) ? "_softcap_sinks" : "");
                          });
+
+// Head dims that are not a multiple of the vector (Dk 67, Dv 33: every kernel's feature tails),
+// float32 and bfloat16, causal, on this CPU's best path and capped at AVX2.
+TEST(BatchInvarianceOddHeadDims, RowsAreBitwiseEqualHoweverBatched) {
+  g_dk = 67, g_dv = 33;
+  for (bool avx2 : {false, true}) {
+    if (avx2 && !sdpa_test::avx2_pass_skip_reason().empty()) continue;
+    std::optional<sdpa_test::Avx2Only> cap;
+    if (avx2) cap.emplace();
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16})
+      for (int64_t L : {127, 4097}) {
+        std::string first;
+        EXPECT_EQ(differing_rows({dtype, true, false}, L, /*invariant=*/true, &first), 0)
+            << name_of(dtype) << (avx2 ? " (AVX2)" : "") << " L=" << L << ": first differing: " << first;
+      }
+  }
+  g_dk = 64, g_dv = 32;
+}
 
 // The option is not vacuous: without it, some way of batching changes a row's bits today (the
 // decode kernel's dot products, and key chunks chosen from the number of blocks).

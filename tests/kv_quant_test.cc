@@ -83,6 +83,7 @@ struct QCase {
   sdpa::Window window = {};
   double softcap = 0;
   bool alibi = false, sinks = false, seqlens = false, block_mask = false;
+  bool batch_invariant = false;
 };
 
 std::vector<QCase> cases() {
@@ -152,6 +153,7 @@ Built build(const QCase& c) {
     for (int64_t i = 0; i < c.B; ++i) b.t32.seqlens_k.push_back(i == 0 ? c.Nk / 2 : c.Nk - 3);
   }
   sdpa::Options& o = b.options;
+  o.batch_invariant = c.batch_invariant;
   o.causal = c.causal;
   o.window = c.window;
   o.softcap = c.softcap;
@@ -234,6 +236,17 @@ TEST(KVQuant, EqualsFloat32CallOnDequantisedValues) {
   for (const QCase& c : cases())
     for (sdpa::Backend backend : {sdpa::Backend::kAuto, sdpa::Backend::kNaive, sdpa::Backend::kReference})
       check_case(c, backend);
+}
+
+// Options::batch_invariant too: the 8-bit call is the float32 call on the same values, so the
+// float32 call's invariance (batch_invariance_test) carries over to 8-bit caches.
+TEST(KVQuant, EqualsFloat32CallBatchInvariant) {
+  for (QCase c : cases()) {
+    if (c.block_mask) continue;  // (block masks and the option are separate concerns)
+    c.name += " batch invariant";
+    c.batch_invariant = true;
+    check_case(c, sdpa::Backend::kAuto);
+  }
 }
 
 TEST(KVQuant, EqualsFloat32CallAvx2Only) {

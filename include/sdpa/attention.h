@@ -157,9 +157,9 @@ struct Options {
   // kernels pick the key split and the kernel from the problem's shape, so a row's last bits may
   // change with the batch. With it the fused forward (kAuto, kFlash) always cuts a row's keys at
   // multiples of 4096 from key 0 and merges the pieces in key order, computes decode steps with
-  // the prefill kernel, and uses the portable SIMD products (no vdpbf16ps: KernelPath::kSimd).
-  // Cost (docs/PERFORMANCE.md): decode of few rows loses the decode kernel, 16-bit prefill on
-  // an AVX512_BF16 CPU the bfloat16 instruction. kReference computes one row at a time and is
+  // the prefill kernel's order of sums, and uses the portable SIMD products (KernelPath::kSimd).
+  // Cost (docs/PERFORMANCE.md): decode transposes its keys (the prefill kernel's order), 16-bit
+  // prefill on an AVX512_BF16 CPU loses the bfloat16 instruction. kReference computes one row at a time and is
   // invariant anyway; kNaive is not covered. The backward ignores it. Tests: batch_invariance_test.cc.
   bool batch_invariant = false;
   // Dropout on the attention weights, after the softmax: each weight is dropped with

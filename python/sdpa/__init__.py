@@ -236,7 +236,7 @@ def attention(q, k, v, mask=None, *, causal=False, scale=None, window=None, seql
             sequences of an ``attention_varlen`` or ``attention_paged`` batch, chunked prefill
             versus token-by-token decode, the page size or the thread count (an engine then
             gives the same result however it batches requests). It fixes the key chunks at
-            multiples of 4096 keys, computes decode steps with the prefill kernel and uses the
+            multiples of 4096 keys, sums decode steps in the prefill kernel's order and uses the
             portable SIMD products (no AVX512_BF16 dot instruction); the cost is in
             docs/PERFORMANCE.md. False (default): results still do not depend on the thread
             count, but may change in the last bits with the batch's shape.

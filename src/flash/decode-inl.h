@@ -28,6 +28,7 @@
 #include "flash/row_stats.h"
 #include "flash/rows-inl.h"
 #include "flash/score_tile-inl.h"
+#include "hwy/aligned_allocator.h"
 #include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "hwy/highway.h"
@@ -90,6 +91,42 @@ HWY_INLINE void SumsOfLanes(D d, const hn::Vec<D>* HWY_RESTRICT acc, T* HWY_REST
   for (int64_t r = 0; r < R; ++r) sums[r] = hn::GetLane(hn::SumOfLanes(d, acc[r]));
 }
 
+// Streaming K and V is the whole cost of a decode step: while key j0 + j computes, ask for its
+// value row (read in step 4, when `values` is given) and for the key row a tile ahead (row
+// j0 + kTileKeys + j, in its storage dtype), so both arrive while this tile computes. A
+// paged pool's rows are followed from page to page (one address lookup per page).
+template <typename S>
+struct StreamAhead {
+  const Problem& p;
+  const BlockRows& blk;
+  int64_t j0;
+  const Rows<S>* values;
+  int64_t k_bytes, v_bytes, ks_bytes;
+  // (A pointer past the tensor, or through a table entry past the sequence, would be undefined, even unread.)
+  int64_t ahead_end;
+  const char* run = nullptr;  // the row run_first of the page being prefetched
+  int64_t run_first = 0, run_stop = 0;
+  StreamAhead(const Problem& p_, const BlockRows& blk_, int64_t j0_, const Rows<S>* values_)
+      : p(p_), blk(blk_), j0(j0_), values(values_), k_bytes(p_.Dk * storage_bytes(p_.k.dtype)),
+        v_bytes(p_.Dv * storage_bytes(p_.v.dtype)), ks_bytes(p_.k.strides[2] * storage_bytes(p_.k.dtype)),
+        ahead_end(p_.k.paged() ? p_.keys_of(blk_.b) : p_.Nk) {}
+  HWY_INLINE void operator()(int64_t j) {
+    if (const int64_t r = j0 + kTileKeys + j; r < ahead_end) {
+      if (r >= run_stop) {
+        run = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, r, 0));
+        run_first = r;
+        run_stop = p.k.run_end(r);
+      }
+      const char* next = run + (r - run_first) * ks_bytes;
+      for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
+    }
+    if (values != nullptr) {
+      const char* vj = reinterpret_cast<const char*>(values->row(j));
+      for (int64_t c = 0; c < v_bytes; c += 64) hwy::Prefetch(vj + c);
+    }
+  }
+};
+
 // s[r][j] for keys [j0, j0 + n) (rows of `keys`, key j0 first): scaled dot products (q is
 // pre-scaled), then causal/window edges and the mask; the row is padded with -inf to whole
 // vectors. Each score depends only on (row, key), so the weights pass recomputes exactly the
@@ -102,32 +139,11 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const int64_t dk_full = p.Dk / N * N;
-  const int64_t k_bytes = p.Dk * storage_bytes(p.k.dtype), v_bytes = p.Dv * storage_bytes(p.v.dtype);
-  // Key rows a tile ahead (row j0 + kTileKeys + j while key j0 + j computes), followed from
-  // page to page in a paged pool (one address lookup per page).
-  const int64_t ks_bytes = p.k.strides[2] * storage_bytes(p.k.dtype);
-  // (A pointer past the tensor, or through a table entry past the sequence, would be undefined, even unread.)
-  const int64_t ahead_end = p.k.paged() ? p.keys_of(blk.b) : p.Nk;
-  const char* run = nullptr;  // the row run_first of the page being prefetched
-  int64_t run_first = 0, run_stop = 0;
+  StreamAhead<S> ahead(p, blk, j0, prefetch_values);
   // 1. Scores, one key at a time for all R rows.
   for (int64_t j = 0; j < n; ++j) {
     const RowReader<S, T> kj(keys, j);
-    // Streaming K and V is the whole cost: ask for this key's value row (read in step 4) and
-    // a key row a tile ahead now (in its storage dtype), so both arrive while this tile computes.
-    if (const int64_t r = j0 + kTileKeys + j; r < ahead_end) {
-      if (r >= run_stop) {
-        run = static_cast<const char*>(p.k.ptr(blk.b, blk.kvh, r, 0));
-        run_first = r;
-        run_stop = p.k.run_end(r);
-      }
-      const char* next = run + (r - run_first) * ks_bytes;
-      for (int64_t c = 0; c < k_bytes; c += 64) hwy::Prefetch(next + c);
-    }
-    if (prefetch_values != nullptr) {
-      const char* vj = reinterpret_cast<const char*>(prefetch_values->row(j));
-      for (int64_t c = 0; c < v_bytes; c += 64) hwy::Prefetch(vj + c);
-    }
+    ahead(j);
     V acc[R];
 #pragma GCC unroll 8  // fully unrolled, the accumulators stay in registers
     for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
@@ -148,6 +164,114 @@ HWY_INLINE void DecodeScores(D d, const Problem& p, const BlockRows& blk, const 
   }
   // 2. Causal/window edges and the mask (scalar: per element, but only O(R·n)); then -inf up
   //    to whole vectors for the softmax below.
+  MaskScores<1, TileLayout::kRowMajor>(d, p, blk.b, lanes, R, j0, n, /*edges=*/true, st, kTileKeys, static_cast<T*>(nullptr));
+  for (int64_t r = 0; r < R; ++r) std::fill(st + r * kTileKeys + n, st + r * kTileKeys + (n + N - 1) / N * N, neg_inf);
+}
+
+// Transposes the N × N block r (row x: N consecutive features of key x) in place, so that
+// r[c] holds feature c of the N keys. AVX-512 (16 lanes) and AVX2 (8) only.
+template <class D>
+HWY_INLINE void TransposeSquare(D, hn::Vec<D>* r) {
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+  if constexpr (std::is_same_v<hn::TFromD<D>, float> && sizeof(hn::Vec<D>) == 64) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit block b: keys 2i, 2i + 1 of features 4b, 4b + 1 (lo), 4b + 2, 4b + 3 (hi)
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i].raw, r[2 * i + 1].raw);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i].raw, r[2 * i + 1].raw);
+    }
+    for (int i = 0; i < 4; ++i) {  // u[4i + c] block b: keys 4i..4i + 3 of feature 4b + c
+      u[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {  // feature 4b + c: block b of u[c], u[4 + c], u[8 + c], u[12 + c]
+      const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
+      const __m512 x2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44), x3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+      r[c].raw = _mm512_shuffle_f32x4(x0, x2, 0x88);
+      r[4 + c].raw = _mm512_shuffle_f32x4(x0, x2, 0xDD);
+      r[8 + c].raw = _mm512_shuffle_f32x4(x1, x3, 0x88);
+      r[12 + c].raw = _mm512_shuffle_f32x4(x1, x3, 0xDD);
+    }
+  }
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+  if constexpr (std::is_same_v<hn::TFromD<D>, float> && sizeof(hn::Vec<D>) == 32) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm256_unpacklo_ps(r[2 * i].raw, r[2 * i + 1].raw);
+      t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i].raw, r[2 * i + 1].raw);
+    }
+    for (int i = 0; i < 2; ++i) {
+      u[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+      u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+      u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+      u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {
+      r[c].raw = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+      r[4 + c].raw = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+  }
+#else
+  (void)r;
+#endif
+}
+
+// Whether TransposeSquare transposes on this target and type.
+template <class D>
+inline constexpr bool kCanTransposeSquare =
+#if HWY_ARCH_X86 && (HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL)
+    std::is_same_v<hn::TFromD<D>, float> && sizeof(hn::Vec<D>) == 64;
+#elif HWY_ARCH_X86 && HWY_TARGET == HWY_AVX2
+    std::is_same_v<hn::TFromD<D>, float> && sizeof(hn::Vec<D>) == 32;
+#else
+    false;
+#endif
+
+// DecodeScores in the block kernel's order (Options::batch_invariant): each score is one
+// fused multiply-add chain over the features in order, from 0, as OuterScores computes it with
+// rows along the lanes (k[j][c] · q[c] = q[c] · k[j][c] exactly), so a row's scores have the
+// same bits in a decode step as in any block of a prefill. Here keys run along the lanes: N
+// keys at a time are transposed into kt (Dk × N, features as RowReader reads them), and each
+// row's q[c] is broadcast against kt[c]; the few-rows kernel's use of every lane stays. (The
+// products straight from the transposed registers, without kt, measured slower: 15.3-15.6 ms
+// against 14.1-14.3 on the bench's float32 decode case.)
+template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
+HWY_INLINE void DecodeScoresBlockOrder(D d, const Problem& p, const BlockRows& blk, const LaneRow* lanes,
+                                       const T* HWY_RESTRICT q, int64_t dkp, int64_t j0, int64_t n,
+                                       const Rows<S>& keys, const Rows<S>* prefetch_values, T* HWY_RESTRICT st,
+                                       T* HWY_RESTRICT kt) {
+  using V = hn::Vec<D>;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  const int64_t dk_full = kCanTransposeSquare<D> ? p.Dk / N * N : 0;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  StreamAhead<S> ahead(p, blk, j0, prefetch_values);
+  for (int64_t g = 0; g < n; g += N) {
+    const int64_t m = std::min(N, n - g);  // keys of this group; lanes past them read 0
+    RowReader<S, T> rd[hn::MaxLanes(d)];
+    for (int64_t x = 0; x < m; ++x) {
+      rd[x] = RowReader<S, T>(keys, g + x);
+      ahead(g + x);
+    }
+    for (int64_t c = 0; c < dk_full; c += N) {
+      V r[hn::MaxLanes(d)];
+      for (int64_t x = 0; x < N; ++x) r[x] = x < m ? rd[x].Load(d, c) : hn::Zero(d);
+      TransposeSquare(d, r);
+      for (int64_t x = 0; x < N; ++x) hn::Store(r[x], d, kt + (c + x) * N);
+    }
+    for (int64_t c = dk_full; c < p.Dk; ++c)
+      for (int64_t x = 0; x < N; ++x) kt[c * N + x] = x < m ? rd[x].At(c) : T(0);
+    V acc[R];
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) acc[r] = hn::Zero(d);
+    for (int64_t c = 0; c < p.Dk; ++c) {
+      const V kc = hn::Load(d, kt + c * N);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) acc[r] = hn::MulAdd(kc, hn::Set(d, q[r * dkp + c]), acc[r]);
+    }
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) hn::Store(acc[r], d, st + r * kTileKeys + g);
+  }
   MaskScores<1, TileLayout::kRowMajor>(d, p, blk.b, lanes, R, j0, n, /*edges=*/true, st, kTileKeys, static_cast<T*>(nullptr));
   for (int64_t r = 0; r < R; ++r) std::fill(st + r * kTileKeys + n, st + r * kTileKeys + (n + N - 1) / N * N, neg_inf);
 }
@@ -214,7 +338,11 @@ HWY_NOINLINE void DecodeRowStats(D d, const LaneStats<T>& ls, int64_t r, const T
 // vectors) in q, R·Dvp output accumulators in o, R·kTileKeys scores in st. K and V are read in
 // place in their storage type S; vtile: scratch for a tile of V rows widened to T, used only
 // when a tile is redone (below).
-template <int64_t R, class D, typename S, typename T = hn::TFromD<D>>
+// kBlockOrder (Options::batch_invariant): every sum in the block kernel's order, so that a row's
+// bits do not depend on whether its block took this kernel (DecodeScoresBlockOrder; each
+// row's weights summed in key order and l fused as BlockTile does; p·V's chains are the same in
+// both kernels already). Never with statistics (make_plan).
+template <int64_t R, bool kBlockOrder, class D, typename S, typename T = hn::TFromD<D>>
 void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* lanes, const LaneSpan& span,
                 const T* HWY_RESTRICT q, int64_t dkp, T* HWY_RESTRICT o, int64_t dvp, T* HWY_RESTRICT st, T* m_out,
                 T* l_out, T* HWY_RESTRICT vtile, T* HWY_RESTRICT o_prev, T* bad, int64_t mq, const LaneStats<T>& stats) {
@@ -232,6 +360,15 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
   const S* key_ptrs[kTileKeys];  // a paged pool's rows of the tile (RowsInPlace)
   const S* value_ptrs[kTileKeys];
   const float* quant_ptrs[4][kTileKeys];  // 8-bit K/V: the rows' scales and zero points (k, v)
+  hwy::AlignedFreeUniquePtr<T[]> kt;  // kBlockOrder: a group of keys transposed, Dk × N
+  if constexpr (kBlockOrder) kt = hwy::AllocateAligned<T>(static_cast<size_t>(std::max<int64_t>(p.Dk, 1) * N));
+  const auto score = [&](const Rows<S>& keys, const Rows<S>* prefetch_values, int64_t j0, int64_t n, T* out) {
+    if constexpr (kBlockOrder) {
+      DecodeScoresBlockOrder<R>(d, p, blk, lanes, q, dkp, j0, n, keys, prefetch_values, out, kt.get());
+    } else {
+      DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, prefetch_values, out);
+    }
+  };
   for (int64_t t = tile_start(span.begin); t < span.end; t += kTileKeys) {
     const int64_t j0 = std::max(t, span.begin);
     const int64_t n = std::min(t + kTileKeys, span.end) - j0;
@@ -239,7 +376,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     if (p.block_mask && !lanes_see_keys(p, blk.b, lanes, R, j0, j0 + n)) continue;
     const Rows<S> keys = QuantRowsInPlace(p.k, blk.b, blk.kvh, j0, n, key_ptrs, quant_ptrs[0], quant_ptrs[1]);
     const Rows<S> values = QuantRowsInPlace(p.v, blk.b, blk.kvh, j0, n, value_ptrs, quant_ptrs[2], quant_ptrs[3]);
-    DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, &values, st);
+    score(keys, &values, j0, n, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
     //    are BlockTile's, one piece each (score_tile-inl.h: ShiftedExp, AddTTerm,
     //    RescaleFactor); the sums are not: here p is summed per lane then across lanes, and l
@@ -247,6 +384,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     //    fuses them (one order each would change decode's bits, which issue 27 forbids).
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
+    bool nan_row[R];
     for (int64_t r = 0; r < R; ++r) {
       T* row = st + r * kTileKeys;
       V mx = hn::Set(d, neg_inf);
@@ -292,9 +430,21 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
       if (stats.reals != nullptr) {
         stats.t()[r] = rescale_t(stats.t()[r], m[r], msafe, l[r], alpha[r]) + hn::GetLane(hn::SumOfLanes(d, tsum));
       }
-      l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
-      if (!hn::AllFalse(d, nan)) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
+      nan_row[r] = !hn::AllFalse(d, nan);
+      if constexpr (!kBlockOrder) {
+        l[r] = l[r] * alpha[r] + hn::GetLane(hn::SumOfLanes(d, sum));
+        if (nan_row[r]) l[r] = std::numeric_limits<T>::quiet_NaN();  // out and lse become NaN
+      }
       m[r] = mnew;
+    }
+    if constexpr (kBlockOrder) {  // BlockTile's sums: a row's weights in key order from 0, l fused
+      T sums[R];
+      for (int64_t r = 0; r < R; ++r) sums[r] = T(0);
+      for (int64_t j = 0; j < n; ++j)  // the rows' chains interleaved: each add waits on its row's last
+        for (int64_t r = 0; r < R; ++r) sums[r] += st[r * kTileKeys + j];
+      for (int64_t r = 0; r < R; ++r) {
+        l[r] = nan_row[r] ? std::numeric_limits<T>::quiet_NaN() : std::fma(l[r], alpha[r], sums[r]);
+      }
     }
     if (p.dropout.enabled()) {  // after the sums: the softmax normalises the undropped weights
       for (int64_t r = 0; r < R; ++r)
@@ -320,7 +470,11 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
             using Stored = std::remove_cv_t<std::remove_pointer_t<decltype(values.data)>>;
             const T x = RowReader<Stored, T>(values, j).At(e);
             if (bad && bad[j] && (st[r * kTileKeys + j] == T(0) || !std::isfinite(x))) continue;
-            acc += st[r * kTileKeys + j] * x;
+            if constexpr (kBlockOrder) {
+              acc = std::fma(x, st[r * kTileKeys + j], acc);  // AccumulateValues' fused chain
+            } else {
+              acc += st[r * kTileKeys + j] * x;
+            }
           }
           o[r * dvp + e] = acc;
         }
@@ -337,7 +491,7 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
         // The bad rows' scores (recomputed: st holds p now, and each score is a function of
         // (row, key) alone, so these are the same bits) go to `bad`.
         T scores[R * kTileKeys];
-        DecodeScores<R>(d, p, blk, lanes, q, dkp, j0, n, keys, /*prefetch_values=*/static_cast<const Rows<S>*>(nullptr), scores);
+        score(keys, /*prefetch_values=*/nullptr, j0, n, scores);
         for (int64_t j = 0; j < n; ++j) {
           if (!v_bad[j]) continue;
           for (int64_t r = 0; r < R; ++r) {
@@ -398,8 +552,14 @@ void DecodeBlock(D d, const Problem& p, const BlockRows& blk, int64_t key_begin,
     // obuf holds two sets of rows: o, and o before the current tile (DecodeRows' redo).
     std::fill(bad, bad + kBadClasses * p.Dv * static_cast<int64_t>(mq), -std::numeric_limits<T>::infinity());
     WithStorage<T>(p.k.dtype, [&](auto s) {  // k and v share a dtype
-      DecodeRows<R>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, obuf + kDecodeMaxRows * (p.Dv + N),
-                    bad, static_cast<int64_t>(mq), stats);
+      T* const o_prev = obuf + kDecodeMaxRows * (p.Dv + N);
+      if (p.batch_invariant) {  // make_plan: never with statistics
+        DecodeRows<R, true>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, o_prev, bad,
+                            static_cast<int64_t>(mq), stats);
+      } else {
+        DecodeRows<R, false>(d, s, p, blk, lanes, span, qbuf, dkp, obuf, dvp, st, m, l, vtile, o_prev, bad,
+                             static_cast<int64_t>(mq), stats);
+      }
     });
     for (int64_t r = 0; r < R; ++r)
       for (int64_t e = 0; e < p.Dv; ++e) ot[e * mq + r] = obuf[r * dvp + e];

@@ -210,9 +210,11 @@ inline Plan make_plan(const Problem& p, int64_t lanes) {
   plan.rows_per_head = p.Nq * p.group;
   plan.qv = plan.rows_per_head <= lanes ? 1 : 2;  // decode-sized blocks waste no lanes
   plan.mq = plan.qv * lanes;
-  // Batch invariant: a row's sums must not depend on its block, so decode steps take the block
-  // kernel too (the decode kernel sums each dot product along lanes, in another order).
-  plan.decode = !p.batch_invariant && plan.rows_per_head <= kDecodeMaxRows;
+  // Batch invariant: a row's sums must not depend on its block, so decode steps run the
+  // few-rows kernel in the block kernel's order (decode-inl.h's kBlockOrder), and take the
+  // block kernel itself where they ask for weights or statistics (whose passes it does not
+  // have in that order).
+  plan.decode = plan.rows_per_head <= kDecodeMaxRows && (!p.batch_invariant || (!p.weights && !p.stats.any()));
   plan.blocks_per_head = ceil_blocks(plan.rows_per_head, plan.mq);
   plan.blocks = p.B * p.Hkv * plan.blocks_per_head;
   plan.chunk_keys = std::max<int64_t>(p.Nk, 1);

@@ -145,11 +145,12 @@ HWY_INLINE T Widened(S x) {
 // needs no Sub). Load's N elements must lie in one scale group (width % N == 0, or one group).
 template <typename S, typename T>
 struct RowReader {
-  const S* x;
+  const S* x = nullptr;
   const float* s = nullptr;
   const float* z = nullptr;
   int64_t s_step = 0, z_step = 0, width = 1;
   bool one_group = true;
+  RowReader() = default;  // reads nothing until assigned
   HWY_INLINE RowReader(const Rows<S>& rows, int64_t j) : x(rows.row(j)) {
     if constexpr (kIs8Bit<S>) {
       s = rows.scales[j];
