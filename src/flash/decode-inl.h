@@ -379,9 +379,10 @@ void DecodeRows(D d, S, const Problem& p, const BlockRows& blk, const LaneRow* l
     score(keys, &values, j0, n, st);
     // 3. Online softmax per row: p = exp(s - max), rescale what came before by alpha. The rules
     //    are BlockTile's, one piece each (score_tile-inl.h: ShiftedExp, AddTTerm,
-    //    RescaleFactor); the sums are not: here p is summed per lane then across lanes, and l
-    //    and t are rescaled with a multiply then an add, where BlockTile sums down lanes and
-    //    fuses them (one order each would change decode's bits, which issue 27 forbids).
+    //    RescaleFactor); by default the sums are not: here p is summed per lane then across
+    //    lanes, and l and t are rescaled with a multiply then an add, where BlockTile sums down
+    //    lanes and fuses them (one order for both would change decode's default bits, which
+    //    issue 27 forbids). kBlockOrder takes BlockTile's order (after this loop).
     const int64_t n_vec = (n + N - 1) / N * N;
     T alpha[R];
     bool nan_row[R];
