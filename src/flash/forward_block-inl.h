@@ -63,7 +63,7 @@ struct HeadTiles {
     k_state.assign(static_cast<size_t>(tiles), 0);
     v_state.assign(static_cast<size_t>(tiles), 0);
     if (!pack) return;
-    tile_words = amx_value_pairs_size(q.Dv);
+    tile_words = std::max<int64_t>(1, amx_value_pairs_size(q.Dv));  // Dv = 0 packs nothing
     const int64_t slots = std::clamp<int64_t>(static_cast<int64_t>(kMaxBytes / 4) / tile_words, 1, tiles);
     if (static_cast<int64_t>(slot_tile.size()) < slots || words == nullptr) {
       words = hwy::AllocateAligned<uint32_t>(static_cast<size_t>(slots * tile_words));
