@@ -152,10 +152,10 @@ INSTANTIATE_TEST_SUITE_P(Paths, DotKernels, testing::ValuesIn(kernels()),
 // · ot + Σ_j p_j · v_j over keys [first, first + n) of a tile, p bfloat16 weights in [0, 1]
 // held in float32. Every size class: first 0, 1 and 5 (an odd first splits a key pair), n up
 // to the tile's 128 keys, dv 1 … 127 (tiles of 16 columns and their tails), 16 and 32 lanes,
-// value rows padded or negative-strided. Bound: a float32 sum of n + 1 terms (the rescaled
+// value rows padded or negative-strided; and rows from 131 and 200 of a longer run packed whole
+// (the backward's HeadPairs: AMX columns `pitch` words apart). Bound: a float32 sum of n + 1 terms (the rescaled
 // accumulator and n exact products), (n + 2)·u·Σ|term|, u = 2^-24.
 TEST(DotAccumulate, MatchFloat64WithinTheSummationBound) {
-  using sdpa::internal::amx_value_pairs_size;
   struct Path {
     const char* name;
     bool amx;
@@ -169,9 +169,9 @@ TEST(DotAccumulate, MatchFloat64WithinTheSummationBound) {
   int ran = 0;
   for (const Path& path : paths) {
     if (!path.available) continue;
-    for (int64_t first : {0, 1, 5}) {
+    for (int64_t first : {0, 1, 5, 131, 200}) {
       for (int64_t n : {1, 2, 15, 16, 17, 33, 97, 123}) {
-        if (first + n > 128) continue;
+        if (first < 128 && first + n > 128) continue;
         for (int64_t dv : {1, 15, 16, 17, 33, 64, 127}) {
           for (size_t mq : {16, 32}) {
             for (int64_t stride : {dv, -(dv + 3)}) {
@@ -185,10 +185,12 @@ TEST(DotAccumulate, MatchFloat64WithinTheSummationBound) {
               for (int64_t i = 0; i < n * static_cast<int64_t>(mq); ++i) p.data[i] = static_cast<float>(from_bf16(to_bf16(unit(rng))));
               for (size_t l = 0; l < mq; ++l) alpha.data[l] = unit(rng);
               for (int64_t i = 0; i < dv * static_cast<int64_t>(mq); ++i) before.data[i] = ot.data[i] = normal(rng);
-              Aligned<uint32_t> vp((128 + 1) / 2 * dv), vt(amx_value_pairs_size(dv)), pp((128 / 2 + 1) * mq);
+              const int64_t pitch = rows > 128 ? ((rows + 1) / 2 + 15) / 16 * 16 + 16 : sdpa::internal::kAmxPairsRow;
+              Aligned<uint32_t> vp(((std::max<int64_t>(rows, 128)) + 1) / 2 * dv), vt((dv + 15) / 16 * 16 * pitch),
+                  pp(sdpa::internal::kAmxPairsRow * mq);
               if (path.amx) {
-                sdpa::internal::PackAmxValuePairs(v0, stride, rows, dv, vp.data, vt.data);
-                sdpa::internal::AmxDotAccumulate(p.data, mq, first, n, vt.data, dv, alpha.data, pp.data, ot.data);
+                sdpa::internal::PackAmxValuePairs(v0, stride, rows, dv, vp.data, vt.data, pitch);
+                sdpa::internal::AmxDotAccumulate(p.data, mq, first, n, vt.data, dv, alpha.data, pp.data, ot.data, pitch);
               } else {
                 sdpa::internal::PackBf16ValuePairs(v0, stride, rows, dv, vp.data);
                 sdpa::internal::Bf16DotAccumulate(p.data, mq, first, n, vp.data, dv, alpha.data, pp.data, ot.data);

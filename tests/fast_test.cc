@@ -95,6 +95,8 @@ INSTANTIATE_TEST_SUITE_P(Table, SweepFast, testing::ValuesIn(half_sweep_cases())
 
 // The backward in kFast: p rounded before dv's product, ds before dq's and dk's, against the
 // naive backward that rounds the same (the tolerance rule's yardstick), from a kFast forward.
+// On the best path and, where that is AMX, on vdpbf16ps (the path of CPUs without AMX; both
+// take dout's and q's pairs from HeadPairs).
 void check_fast_backward_case(const Case& c) {
   const sdpa::Options o = fast(options(c, Backend::kAuto));
   uint32_t seed = 2166136261u;
@@ -102,9 +104,17 @@ void check_fast_backward_case(const Case& c) {
   const Problem p = make_problem(make_inputs(c), o, c.layout, seed);
   Expected e;
   ASSERT_TRUE(expected(p, o, e));
-  const Grads got = backward(p, o, c.layout);
-  EXPECT_TRUE(got.guards_intact());
-  EXPECT_TRUE(matches(e, got));
+  const auto check = [&] {
+    const Grads got = backward(p, o, c.layout);
+    EXPECT_TRUE(got.guards_intact());
+    EXPECT_TRUE(matches(e, got));
+  };
+  check();
+  if (sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16)) {
+    SCOPED_TRACE("capped at kAvx512Bf16");
+    const KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
+    check();
+  }
 }
 
 class BackwardSweepFast : public testing::TestWithParam<Case> {};
@@ -269,7 +279,8 @@ TEST(Fast, KernelsRoundWhatTheNaiveTwinRounds) {
   }
 }
 
-// Empty head dims on every path: Dv = 0 (nothing to write but lse) and Dk = 0 (scores all 0).
+// Empty head dims on every path, forward and backward: Dv = 0 (nothing to write but lse) and
+// Dk = 0 (scores all 0).
 // kFast's AMX p·V sized its packed value tiles by Dv and divided by that size (the fuzzer's
 // SIGFPE at Dv = 0); the prefill shapes reach the block kernel, the decode one the few-rows one.
 TEST(Fast, EmptyHeadDimsOnEveryPath) {
@@ -278,10 +289,16 @@ TEST(Fast, EmptyHeadDimsOnEveryPath) {
                                       {1, 32, 0}}) {
       SCOPED_TRACE(testing::Message() << sdpa::dtype_name(dt) << " Nq=" << nq << " Dk=" << dk << " Dv=" << dv);
       const Tensors t = random_qkv(dt, {1, 2, nq, dk}, {1, 2, 300, dk}, {1, 2, 300, dv}, 52);
+      const Problem p = make_problem(t.converted(dt), fast(), Layout::kContiguous, 53);
+      Expected e;
+      ASSERT_TRUE(expected(p, fast(), e));
       on_every_path([&] {
         const Outs got = run(t, fast());
         EXPECT_TRUE(got.guards_intact());
         EXPECT_TRUE(matches_reference(t, fast(), got));
+        const Grads grads = backward(p, fast());
+        EXPECT_TRUE(grads.guards_intact());
+        EXPECT_TRUE(matches(e, grads));
       });
     }
   }

@@ -241,19 +241,26 @@ __attribute__((target("avx512f"))) inline void Transpose16(const uint32_t* const
   }
 }
 
+// Rows in groups of 128 (vp holds one group's pairs), each group's pairs from column word r0 / 2.
 __attribute__((target("avx512f"))) void PackTransposed(const uint16_t* v, int64_t vs, int64_t n, int64_t dv,
-                                                        uint32_t* vp, uint32_t* vt) {
-  PackBf16ValuePairs(v, vs, n, dv, vp);  // vp[j2·dv + e]
-  const int64_t pairs = (n + 1) / 2, rows = (dv + 15) / 16 * 16, filled = (pairs + 15) / 16 * 16;
-  for (int64_t e = 0; e < rows; e += 16) {
-    const __mmask16 valid = static_cast<__mmask16>(dv - e >= 16 ? 0xffff : (1u << (dv - e)) - 1);
-    for (int64_t j2 = 0; j2 < filled; j2 += 16) {
-      const uint32_t* in[16];
-      for (int r = 0; r < 16; ++r) in[r] = j2 + r < pairs ? vp + (j2 + r) * dv + e : nullptr;
-      Transpose16(in, valid, vt + e * kAmxPairsRow + j2, kAmxPairsRow);
+                                                        int64_t pitch, uint32_t* vp, uint32_t* vt) {
+  const int64_t rows = (dv + 15) / 16 * 16;
+  int64_t written = 0;  // words of every column written so far
+  for (int64_t r0 = 0; r0 < n; r0 += 128) {
+    const int64_t m = std::min<int64_t>(128, n - r0), at = r0 / 2;
+    PackBf16ValuePairs(v + r0 * vs, vs, m, dv, vp);  // vp[j2·dv + e]
+    const int64_t pairs = (m + 1) / 2, filled = (pairs + 15) / 16 * 16;
+    for (int64_t e = 0; e < rows; e += 16) {
+      const __mmask16 valid = static_cast<__mmask16>(dv - e >= 16 ? 0xffff : (1u << (dv - e)) - 1);
+      for (int64_t j2 = 0; j2 < filled; j2 += 16) {
+        const uint32_t* in[16];
+        for (int r = 0; r < 16; ++r) in[r] = j2 + r < pairs ? vp + (j2 + r) * dv + e : nullptr;
+        Transpose16(in, valid, vt + e * pitch + at + j2, pitch);
+      }
     }
-    for (int64_t c = 0; c < 16; ++c) std::fill(vt + (e + c) * kAmxPairsRow + filled, vt + (e + c + 1) * kAmxPairsRow, 0u);
+    written = at + filled;
   }
+  for (int64_t e = 0; e < rows; ++e) std::fill(vt + e * pitch + written, vt + (e + 1) * pitch, 0u);
 }
 
 // C tiles 0..3 = value columns e0 .. e0+15 and (two) e0+16 .. e0+31, lanes 0-15 and (QV 2) 16-31,
@@ -263,16 +270,16 @@ template <int QV, bool kTwo>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColumns(const uint32_t* pp, int parts,
                                                                                 int64_t part_words, size_t mq,
                                                                                 int64_t chunks, const uint32_t* vt,
-                                                                                int64_t e0, int64_t dv,
+                                                                                int64_t pitch, int64_t e0, int64_t dv,
                                                                                 const __m512* alpha, float* ot) {
-  const int64_t bstride = static_cast<int64_t>(mq) * 4, astride = kAmxPairsRow * 4;
+  const int64_t bstride = static_cast<int64_t>(mq) * 4, astride = pitch * 4;
   _tile_zero(0);
   if constexpr (QV == 2) _tile_zero(1);
   if constexpr (kTwo) _tile_zero(2);
   if constexpr (kTwo && QV == 2) _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
-    _tile_loadd(4, vt + e0 * kAmxPairsRow + c * 16, astride);
-    if constexpr (kTwo) _tile_loadd(5, vt + (e0 + 16) * kAmxPairsRow + c * 16, astride);
+    _tile_loadd(4, vt + e0 * pitch + c * 16, astride);
+    if constexpr (kTwo) _tile_loadd(5, vt + (e0 + 16) * pitch + c * 16, astride);
     for (int part = 0; part < parts; ++part) {
       const uint32_t* b = pp + part * part_words + c * 16 * static_cast<int64_t>(mq);
       _tile_loadd(6, b, bstride);
@@ -306,8 +313,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) inline void AccumulateColum
 template <int QV>
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void AccumulatePacked(uint32_t* pp, int parts, int64_t part_words,
                                                                     size_t mq, int64_t first, int64_t n,
-                                                                    const uint32_t* vt, int64_t dv, const float* alpha,
-                                                                    float* ot) {
+                                                                    const uint32_t* vt, int64_t pitch, int64_t dv,
+                                                                    const float* alpha, float* ot) {
   const int64_t j2_0 = first / 2, pairs = (first + n + 1) / 2 - j2_0, chunks = (pairs + 15) / 16;
   for (int part = 0; part < parts; ++part) {
     uint32_t* at = pp + part * part_words;
@@ -318,8 +325,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void AccumulatePacked(uint3
   configure(0);
   const uint32_t* from = vt + j2_0;  // the A tiles start at the block's first pair
   int64_t e = 0;
-  for (; e + 16 < dv; e += 32) AccumulateColumns<QV, true>(pp, parts, part_words, mq, chunks, from, e, dv, al, ot);
-  if (e < dv) AccumulateColumns<QV, false>(pp, parts, part_words, mq, chunks, from, e, dv, al, ot);
+  for (; e + 16 < dv; e += 32) AccumulateColumns<QV, true>(pp, parts, part_words, mq, chunks, from, pitch, e, dv, al, ot);
+  if (e < dv) AccumulateColumns<QV, false>(pp, parts, part_words, mq, chunks, from, pitch, e, dv, al, ot);
   done();
 }
 
@@ -400,22 +407,23 @@ AmxScope::~AmxScope() {
   if (on_ && --g_scopes == 0) release();
 }
 
-void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt) {
-  PackTransposed(v, v_stride, n, dv, vp, vt);
+void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt,
+                       int64_t pitch) {
+  PackTransposed(v, v_stride, n, dv, pitch, vp, vt);
 }
 
 void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
-                      const float* alpha, uint32_t* pp, float* ot) {
+                      const float* alpha, uint32_t* pp, float* ot, int64_t pitch) {
   PackBf16WeightPairs(p, mq, first, n, pp);
-  AmxDotAccumulatePacked(pp, 1, 0, mq, first, n, vt, dv, alpha, ot);
+  AmxDotAccumulatePacked(pp, 1, 0, mq, first, n, vt, dv, alpha, ot, pitch);
 }
 
 void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t mq, int64_t first, int64_t n,
-                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot) {
+                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot, int64_t pitch) {
   if (mq == 16) {
-    AccumulatePacked<1>(pp, parts, part_words, mq, first, n, vt, dv, alpha, ot);
+    AccumulatePacked<1>(pp, parts, part_words, mq, first, n, vt, pitch, dv, alpha, ot);
   } else {
-    AccumulatePacked<2>(pp, parts, part_words, mq, first, n, vt, dv, alpha, ot);
+    AccumulatePacked<2>(pp, parts, part_words, mq, first, n, vt, pitch, dv, alpha, ot);
   }
 }
 
@@ -444,11 +452,11 @@ void AmxDotScores(const uint32_t*, size_t, int64_t, const uint16_t*, int64_t, in
 void AmxDsKeys(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, uint32_t*, float*) {}
 AmxScope::AmxScope(bool) : on_(false) {}
 AmxScope::~AmxScope() = default;
-void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*) {}
+void PackAmxValuePairs(const uint16_t*, int64_t, int64_t, int64_t, uint32_t*, uint32_t*, int64_t) {}
 void AmxDotAccumulate(const float*, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*, uint32_t*,
-                      float*) {}
+                      float*, int64_t) {}
 void AmxDotAccumulatePacked(uint32_t*, int, int64_t, size_t, int64_t, int64_t, const uint32_t*, int64_t, const float*,
-                            float*) {}
+                            float*, int64_t) {}
 
 #endif
 

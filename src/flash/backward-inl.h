@@ -59,18 +59,86 @@ inline int64_t padded_width(int64_t width, size_t n) {
   return std::max<int64_t>(1, (width + lanes - 1) / lanes) * lanes;
 }
 
-// acc[e·mq + lane] += Σ_{r < n} w[r·mq + lane] · row_r[e] for e < width, w holding bfloat16
-// values in float32 and rows r < n (n ≤ kTileKeys) bfloat16 at rows + r·stride: with alpha 1,
-// AmxDotAccumulate where the call's products use AMX (amx; vt its packed rows), else
+// kFast's dv += p~ · dout and dk += ds~ · q (Bf16Accumulate) read a head's rows of dout and q
+// as bfloat16 pairs (with AMX, transposed too): packed here once per thread, kv head and call,
+// for every head of its group, not once per block of keys and tile of rows (that packing was a
+// fifth of the d128 kFast backward's kernel samples on the AMX Xeon). Pairs of rows
+// (2·j2, 2·j2 + 1) from row 0, so a tile of rows [first, first + n) is an offset (from an odd
+// first, its first pair starts a row early, that row weighing 0). Only heads whose rows all lie
+// in the products' range (rows outside a tile meet weight 0 in its pairs, and 0 · inf is NaN)
+// and whose pairs fit kMaxWords; the others are packed per tile.
+struct HeadPairs {
+  static constexpr int64_t kMaxWords = int64_t{8} << 20;  // per thread: 32 MiB
+  bool amx = false;
+  int64_t b = -1, kvh = -1, group = 0;
+  int64_t pitch[2] = {0, 0}, words_per_head[2] = {0, 0};  // [0] q, [1] dout
+  std::vector<uint8_t> state;  // per (head of the group, tensor): 0 not packed yet, 1 packed, 2 per tile
+  hwy::AlignedFreeUniquePtr<uint32_t[]> words;
+  size_t capacity = 0;
+
+  // Head h's rows of `rows` (tensor 0: q, width Dk; 1: dout, width Dv) as pairs, or nullptr
+  // (then the caller packs per tile). in_range(): whether every row of the head lies in the
+  // products' range, asked once. scratch: PackAmxValuePairs' (64 · width words).
+  template <typename InRange>
+  const uint32_t* get(const Problem& p, const View4& rows, int tensor, int64_t b_, int64_t kvh_, int64_t h,
+                      const InRange& in_range, uint32_t* scratch) {
+    if (b != b_ || kvh != kvh_) start(p, b_, kvh_);
+    uint8_t& st = state[static_cast<size_t>(2 * (h - kvh * group) + tensor)];
+    if (st == 0) {
+      st = in_range() ? 1 : 2;
+      if (st == 1) {
+        const int64_t width = tensor == 0 ? p.Dk : p.Dv;
+        uint32_t* at = slot(h, tensor);
+        if (amx) {
+          PackAmxValuePairs(rows.at<uint16_t>(b, h, 0), rows.strides[2], p.Nq, width, scratch, at, pitch[tensor]);
+        } else {
+          PackBf16ValuePairs(rows.at<uint16_t>(b, h, 0), rows.strides[2], p.Nq, width, at);
+        }
+      }
+    }
+    return st == 1 ? slot(h, tensor) : nullptr;
+  }
+
+ private:
+  uint32_t* slot(int64_t h, int tensor) const {
+    return words.get() + (h - kvh * group) * (words_per_head[0] + words_per_head[1]) + tensor * words_per_head[0];
+  }
+  void start(const Problem& p, int64_t b_, int64_t kvh_) {
+    b = b_, kvh = kvh_, group = p.group;
+    const int64_t pairs = (p.Nq + 1) / 2;
+    for (int t = 0; t < 2; ++t) {
+      const int64_t width = std::max<int64_t>(1, t == 0 ? p.Dk : p.Dv);
+      // AMX: columns of whole 16-pair chunks and 16 words more (a last A tile reads past).
+      pitch[t] = amx ? (pairs + 15) / 16 * 16 + 16 : width;
+      words_per_head[t] = amx ? (width + 15) / 16 * 16 * pitch[t] : std::max<int64_t>(1, pairs) * width;
+    }
+    const int64_t total = group * (words_per_head[0] + words_per_head[1]);
+    const bool fits = total <= kMaxWords;
+    state.assign(static_cast<size_t>(2 * group), fits ? 0 : 2);
+    if (fits && capacity < static_cast<size_t>(total)) {
+      words = hwy::AllocateAligned<uint32_t>(static_cast<size_t>(total));
+      capacity = static_cast<size_t>(total);
+    }
+  }
+};
+
+// acc[e·mq + lane] += Σ_{r < n} w[r·mq + lane] · row_{first + r}[e] for e < width, w holding
+// bfloat16 values in float32 and rows bfloat16: from the head's pairs as HeadPairs packed them
+// (head, pitch), else packed here from rows (row first, stride apart; n ≤ kTileKeys). With alpha
+// 1, AmxDotAccumulate where the call's products use AMX (amx; vt its packed rows), else
 // Bf16DotAccumulate (only where kBf16DotTarget and T is float; BackwardScratch::grad_pairs is
 // false elsewhere). row_pairs and scratch: PackBf16ValuePairs' and the weight pairs' scratch.
 template <typename T>
-HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint16_t* rows, int64_t stride, int64_t width,
-                               bool amx, uint32_t* row_pairs, uint32_t* vt, uint32_t* scratch, T* acc) {
+HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t first, int64_t n, const uint32_t* head, int64_t pitch,
+                               const uint16_t* rows, int64_t stride, int64_t width, bool amx, uint32_t* row_pairs,
+                               uint32_t* vt, uint32_t* scratch, T* acc) {
   if constexpr (kBf16DotTarget && std::is_same_v<T, float>) {
     alignas(64) float ones[64];
     std::fill(ones, ones + 64, 1.0f);
-    if (amx) {
+    if (head != nullptr) {
+      amx ? AmxDotAccumulate(w, mq, first, n, head, width, ones, scratch, acc, pitch)
+          : Bf16DotAccumulate(w, mq, first, n, head, width, ones, scratch, acc);
+    } else if (amx) {
       PackAmxValuePairs(rows, stride, n, width, row_pairs, vt);
       AmxDotAccumulate(w, mq, 0, n, vt, width, ones, scratch, acc);
     } else {
@@ -78,8 +146,8 @@ HWY_INLINE void Bf16Accumulate(const T* w, size_t mq, int64_t n, const uint16_t*
       Bf16DotAccumulate(w, mq, 0, n, row_pairs, width, ones, scratch, acc);
     }
   } else {
-    (void)w, (void)mq, (void)n, (void)rows, (void)stride, (void)width, (void)amx, (void)row_pairs, (void)vt,
-        (void)scratch, (void)acc;
+    (void)w, (void)mq, (void)first, (void)n, (void)head, (void)pitch, (void)rows, (void)stride, (void)width,
+        (void)amx, (void)row_pairs, (void)vt, (void)scratch, (void)acc;
     HWY_ASSERT(false);
   }
 }
@@ -105,7 +173,7 @@ struct BackwardScratch {
         amx(dot == KernelPath::kAmxBf16),
         grad_pairs(grad_pairs),
         rp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * std::max<int64_t>({1, p.Dk, p.Dv}) : 1)),
-        wp(hwy::AllocateAligned<uint32_t>(grad_pairs ? (kTileKeys / 2 + 1) * mq : 1)),
+        wp(hwy::AllocateAligned<uint32_t>(grad_pairs ? kAmxPairsRow * mq : 1)),  // (a tile from an odd row: 65 pairs, 5 chunks)
         vt(hwy::AllocateAligned<uint32_t>(grad_pairs && amx ? amx_value_pairs_size(std::max<int64_t>({1, p.Dk, p.Dv})) : 1)),
         kq(hwy::AllocateAligned<uint32_t>(grad_pairs ? mq / 2 * padded_width(p.Dk, hn::Lanes(hn::ScalableTag<T>())) : 1)),
         xp(hwy::AllocateAligned<uint32_t>(bf16_dot ? (std::max<int64_t>({1, p.Dk, p.Dv}) + 1) / 2 * mq : 1)),
@@ -133,6 +201,7 @@ struct BackwardScratch {
         lanes(mq),
         rows(kTileKeys) {
     std::fill(zt.get(), zt.get() + mq, T(0));
+    heads.amx = amx;
   }
   // Bfloat16 inputs with the AVX512_BF16 path: xt and yt's operands also in bfloat16 pairs
   // (bf16_dot.h), for the score and dout · vᵀ products; blocks that must not use them widen.
@@ -143,6 +212,7 @@ struct BackwardScratch {
   bool grad_pairs;
   hwy::AlignedFreeUniquePtr<uint32_t[]> rp, wp;
   hwy::AlignedFreeUniquePtr<uint32_t[]> vt, kq;  // vt: AMX's packed rows (amx); kq: the one-pass dq's key pairs (Bf16DsKeys)
+  HeadPairs heads;  // grad_pairs: the q and dout rows of the kv head's group in pairs
   hwy::AlignedFreeUniquePtr<uint32_t[]> xp, yp;
   hwy::AlignedFreeUniquePtr<T[]> xt, yt;  // transposed inputs: (k, v) or (q, dout) of the block
   hwy::AlignedFreeUniquePtr<T[]> gk, gv;  // gradient accumulators: (dk, dv) or (dq, unused)
@@ -408,14 +478,20 @@ void KeyBlockGrads(D d, const BackwardProblem& bp, const RowStats<T>& rs, int64_
       // dv += Σ_r p~_r · dout_r and dk += Σ_r ds~_r · q_r: vdpbf16ps on kFast's bfloat16 values
       // where the rows are in its range (which leaves out NaN and inf), else float32 products.
       if (s.grad_pairs && RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, first), n)) {
-        Bf16Accumulate(pt, mq, n, bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2], p.Dv, s.amx, s.rp.get(),
-                       s.vt.get(), s.wp.get(), s.gv.get());
+        const uint32_t* head = s.heads.get(p, bp.dout, 1, b, kvh, h, [&] {
+          return RowStats<T>::all_rows(rs.dout_dot, rs.index(b, h, 0), p.Nq);
+        }, s.rp.get());
+        Bf16Accumulate(pt, mq, first, n, head, s.heads.pitch[1], bp.dout.at<uint16_t>(b, h, first), bp.dout.strides[2],
+                       p.Dv, s.amx, s.rp.get(), s.vt.get(), s.wp.get(), s.gv.get());
       } else {
         AccumulateRows<QV>(d, pt, n, mq, dout_rows().data, dout_rows().stride, p.Dv, ones, dout_bad, s.gv.get());
       }
       if (s.grad_pairs && RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, first), n)) {
-        Bf16Accumulate(dpt, mq, n, p.q.at<uint16_t>(b, h, first), p.q.strides[2], p.Dk, s.amx, s.rp.get(), s.vt.get(),
-                       s.wp.get(), s.gk.get());
+        const uint32_t* head = s.heads.get(p, p.q, 0, b, kvh, h, [&] {
+          return RowStats<T>::all_rows(rs.q_dot, rs.index(b, h, 0), p.Nq);
+        }, s.rp.get());
+        Bf16Accumulate(dpt, mq, first, n, head, s.heads.pitch[0], p.q.at<uint16_t>(b, h, first), p.q.strides[2], p.Dk,
+                       s.amx, s.rp.get(), s.vt.get(), s.wp.get(), s.gk.get());
       } else {
         AccumulateRows<QV>(d, dpt, n, mq, q_rows().data, q_rows().stride, p.Dk, ones, q_bad, s.gk.get());
       }
@@ -515,8 +591,8 @@ void QueryBlockGrad(D d, const BackwardProblem& bp, const RowStats<T>& rs, const
     // dq += ds · k; a key row holding a NaN or inf reaches no row that gives it weight 0.
     const uint8_t* k_bad = rs.any_bad_keys ? rs.k_bad.data() + rs.key_index(blk.b, blk.kvh, j0) : nullptr;
     if (s.grad_pairs && Bf16RowsInDotRange(d, p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], n, p.Dk)) {
-      Bf16Accumulate(dpt, mq, n, p.k.at<uint16_t>(blk.b, blk.kvh, j0), p.k.strides[2], p.Dk, s.amx, s.rp.get(),
-                     s.vt.get(), s.wp.get(), s.gk.get());
+      Bf16Accumulate(dpt, mq, 0, n, static_cast<const uint32_t*>(nullptr), 0, p.k.at<uint16_t>(blk.b, blk.kvh, j0),
+                     p.k.strides[2], p.Dk, s.amx, s.rp.get(), s.vt.get(), s.wp.get(), s.gk.get());
     } else {
       AccumulateRows<QV>(d, dpt, n, mq, keys.data, keys.stride, p.Dk, ones, k_bad, s.gk.get());
     }

@@ -128,17 +128,21 @@ void AmxDsKeys(const float* w, size_t mq, int64_t n, int64_t nk, const uint32_t*
 // PackAmxValuePairs made it; pp as Bf16DotAccumulate's.
 inline constexpr int64_t kAmxPairsRow = 80;  // words per column of vt: a tile's 64 key pairs and
                                              // 16 of zeros, so a last A tile never reads past it
-// vt[e·kAmxPairsRow + j2] = v_{2·j2}[e] | v_{2·j2+1}[e] << 16 for e below dv rounded up to 16
-// and j2 < kAmxPairsRow (bfloat16 bits, row r at v + r·v_stride, n ≤ 128 rows; 0 past n and dv):
-// PackBf16ValuePairs' words (made in vp, its scratch), transposed 16 × 16 at a time.
-void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt);
+// vt[e·pitch + j2] = v_{2·j2}[e] | v_{2·j2+1}[e] << 16 for e below dv rounded up to 16 and
+// j2 < pitch (bfloat16 bits, row r at v + r·v_stride; 0 past n and dv): PackBf16ValuePairs'
+// words (made 128 rows at a time in vp, its scratch of 64 · dv words), transposed 16 × 16 at a
+// time. pitch: at least (n + 1) / 2 rounded up to 16, plus 16 (kAmxPairsRow for n ≤ 128).
+void PackAmxValuePairs(const uint16_t* v, int64_t v_stride, int64_t n, int64_t dv, uint32_t* vp, uint32_t* vt,
+                       int64_t pitch = kAmxPairsRow);
+// (AmxDotAccumulate*: vt's columns pitch words apart, as PackAmxValuePairs made them.)
 void AmxDotAccumulate(const float* p, size_t mq, int64_t first, int64_t n, const uint32_t* vt, int64_t dv,
-                      const float* alpha, uint32_t* pp, float* ot);
+                      const float* alpha, uint32_t* pp, float* ot, int64_t pitch = kAmxPairsRow);
 // AmxDotAccumulate's sum with the weights already in pairs (PackBf16WeightPairs), as `parts`
 // tiles of pairs part_words apart (each at least 64 · mq words), whose products are all summed
 // in the same C tiles before the one alpha · ot + C: kExact's p = p1 + p2 + p3 on AMX.
 void AmxDotAccumulatePacked(uint32_t* pp, int parts, int64_t part_words, size_t mq, int64_t first, int64_t n,
-                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot);
+                            const uint32_t* vt, int64_t dv, const float* alpha, float* ot,
+                            int64_t pitch = kAmxPairsRow);
 inline int64_t amx_value_pairs_size(int64_t dv) { return (dv + 15) / 16 * 16 * kAmxPairsRow; }
 
 // The tile configuration (LDTILECFG) is loaded once per thread and call, not per product: an

@@ -426,7 +426,8 @@ void BlockTile(D d, const Problem& p, BlockState<T>& bs, T* HWY_RESTRICT st, T* 
         return;
       }
       if (p.round_p) {  // kFast: the rounded weights
-        (pv_amx ? AmxDotAccumulate : Bf16DotAccumulate)(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
+        pv_amx ? AmxDotAccumulate(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot)
+               : Bf16DotAccumulate(st, mq, j0 - v0, n, v_pairs, p.Dv, alphas, pp, bs.ot);
         return;
       }
       // kExact on AMX (flash-inl.h's pv_pairs): p = p1 + p2 + p3 exactly, each part a bfloat16
