@@ -43,7 +43,7 @@ class Float32Call {
   // q, k, v, mask and out as float32 views over its scratch, and kv_quant as none.
   //
   // fusable (the caller's word that its problem's views can carry the quantisation: the
-  // dense and paged calls; every kernel then reads 8-bit k and v in place, the fused ones
+  // dense, varlen and paged calls; every kernel then reads 8-bit k and v in place, the fused ones
   // dequantising in registers, the slow paths through View4::load): with scale groups of
   // whole vectors (one group per row, or a width that is a multiple of kFusedWidth), prepare
   // validates as above but does not copy k and v and returns true with fused() true: k, v and

@@ -209,28 +209,46 @@ void run_backward_sequences(const std::vector<BackwardProblem>& problems, Backen
 void attention_varlen(const VarlenInputs& inputs_given, const VarlenOutputs& outputs_given, const Options& options) {
   internal::check_no_positions(options, "attention_varlen");
   internal::note_kernel_path(KernelPath::kSimd);
-  // 8-bit K/V: the float32 call standing in for this one (kv_dequant.h); every packed row is read.
+  // 8-bit K/V (kv_dequant.h; every packed row is read): read in place by the kernels where the
+  // scale groups allow (fused: each sequence's k, v, scales and zero points are its rows of
+  // them), else the float32 call standing in for this one.
   VarlenInputs inputs = inputs_given;
   VarlenOutputs outputs = outputs_given;
   internal::Float32Call f32;
-  const bool dequantised = f32.prepare(inputs.q, inputs.k, inputs.v, inputs.kv_quant, nullptr, outputs.out, "k", "v",
-                                       [](const int64_t*) { return true; });
-  const internal::Packed pk = internal::read_packed(inputs, outputs.out, outputs.lse);
+  const bool quantised = f32.prepare(inputs.q, inputs.k, inputs.v, inputs.kv_quant, nullptr, outputs.out, "k", "v",
+                                     [](const int64_t*) { return true; }, /*fusable=*/true);
+  const bool fused = quantised && f32.fused();
+  VarlenInputs checked = inputs;  // fused: the 8-bit k and v checked as float32 views of their shapes
+  if (fused) {
+    checked.k.dtype = checked.v.dtype = DType::kFloat32;
+    checked.kv_quant.reset();
+  }
+  const internal::Packed pk = internal::read_packed(checked, outputs.out, outputs.lse);
   // dtypes, heads, dims and strides checked once on the whole tensors (also when B = 0).
-  internal::make_problem(pk.whole(inputs), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
-                                            std::nullopt, outputs.lse},
-                         pk.options(options, inputs));
+  internal::make_problem(pk.whole(checked), {internal::rows_of(outputs.out, 0, outputs.out.shape[0]),
+                                             std::nullopt, outputs.lse},
+                         pk.options(options, checked));
   std::vector<internal::Problem> problems;
   problems.reserve(static_cast<size_t>(pk.sequences()));
   for (int64_t b = 0; b < pk.sequences(); ++b) {  // every sequence valid before any is computed
     Outputs o;
     o.out = internal::rows_of(outputs.out, pk.cu_q[b], pk.cu_q[b + 1]);
     if (outputs.lse) o.lse = internal::cols_of(*outputs.lse, pk.cu_q[b], pk.cu_q[b + 1]);
-    problems.push_back(internal::make_problem(pk.inputs(inputs, b), o, pk.options(options, b)));
+    Inputs in = pk.inputs(inputs, b);
+    if (fused) {
+      const KVQuant& kq = *inputs.kv_quant;
+      const auto rows = [&](const TensorView& t) { return internal::rows_of(t, pk.cu_k[b], pk.cu_k[b + 1]); };
+      in.kv_quant = KVQuant{rows(kq.k_scale), rows(kq.v_scale), std::nullopt, std::nullopt};
+      if (kq.k_zero) in.kv_quant->k_zero = rows(*kq.k_zero);
+      if (kq.v_zero) in.kv_quant->v_zero = rows(*kq.v_zero);
+      problems.push_back(internal::make_fused_problem(f32, in, o, pk.options(options, b)));
+    } else {
+      problems.push_back(internal::make_problem(in, o, pk.options(options, b)));
+    }
     problems.back().dropout.batch_offset = b;
   }
   internal::run_forward_many(problems, options.backend);
-  if (dequantised) f32.finish();
+  if (quantised) f32.finish();
 }
 
 void attention_varlen_backward(const VarlenInputs& inputs, const TensorView& out, const TensorView& lse,

@@ -95,8 +95,8 @@ INSTANTIATE_TEST_SUITE_P(Table, SweepFast, testing::ValuesIn(half_sweep_cases())
 
 // The backward in kFast: p rounded before dv's product, ds before dq's and dk's, against the
 // naive backward that rounds the same (the tolerance rule's yardstick), from a kFast forward.
-// On the best path and, where that is AMX, on vdpbf16ps (the path of CPUs without AMX; both
-// take dout's and q's pairs from HeadPairs).
+// On every path the machine has (on_every_path: AMX, vdpbf16ps, the widening path with the
+// roundings, AVX2), against one reference.
 void check_fast_backward_case(const Case& c) {
   const sdpa::Options o = fast(options(c, Backend::kAuto));
   uint32_t seed = 2166136261u;
@@ -104,17 +104,11 @@ void check_fast_backward_case(const Case& c) {
   const Problem p = make_problem(make_inputs(c), o, c.layout, seed);
   Expected e;
   ASSERT_TRUE(expected(p, o, e));
-  const auto check = [&] {
+  on_every_path([&] {
     const Grads got = backward(p, o, c.layout);
     EXPECT_TRUE(got.guards_intact());
     EXPECT_TRUE(matches(e, got));
-  };
-  check();
-  if (sdpa::kernel_path_available(sdpa::KernelPath::kAmxBf16)) {
-    SCOPED_TRACE("capped at kAvx512Bf16");
-    const KernelPathCap cap(sdpa::KernelPath::kAvx512Bf16);
-    check();
-  }
+  });
 }
 
 class BackwardSweepFast : public testing::TestWithParam<Case> {};

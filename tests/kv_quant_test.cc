@@ -304,39 +304,42 @@ TEST(KVQuant, ScoresAndStatsEqualFloat32Call) {
   }
 }
 
-// Varlen: packed (total, H, D) rows, per-token and per-group scales.
+// Varlen: packed (total, H, D) rows, per-token and per-group scales (read in place and through
+// the float32 copy).
 TEST(KVQuant, VarlenEqualsFloat32Call) {
   for (DType kv : {DType::kInt8, DType::kUInt8})
-    for (DType qd : {DType::kFloat32, DType::kBFloat16}) {
-      SCOPED_TRACE(std::string(sdpa::dtype_name(kv)) + " q " + sdpa::dtype_name(qd));
-      std::mt19937 rng(7);
-      const std::vector<int64_t> cu_q = {0, 1, 98, 100}, cu_k = {0, 97, 200, 1225};
-      const int64_t Hq = 4, Hkv = 2, Dk = 32, Dv = 16;
-      Quantized k(kv, {cu_k.back(), Hkv, Dk}, 4, rng), v(kv, {cu_k.back(), Hkv, Dv}, 0, rng);
-      GuardedTensor q(qd, {cu_q.back(), Hq, Dk});
-      fill_normal(q, rng);
-      const GuardedTensor q32 = q.converted(DType::kFloat32, Layout::kContiguous);
-      GuardedTensor out(qd, {cu_q.back(), Hq, Dv}), out32(DType::kFloat32, {cu_q.back(), Hq, Dv});
-      GuardedTensor lse(DType::kFloat32, {Hq, cu_q.back()}), lse32(DType::kFloat32, {Hq, cu_q.back()});
-      sdpa::VarlenInputs in;
-      in.q = q.view();
-      in.k = k.x.view();
-      in.v = v.x.view();
-      in.cu_seqlens_q = TensorView::contiguous(const_cast<int64_t*>(cu_q.data()), DType::kInt64, {4});
-      in.cu_seqlens_k = TensorView::contiguous(const_cast<int64_t*>(cu_k.data()), DType::kInt64, {4});
-      in.kv_quant = kv_quant_of(k, v);
-      sdpa::Options o;
-      o.causal = Causal::kBottomRight;
-      sdpa::attention_varlen(in, {out.view(), lse.view()}, o);
-      sdpa::VarlenInputs in32 = in;
-      in32.q = q32.view();
-      in32.k = k.deq.view();
-      in32.v = v.deq.view();
-      in32.kv_quant.reset();
-      sdpa::attention_varlen(in32, {out32.view(), lse32.view()}, o);
-      EXPECT_TRUE(same_bits("out", out.values(), out32.converted(qd, Layout::kContiguous).values()));
-      EXPECT_TRUE(same_bits("lse", lse.values(), lse32.values()));
-    }
+    for (DType qd : {DType::kFloat32, DType::kBFloat16})
+      for (int64_t k_groups : {4, 2, 0}) {  // k's groups of 8 features: the float32 copy; 16, per token: in place
+        SCOPED_TRACE(std::string(sdpa::dtype_name(kv)) + " q " + sdpa::dtype_name(qd) + " k groups " +
+                     std::to_string(k_groups));
+        std::mt19937 rng(7);
+        const std::vector<int64_t> cu_q = {0, 1, 98, 100}, cu_k = {0, 97, 200, 1225};
+        const int64_t Hq = 4, Hkv = 2, Dk = 32, Dv = 16;
+        Quantized k(kv, {cu_k.back(), Hkv, Dk}, k_groups, rng), v(kv, {cu_k.back(), Hkv, Dv}, 0, rng);
+        GuardedTensor q(qd, {cu_q.back(), Hq, Dk});
+        fill_normal(q, rng);
+        const GuardedTensor q32 = q.converted(DType::kFloat32, Layout::kContiguous);
+        GuardedTensor out(qd, {cu_q.back(), Hq, Dv}), out32(DType::kFloat32, {cu_q.back(), Hq, Dv});
+        GuardedTensor lse(DType::kFloat32, {Hq, cu_q.back()}), lse32(DType::kFloat32, {Hq, cu_q.back()});
+        sdpa::VarlenInputs in;
+        in.q = q.view();
+        in.k = k.x.view();
+        in.v = v.x.view();
+        in.cu_seqlens_q = TensorView::contiguous(const_cast<int64_t*>(cu_q.data()), DType::kInt64, {4});
+        in.cu_seqlens_k = TensorView::contiguous(const_cast<int64_t*>(cu_k.data()), DType::kInt64, {4});
+        in.kv_quant = kv_quant_of(k, v);
+        sdpa::Options o;
+        o.causal = Causal::kBottomRight;
+        sdpa::attention_varlen(in, {out.view(), lse.view()}, o);
+        sdpa::VarlenInputs in32 = in;
+        in32.q = q32.view();
+        in32.k = k.deq.view();
+        in32.v = v.deq.view();
+        in32.kv_quant.reset();
+        sdpa::attention_varlen(in32, {out32.view(), lse32.view()}, o);
+        EXPECT_TRUE(same_bits("out", out.values(), out32.converted(qd, Layout::kContiguous).values()));
+        EXPECT_TRUE(same_bits("lse", lse.values(), lse32.values()));
+      }
 }
 
 // A (num_pages, page_size, Hkv, D)-shaped view of a head-major buffer (num_pages, Hkv, page_size, D).

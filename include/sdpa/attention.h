@@ -289,10 +289,10 @@ struct Options {
 // per-group scales, G groups of Dk / G features. Any strides. For attention_paged the views are
 // pools like k_pages: (num_pages, page_size, Hkv[, G]), read through the same block table.
 // The call computes in float32 on those values, bit for bit the call on float32 K/V holding them (q: float32, bfloat16
-// or float16; Options::precision does not apply); kReference takes them as the cache. attention() and attention_paged
-// read the 8-bit values in place, dequantising them in the kernels' registers (a quarter of float32's bytes streamed),
-// when each scale group is one row or a multiple of 16 features (16-bit q and out via small float32 copies); otherwise
-// (other group widths, attention_varlen) the rows read are dequantised into float32 scratch per call. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward refuses 8-bit K/V.
+// or float16; Options::precision does not apply); kReference takes them as the cache. attention(), attention_varlen and
+// attention_paged read the 8-bit values in place, dequantising them in the kernels' registers (a quarter of float32's
+// bytes), when each scale group is one row or a multiple of 16 features (16-bit q and out via small float32 copies);
+// otherwise the rows read are dequantised into float32 scratch per call. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward refuses 8-bit K/V.
 // Errors: scales missing or given for other dtypes, a zero point for int8 or none for uint8, wrong shapes or dtypes, a
 // non-finite scale or zero point of a row read (past seqlens_k, or in a page no sequence uses, not read).
 struct KVQuant {
