@@ -12,12 +12,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "oracle.h"
@@ -34,6 +36,10 @@ constexpr int64_t kHq = 4, kHkv = 2;
 // Head dims of the sequences built next: 64 and 32, or odd ones (OddHeadDims below: the
 // kernels' tails of a vector of features).
 int64_t g_dk = 64, g_dv = 32;
+// K and V in an 8-bit cache (BatchInvarianceKv8 below): int8 with one scale per (token, kv
+// head), the Seq's values multiples of a power-of-two scale with one element at ±127, so that
+// every layout stores the same int8 values and scales (a KVCache's own quantiser included).
+bool g_kv8 = false;
 
 void put(uint8_t* p, DType t, double x) {
   if (t == DType::kFloat32) {
@@ -48,17 +54,27 @@ void put(uint8_t* p, DType t, double x) {
   }
 }
 
-// A sequence, token-major: q (L, Hq, Dk), k (L, Hkv, Dk), v (L, Hkv, Dv) as values.
+// A sequence, token-major: q (L, Hq, Dk), k (L, Hkv, Dk), v (L, Hkv, Dv) as values; with
+// g_kv8, ks and vs the scales of k's and v's rows (L, Hkv).
 struct Seq {
   int64_t L = 0;
-  std::vector<double> q, k, v;
+  std::vector<double> q, k, v, ks, vs;
 };
 
 Seq random_seq(int64_t L, std::mt19937& rng) {
   std::normal_distribution<double> normal;
-  Seq s{L, std::vector<double>(L * kHq * g_dk), std::vector<double>(L * kHkv * g_dk), std::vector<double>(L * kHkv * g_dv)};
+  Seq s{L, std::vector<double>(L * kHq * g_dk), std::vector<double>(L * kHkv * g_dk), std::vector<double>(L * kHkv * g_dv),
+        std::vector<double>(L * kHkv, 1.0), std::vector<double>(L * kHkv, 1.0)};
   for (auto* x : {&s.q, &s.k, &s.v})
     for (double& e : *x) e = normal(rng);
+  if (g_kv8) {
+    std::uniform_int_distribution<int> value(-127, 127), exponent(4, 7);
+    for (auto [x, scales, D] : {std::tuple{&s.k, &s.ks, g_dk}, std::tuple{&s.v, &s.vs, g_dv}})
+      for (int64_t r = 0; r < L * kHkv; ++r) {
+        (*scales)[r] = std::ldexp(1.0, -exponent(rng));
+        for (int64_t d = 0; d < D; ++d) (*x)[r * D + d] = (d == 0 ? 127 : value(rng)) * (*scales)[r];
+      }
+  }
   return s;
 }
 
@@ -76,6 +92,16 @@ struct Config {
   bool causal;
   bool modifiers;  // softcap and sinks
 };
+
+// Element d of row `row` (D wide) of k or v: in the call's dtype, or (g_kv8) as int8 x / scale
+// with the row's scale in s.
+void put_kv(Buf& x, Buf& s, int64_t row, int64_t D, int64_t d, double value, double scale) {
+  if (!g_kv8) return put(x.at(row * D + d), x.t, value);
+  const auto q = static_cast<int8_t>(std::lrint(value / scale));
+  std::memcpy(x.at(row * D + d), &q, 1);
+  put(s.at(row), DType::kFloat32, scale);
+}
+DType kv_dtype(DType t) { return g_kv8 ? DType::kInt8 : t; }
 
 // One query row's output (Hq × Dv elements of out), as bytes.
 using Row = std::vector<uint8_t>;
@@ -104,8 +130,9 @@ class Runner {
     const int64_t B = static_cast<int64_t>(items.size());
     int64_t Nk = 0;
     for (const Item& it : items) Nk = std::max(Nk, it.keys);
-    Buf q(c_.dtype, B * kHq * n * g_dk), k(c_.dtype, B * kHkv * Nk * g_dk), v(c_.dtype, B * kHkv * Nk * g_dv),
-        out(c_.dtype, B * kHq * n * g_dv);
+    Buf q(c_.dtype, B * kHq * n * g_dk), k(kv_dtype(c_.dtype), B * kHkv * Nk * g_dk),
+        v(kv_dtype(c_.dtype), B * kHkv * Nk * g_dv), out(c_.dtype, B * kHq * n * g_dv), ks(DType::kFloat32, B * kHkv * Nk),
+        vs(DType::kFloat32, B * kHkv * Nk);
     std::vector<int64_t> lens(static_cast<size_t>(B));
     for (int64_t b = 0; b < B; ++b) {
       const Item& it = items[b];
@@ -115,14 +142,16 @@ class Runner {
           for (int64_t d = 0; d < g_dk; ++d) put(q.at(((b * kHq + h) * n + i) * g_dk + d), c_.dtype, it.s->q[((it.q0 + i) * kHq + h) * g_dk + d]);
       for (int64_t h = 0; h < kHkv; ++h)
         for (int64_t j = 0; j < Nk; ++j) {
+          const int64_t row = (b * kHkv + h) * Nk + j, at = j * kHkv + h;  // (rows past keys: 0, scale 1)
           for (int64_t d = 0; d < g_dk; ++d)
-            put(k.at(((b * kHkv + h) * Nk + j) * g_dk + d), c_.dtype, j < it.keys ? it.s->k[(j * kHkv + h) * g_dk + d] : 0.0);
+            put_kv(k, ks, row, g_dk, d, j < it.keys ? it.s->k[at * g_dk + d] : 0.0, j < it.keys ? it.s->ks[at] : 1.0);
           for (int64_t d = 0; d < g_dv; ++d)
-            put(v.at(((b * kHkv + h) * Nk + j) * g_dv + d), c_.dtype, j < it.keys ? it.s->v[(j * kHkv + h) * g_dv + d] : 0.0);
+            put_kv(v, vs, row, g_dv, d, j < it.keys ? it.s->v[at * g_dv + d] : 0.0, j < it.keys ? it.s->vs[at] : 1.0);
         }
     }
     sdpa::Inputs in{q.view({B, kHq, n, g_dk}), k.view({B, kHkv, Nk, g_dk}), v.view({B, kHkv, Nk, g_dv})};
     if (seqlens) in.seqlens_k = TensorView::contiguous(lens.data(), DType::kInt64, {B});
+    if (g_kv8) in.kv_quant = sdpa::KVQuant{ks.view({B, kHkv, Nk}), vs.view({B, kHkv, Nk})};
     sdpa::attention(in, {out.view({B, kHq, n, g_dv})}, opt_);
     std::vector<Row> rows;
     for (int64_t b = 0; b < B; ++b)
@@ -134,19 +163,21 @@ class Runner {
   std::vector<Row> varlen(const std::vector<const Seq*>& seqs, const std::vector<int64_t>& nq) {
     std::vector<int64_t> cq{0}, ck{0};
     for (size_t b = 0; b < seqs.size(); ++b) cq.push_back(cq.back() + nq[b]), ck.push_back(ck.back() + seqs[b]->L);
-    Buf q(c_.dtype, cq.back() * kHq * g_dk), k(c_.dtype, ck.back() * kHkv * g_dk), v(c_.dtype, ck.back() * kHkv * g_dv),
-        out(c_.dtype, cq.back() * kHq * g_dv);
+    Buf q(c_.dtype, cq.back() * kHq * g_dk), k(kv_dtype(c_.dtype), ck.back() * kHkv * g_dk),
+        v(kv_dtype(c_.dtype), ck.back() * kHkv * g_dv), out(c_.dtype, cq.back() * kHq * g_dv),
+        ks(DType::kFloat32, ck.back() * kHkv), vs(DType::kFloat32, ck.back() * kHkv);
     for (size_t b = 0; b < seqs.size(); ++b) {
       const Seq& s = *seqs[b];
       for (int64_t i = 0; i < nq[b] * kHq * g_dk; ++i) put(q.at(cq[b] * kHq * g_dk + i), c_.dtype, s.q[(s.L - nq[b]) * kHq * g_dk + i]);
-      for (int64_t i = 0; i < s.L * kHkv * g_dk; ++i) put(k.at(ck[b] * kHkv * g_dk + i), c_.dtype, s.k[i]);
-      for (int64_t i = 0; i < s.L * kHkv * g_dv; ++i) put(v.at(ck[b] * kHkv * g_dv + i), c_.dtype, s.v[i]);
+      for (int64_t i = 0; i < s.L * kHkv * g_dk; ++i) put_kv(k, ks, ck[b] * kHkv + i / g_dk, g_dk, i % g_dk, s.k[i], s.ks[i / g_dk]);
+      for (int64_t i = 0; i < s.L * kHkv * g_dv; ++i) put_kv(v, vs, ck[b] * kHkv + i / g_dv, g_dv, i % g_dv, s.v[i], s.vs[i / g_dv]);
     }
     const int64_t B1 = static_cast<int64_t>(cq.size());
-    sdpa::attention_varlen({q.view({cq.back(), kHq, g_dk}), k.view({ck.back(), kHkv, g_dk}), v.view({ck.back(), kHkv, g_dv}),
-                            TensorView::contiguous(cq.data(), DType::kInt64, {B1}),
-                            TensorView::contiguous(ck.data(), DType::kInt64, {B1})},
-                           {out.view({cq.back(), kHq, g_dv})}, opt_);
+    sdpa::VarlenInputs in{q.view({cq.back(), kHq, g_dk}), k.view({ck.back(), kHkv, g_dk}), v.view({ck.back(), kHkv, g_dv}),
+                          TensorView::contiguous(cq.data(), DType::kInt64, {B1}),
+                          TensorView::contiguous(ck.data(), DType::kInt64, {B1})};
+    if (g_kv8) in.kv_quant = sdpa::KVQuant{ks.view({ck.back(), kHkv}), vs.view({ck.back(), kHkv})};
+    sdpa::attention_varlen(in, {out.view({cq.back(), kHq, g_dv})}, opt_);
     std::vector<Row> rows;
     for (int64_t r = 0; r < cq.back(); ++r) rows.push_back(gather(out, [&](int64_t h, int64_t e) { return (r * kHq + h) * g_dv + e; }));
     return rows;
@@ -165,8 +196,10 @@ class Runner {
     std::vector<int32_t> order(static_cast<size_t>(pages)), table(static_cast<size_t>(B * max_pages), -1);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
-    Buf k(c_.dtype, pages * page_size * kHkv * g_dk), v(c_.dtype, pages * page_size * kHkv * g_dv), q(c_.dtype, B * kHq * nq * g_dk),
-        out(c_.dtype, B * kHq * nq * g_dv);
+    Buf k(kv_dtype(c_.dtype), pages * page_size * kHkv * g_dk), v(kv_dtype(c_.dtype), pages * page_size * kHkv * g_dv),
+        q(c_.dtype, B * kHq * nq * g_dk), out(c_.dtype, B * kHq * nq * g_dv), ks(DType::kFloat32, pages * page_size * kHkv),
+        vs(DType::kFloat32, pages * page_size * kHkv);
+    for (int64_t r = 0; r < pages * page_size * kHkv; ++r) put(ks.at(r), DType::kFloat32, 1.0), put(vs.at(r), DType::kFloat32, 1.0);
     std::vector<int64_t> lens;
     size_t next = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -175,8 +208,10 @@ class Runner {
       for (int64_t pg = 0; pg * page_size < s.L; ++pg) table[b * max_pages + pg] = order[next++];
       for (int64_t j = 0; j < s.L; ++j) {
         const int64_t row = table[b * max_pages + j / page_size] * page_size + j % page_size;
-        for (int64_t x = 0; x < kHkv * g_dk; ++x) put(k.at(row * kHkv * g_dk + x), c_.dtype, s.k[j * kHkv * g_dk + x]);
-        for (int64_t x = 0; x < kHkv * g_dv; ++x) put(v.at(row * kHkv * g_dv + x), c_.dtype, s.v[j * kHkv * g_dv + x]);
+        for (int64_t x = 0; x < kHkv * g_dk; ++x)
+          put_kv(k, ks, row * kHkv + x / g_dk, g_dk, x % g_dk, s.k[j * kHkv * g_dk + x], s.ks[j * kHkv + x / g_dk]);
+        for (int64_t x = 0; x < kHkv * g_dv; ++x)
+          put_kv(v, vs, row * kHkv + x / g_dv, g_dv, x % g_dv, s.v[j * kHkv * g_dv + x], s.vs[j * kHkv + x / g_dv]);
       }
       for (int64_t h = 0; h < kHq; ++h)
         for (int64_t i = 0; i < nq; ++i)
@@ -185,6 +220,7 @@ class Runner {
     sdpa::PagedInputs in{q.view({B, kHq, nq, g_dk}), k.view({pages, page_size, kHkv, g_dk}), v.view({pages, page_size, kHkv, g_dv}),
                          TensorView::contiguous(table.data(), DType::kInt32, {B, max_pages}),
                          TensorView::contiguous(lens.data(), DType::kInt64, {B})};
+    if (g_kv8) in.kv_quant = sdpa::KVQuant{ks.view({pages, page_size, kHkv}), vs.view({pages, page_size, kHkv})};
     sdpa::attention_paged(in, {out.view({B, kHq, nq, g_dv})}, opt_);
     std::vector<Row> rows;
     for (int64_t b = 0; b < B; ++b)
@@ -195,7 +231,7 @@ class Runner {
   // A KVCache (pages of 16) decoding the target token by token beside another sequence: the
   // target's rows at positions [first, L) (causal).
   std::vector<Row> kv_cache_decode(const Seq& target, const Seq& other, int64_t first) {
-    sdpa::KVCache cache(2 * ((target.L + other.L) / 16 + 2), 16, kHkv, g_dk, g_dv, c_.dtype);
+    sdpa::KVCache cache(2 * ((target.L + other.L) / 16 + 2), 16, kHkv, g_dk, g_dv, kv_dtype(c_.dtype));  // (8-bit: its own quantiser)
     const int64_t a = cache.new_sequence(), t = cache.new_sequence();
     const auto append = [&](int64_t seq, const Seq& s, int64_t j0, int64_t j1) {
       if (j1 <= j0) return;
@@ -330,6 +366,23 @@ TEST(BatchInvarianceOddHeadDims, RowsAreBitwiseEqualHoweverBatched) {
       }
   }
   g_dk = 64, g_dv = 32;
+}
+
+// 8-bit caches (int8, one scale per token and kv head; g_kv8): every way of batching reads the
+// 8-bit rows in place (dense with seqlens_k, chunked prefill, varlen, paged, a KVCache that
+// quantises them itself), with float32 and bfloat16 q, causal, with and without softcap and
+// sinks. (KVQuant.EqualsFloat32CallBatchInvariant shows the same bits as the float32 call.)
+TEST(BatchInvarianceKv8, RowsAreBitwiseEqualHoweverBatched) {
+  g_kv8 = true;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16})
+    for (bool modifiers : {false, true})
+      for (int64_t L : {127, 4097}) {
+        std::string first;
+        EXPECT_EQ(differing_rows({dtype, true, modifiers}, L, /*invariant=*/true, &first), 0)
+            << "int8 cache, q " << name_of(dtype) << (modifiers ? " softcap, sinks" : "") << " L=" << L
+            << ": first differing: " << first;
+      }
+  g_kv8 = false;
 }
 
 // The option is not vacuous: without it, some way of batching changes a row's bits today (the
