@@ -17,8 +17,8 @@
 //                  forward; key tiles stream past, accumulating dq (the score and dout · vᵀ
 //                  products again: seven in all).
 // The plan depends on the shape only, never on the thread count. The Nq×Nk matrices never
-// exist: extra memory is O(threads × tile) plus D and lse, O(N), plus chunks × dq in the
-// one-pass plan.
+// exist: extra memory is O(threads × tile) plus D and lse, O(N), chunks × dq in the one-pass
+// plan, and kFast's pairs of q and dout (HeadPairs: a kv head's per thread, ≤ 32 MiB).
 
 #if defined(SDPA_FLASH_BACKWARD_INL_H_) == defined(HWY_TARGET_TOGGLE)
 #ifdef SDPA_FLASH_BACKWARD_INL_H_
