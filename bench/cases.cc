@@ -6,6 +6,7 @@
 #include <limits>
 #include <random>
 
+#include "huge_pages.h"  // src/
 #include "storage.h"  // src/: the dtype table, and rounding as the library rounds its outputs
 
 namespace sdpa::bench {
@@ -192,7 +193,7 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
   const int64_t es = dtype_size(c.dtype);
   const DType compute = compute_dtype(c.dtype);
   q_.resize(c.B * c.Hq * c.Nq * c.D * es);
-  k_.resize(c.B * c.Hkv * c.Nk * c.D * es);
+  int64_t k_bytes = c.B * c.Hkv * c.Nk * c.D * es;
   if (c.page_size > 0) {  // a pool of just the pages the sequences use, handed out shuffled
     const int64_t max_pages = (c.Nk + c.page_size - 1) / c.page_size;
     int64_t pages = 0;
@@ -206,9 +207,12 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
     table_.assign(static_cast<size_t>(c.B * max_pages), -1);
     for (int64_t b = 0, next = 0; b < c.B; ++b)
       for (int64_t p = 0; p * c.page_size < lengths_[b]; ++p) table_[b * max_pages + p] = order[next++];
-    k_.resize(pages * c.page_size * c.Hkv * c.D * es);
+    k_bytes = pages * c.page_size * c.Hkv * c.D * es;
   }
-  v_.resize(k_.size());
+  // K and V on huge pages where the OS gives them, as a KVCache's pools and NumPy's arrays are
+  // (src/huge_pages.h): with 4 KiB pages decode pays a page walk per page of rows.
+  internal::resize_with_huge_pages(k_, static_cast<size_t>(k_bytes));
+  internal::resize_with_huge_pages(v_, k_.size());
   out_.resize(q_.size());
   std::minstd_rand rng(42);  // fast: gigabytes of inputs for the decode cases
   std::uniform_real_distribution<double> normal(-1.7, 1.7);  // unit variance, like randn
@@ -223,7 +227,7 @@ CaseData::CaseData(const BenchCase& c) : c_(c) {
     for (auto* buf : {&k_, &v_})
       for (char& x : *buf) x = static_cast<char>(rng());
     for (int s = 0; s < (c.kv == DType::kUInt8 ? 4 : 2); ++s) {
-      scales_[s].resize(rows);
+      internal::resize_with_huge_pages(scales_[s], rows);
       for (float& x : scales_[s]) x = s < 2 ? 0.01f : static_cast<float>(rng() % 256);
     }
   }

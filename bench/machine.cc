@@ -11,6 +11,7 @@
 #include "hwy/aligned_allocator.h"
 #include "hwy/highway.h"
 #include "machine.h"
+#include "huge_pages.h"  // src/
 
 HWY_BEFORE_NAMESPACE();
 namespace sdpa::bench::HWY_NAMESPACE {
@@ -102,6 +103,7 @@ double measure_fma_peak_gflops(int threads) {
 double measure_read_bandwidth_gbs(int threads, size_t bytes) {
   const size_t n = bytes / sizeof(float);
   auto data = hwy::AllocateAligned<float>(n);
+  sdpa::internal::advise_huge_pages(data.get(), n * sizeof(float));  // as the cases' K and V (cases.cc)
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < static_cast<int64_t>(n); ++i) data[i] = 1.0f;  // first touch by the readers
   double best = 0;

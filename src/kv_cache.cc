@@ -7,6 +7,7 @@
 #include <string>
 
 #include "checks.h"
+#include "huge_pages.h"
 #include "problem.h"
 #include "quantize.h"
 #include "storage.h"
@@ -81,15 +82,16 @@ KVCache::KVCache(int64_t num_pages, int64_t page_size, int64_t num_kv_heads, int
          std::to_string(head_dim_k) + " and head_dim_v=" + std::to_string(head_dim_v));
   }
   const int64_t bytes = internal::storage_bytes(dtype);
-  k_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_k, bytes})));
-  v_.resize(static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_v, bytes})));
+  // The pools on huge pages where the OS gives them (huge_pages.h: decode reads every row).
+  internal::resize_with_huge_pages(k_, static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_k, bytes})));
+  internal::resize_with_huge_pages(v_, static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, head_dim_v, bytes})));
   if (is_8bit(dtype)) {
     const auto n = static_cast<size_t>(checked_product({num_pages, page_size, num_kv_heads, quant_groups, 4}) / 4);
-    k_scale_.resize(n);
-    v_scale_.resize(n);
+    internal::resize_with_huge_pages(k_scale_, n);
+    internal::resize_with_huge_pages(v_scale_, n);
     if (dtype == DType::kUInt8) {
-      k_zero_.resize(n);
-      v_zero_.resize(n);
+      internal::resize_with_huge_pages(k_zero_, n);
+      internal::resize_with_huge_pages(v_zero_, n);
     }
   }
   for (int64_t p = num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
