@@ -283,7 +283,7 @@ bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::opti
   bool fuse = false;
   if (fusable) {
     // The scales checked, k and v not copied; fused() tells whether the kernels can read them
-    // in place (scale groups of whole vectors: kFusedWidth).
+    // in place (scale groups of whole vectors, or vectors of whole groups: kFusedWidth).
     const TensorView* xs[2] = {&k, &v};
     const TensorView* ss[2] = {&kv_quant->k_scale, &kv_quant->v_scale};
     const std::optional<TensorView>* zs[2] = {&kv_quant->k_zero, &kv_quant->v_zero};
@@ -295,7 +295,7 @@ bool Float32Call::prepare(TensorView& q, TensorView& k, TensorView& v, std::opti
       const int64_t D = xs[t]->shape[xs[t]->rank - 1];
       const int64_t G = ss[t]->rank == xs[t]->rank ? ss[t]->shape[ss[t]->rank - 1] : 1;
       width_[t] = D / G;
-      fuse &= G == 1 || width_[t] % kFusedWidth == 0;
+      fuse &= G == 1 || width_[t] % kFusedWidth == 0 || kFusedWidth % width_[t] == 0;
     }
   }
   if (!fuse) {

@@ -26,7 +26,8 @@ struct View4;
 struct Problem;
 
 // A scale group the fused kernels read in place holds whole vectors of float32 (16 lanes on
-// AVX-512, 8 on AVX2): its width is a multiple of this (else the call takes the scratch path).
+// AVX-512, 8 on AVX2, 4 on EMU128), or a vector holds whole groups: its width is a multiple of
+// this or divides it (1, 2, 4, 8); else (e.g. 12) the call takes the scratch path.
 inline constexpr int64_t kFusedWidth = 16;
 
 inline bool is_8bit_dtype(DType t) { return t == DType::kInt8 || t == DType::kUInt8; }
@@ -45,7 +46,7 @@ class Float32Call {
   // fusable (the caller's word that its problem's views can carry the quantisation: the
   // dense, varlen and paged calls; every kernel then reads 8-bit k and v in place, the fused ones
   // dequantising in registers, the slow paths through View4::load): with scale groups of
-  // whole vectors (one group per row, or a width that is a multiple of kFusedWidth), prepare
+  // whole vectors (one group per row, or a width that kFusedWidth divides or is divided by), prepare
   // validates as above but does not copy k and v and returns true with fused() true: k, v and
   // kv_quant stay as given (q, mask and out are rewritten as above when q is 16-bit), and
   // attach() puts the quantisation into the problem's k and v views (problem.h's

@@ -98,11 +98,15 @@ std::vector<QCase> cases() {
   c.push_back({"tiny", 1, 1, 1, 1, 1, 1, 1, f32, i8});
   // float32 q reads 8-bit K/V in place (kv_dequant.h's fused calls): a scale per token with D
   // not a multiple of the lanes (the decode kernel's feature tails); groups of 16 features
-  // (whole vectors) beside a scale per token; groups of 8 (not whole AVX-512 vectors: the
-  // float32 stand-in call); a prefill on the block kernel with groups of 16.
+  // (whole vectors) beside a scale per token; groups of 8, 4 and 1 (several per vector:
+  // RowReader's Spread; 8 is a whole AVX2 vector); groups of 12 (neither: the float32 stand-in
+  // call); a prefill on the block kernel with groups of 16.
   c.push_back({"decode_f32_i8_odd_d", 1, 8, 2, 1, 300, 97, 33, f32, i8});
   c.push_back({"decode_f32_u8_groups16_v_per_token", 1, 4, 4, 2, 513, 48, 32, f32, u8, 3, 0});
   c.push_back({"decode_f32_u8_groups8", 2, 4, 1, 1, 200, 64, 64, f32, u8, 8, 8});
+  c.push_back({"decode_f32_i8_groups4_and_1", 1, 8, 2, 1, 130, 64, 40, f32, i8, 16, 40});
+  c.push_back({"decode_f32_u8_groups4_odd_d", 1, 4, 2, 2, 97, 36, 20, f32, u8, 9, 5});
+  c.push_back({"decode_f32_i8_groups12", 1, 4, 1, 1, 150, 48, 48, f32, i8, 4, 4});
   c.push_back({"prefill_f32_i8_groups16", 1, 4, 2, 65, 130, 32, 48, f32, i8, 2, 3, MaskKind::kNone,
                Causal::kBottomRight});
   c.push_back({"prefill_causal_u8", 1, 4, 4, 97, 97, 32, 16, f32, u8, 0, 0, MaskKind::kNone, Causal::kBottomRight});
@@ -304,17 +308,18 @@ TEST(KVQuant, ScoresAndStatsEqualFloat32Call) {
   }
 }
 
-// Varlen: packed (total, H, D) rows, per-token and per-group scales (read in place and through
-// the float32 copy).
+// Varlen: packed (total, H, D) rows, per-token and per-group scales (read in place, groups
+// of 16 features, of 8 (two per AVX-512 vector) and per token; and through the float32 copy,
+// groups of 12).
 TEST(KVQuant, VarlenEqualsFloat32Call) {
   for (DType kv : {DType::kInt8, DType::kUInt8})
     for (DType qd : {DType::kFloat32, DType::kBFloat16})
-      for (int64_t k_groups : {4, 2, 0}) {  // k's groups of 8 features: the float32 copy; 16, per token: in place
+      for (int64_t k_groups : {4, 6, 3, 0}) {  // k's groups of 12 features: the float32 copy; 8, 16, per token: in place
         SCOPED_TRACE(std::string(sdpa::dtype_name(kv)) + " q " + sdpa::dtype_name(qd) + " k groups " +
                      std::to_string(k_groups));
         std::mt19937 rng(7);
         const std::vector<int64_t> cu_q = {0, 1, 98, 100}, cu_k = {0, 97, 200, 1225};
-        const int64_t Hq = 4, Hkv = 2, Dk = 32, Dv = 16;
+        const int64_t Hq = 4, Hkv = 2, Dk = 48, Dv = 16;
         Quantized k(kv, {cu_k.back(), Hkv, Dk}, k_groups, rng), v(kv, {cu_k.back(), Hkv, Dv}, 0, rng);
         GuardedTensor q(qd, {cu_q.back(), Hq, Dk});
         fill_normal(q, rng);

@@ -291,7 +291,7 @@ struct Options {
 // The call computes in float32 on those values, bit for bit the call on float32 K/V holding them (q: float32, bfloat16
 // or float16; Options::precision does not apply); kReference takes them as the cache. attention(), attention_varlen and
 // attention_paged read the 8-bit values in place, dequantising them in the kernels' registers (a quarter of float32's
-// bytes), when each scale group is one row or a multiple of 16 features (16-bit q and out via small float32 copies);
+// bytes), when each scale group is one row, a multiple of 16 features, or 1, 2, 4 or 8 (16-bit q and out via copies);
 // otherwise the rows read are dequantised into float32 scratch per call. Forward only (attention, attention_paged, attention_varlen, KVCache); the backward refuses 8-bit K/V.
 // Errors: scales missing or given for other dtypes, a zero point for int8 or none for uint8, wrong shapes or dtypes, a
 // non-finite scale or zero point of a row read (past seqlens_k, or in a page no sequence uses, not read).

@@ -142,7 +142,8 @@ HWY_INLINE T Widened(S x) {
 // Row j of rows of storage type S as T, in registers: S widened exactly (LoadWidened,
 // Widened), or 8-bit values dequantised by KVQuant's rule, fl32(fl32(x - z) · s) (a Sub then a
 // Mul: two roundings, as Float32Call's scratch copy has them; x - 0 is x, so no zero point
-// needs no Sub). Load's N elements must lie in one scale group (width % N == 0, or one group).
+// needs no Sub). Load's N elements (c a multiple of N) lie in one scale group (one group, or
+// width % N == 0), or span whole groups (N % width == 0: kv_dequant.h's kFusedWidth rule).
 template <typename S, typename T>
 struct RowReader {
   const S* x = nullptr;
@@ -164,14 +165,37 @@ struct RowReader {
   template <class D>
   HWY_INLINE hn::Vec<D> Load(D d, int64_t c) const {
     if constexpr (kIs8Bit<S>) {
-      const int64_t g = one_group ? 0 : c / width;  // (no division per vector for a scale per row)
       auto xf = hn::ConvertTo(d, hn::PromoteTo(hn::Rebind<int32_t, D>(), hn::LoadU(hn::Rebind<S, D>(), x + c)));
-      // uint8 always has zero points, int8 never (Float32Call::prepare): no test per vector.
-      if constexpr (std::is_same_v<S, uint8_t>) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
-      return hn::Mul(xf, hn::Set(d, s[g * s_step]));
+      if (one_group || width >= static_cast<int64_t>(hn::Lanes(d))) {  // one group for the vector
+        const int64_t g = one_group ? 0 : c / width;  // (no division per vector for a scale per row)
+        // uint8 always has zero points, int8 never (Float32Call::prepare): no test per vector.
+        if constexpr (std::is_same_v<S, uint8_t>) xf = hn::Sub(xf, hn::Set(d, z[g * z_step]));
+        return hn::Mul(xf, hn::Set(d, s[g * s_step]));
+      }
+      const int64_t g = c / width;  // groups narrower than the vector: lane i is in group g + i / width
+      if constexpr (std::is_same_v<S, uint8_t>) xf = hn::Sub(xf, Spread(d, z + g * z_step, z_step));
+      return hn::Mul(xf, Spread(d, s + g * s_step, s_step));
     } else {
       return LoadWidened(d, x + c);
     }
+  }
+  // A vector whose lane i is p[(i / width) · step], for a width that divides the lanes (a
+  // power of two: it divides kFusedWidth): on AVX2 and AVX-512, from contiguous groups, one
+  // masked load of the vector's N / width values (lanes past them not read) and one permute.
+  template <class D>
+  HWY_INLINE hn::Vec<D> Spread(D d, const float* p, int64_t step) const {
+    const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX2
+    if (step == 1) {
+      const hn::RebindToSigned<D> di;
+      const int shift = static_cast<int>(hwy::Num0BitsBelowLS1Bit_Nonzero32(static_cast<uint32_t>(width)));
+      const auto idx = hn::IndicesFromVec(d, hn::ShiftRightSame(hn::Iota(di, 0), shift));
+      return hn::TableLookupLanes(hn::MaskedLoad(hn::FirstN(d, static_cast<size_t>(N / width)), d, p), idx);
+    }
+#endif
+    alignas(64) hn::TFromD<D> lanes[hn::MaxLanes(d)];
+    for (int64_t i = 0; i < N; ++i) lanes[i] = p[(i / width) * step];
+    return hn::Load(d, lanes);
   }
   HWY_INLINE T At(int64_t c) const {
     if constexpr (kIs8Bit<S>) {
